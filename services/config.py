@@ -1,0 +1,133 @@
+"""The one config schema of a counterpoint run.
+
+Every default lives here or in the section modules this file composes (graders/config.py,
+rollout/config.py, learner/config.py); nowhere else. Runs start from a YAML file in configs/
+plus dotted overrides (``--set learner.lr=1e-4``). Unknown keys are errors.
+This module imports pydantic and yaml only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from graders.config import GraderConfig
+from learner.config import LearnerConfig
+from rollout.config import ModelConfig, RolloutConfig
+
+
+class TrainerConfig(BaseModel):
+    """The driver's step loop."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(10, ge=1, description="GRPO steps to train (counted across resumes).")
+    prompts_per_step: int = Field(4, ge=1, description="Prompts sampled each step.")
+    group_size: int = Field(8, ge=2, description="Completions per prompt (G).")
+    limit: int | None = Field(
+        None, ge=1, description="Use only the first `limit` cases of the pool (None = all). "
+        "Asking for more than the pool holds is an error, never a silent truncation."
+    )
+    prompt_order: Literal["shuffle_each_epoch", "fixed"] = Field(
+        "shuffle_each_epoch",
+        description="Order prompts are drawn in: a seeded reshuffle every pass over the pool, "
+        "or pool order. Either way every prompt is seen repeatedly once steps x prompts_per_step "
+        "exceeds the pool; the receipt records the epochs this implies.",
+    )
+    prefix_mode: Literal["none", "forced_opening"] = Field(
+        "none",
+        description="'forced_opening' starts each assistant turn with a forced-opening prefix "
+        "(voice-leading spec 13.3), rollout i of a group getting opening i mod |alphabet|.",
+    )
+    mode: Literal["sync", "one_step_off"] = Field(
+        "sync", description="On-policy, or generation for step t+1 overlapping update t."
+    )
+    save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at the end).")
+    metrics_host: str = Field("127.0.0.1", description="Bind address of /metrics.")
+    metrics_port: int = Field(9464, ge=0, le=65535, description="Port of /metrics (0 = free port).")
+    runs_dir: str = Field("runs", description="Parent directory of run directories.")
+    eval_heldout: bool = Field(False, description="Evaluate held-out pass rate before and after.")
+    eval_limit: int | None = Field(None, ge=1, description="Held-out cases evaluated (None = all).")
+    eval_generations: int = Field(1, ge=1, description="Completions per held-out case.")
+    ray_address: str | None = Field(None, description="Join this Ray cluster (None = start local).")
+    ray_num_cpus: int | None = Field(None, ge=1, description="CPUs of a locally started Ray.")
+
+
+class RunConfig(BaseModel):
+    """A whole run: the top-level seed plus one section per service."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int = Field(0, description="Controls the LoRA init, prompt order and sampling seeds.")
+    run_name: str | None = Field(None, description="runs/<run_name>; None = a timestamped name.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    grader: GraderConfig = Field(default_factory=GraderConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the schema; the message names the key."""
+
+
+def _parse_scalar(text: str) -> Any:
+    # YAML scalars: 1e-4 -> float, true -> bool, [1,2] -> list, null -> None; else the string.
+    value = yaml.safe_load(text)
+    if isinstance(value, str) and value.strip() == "" and text != "":
+        return text
+    return value
+
+
+def apply_override(tree: dict[str, Any], assignment: str) -> None:
+    """Apply one ``dotted.key=value`` override to a nested dict in place."""
+    if "=" not in assignment:
+        raise ConfigError(f"override {assignment!r} is not of the form key=value")
+    key, _, raw = assignment.partition("=")
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"override {assignment!r} has an empty key")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = _parse_scalar(raw)
+
+
+def config_from_dict(tree: dict[str, Any], source: str = "<dict>") -> RunConfig:
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        lines = []
+        for e in err.errors():
+            loc = ".".join(str(p) for p in e["loc"])
+            lines.append(f"  {loc}: {e['msg']}")
+        raise ConfigError(f"invalid config {source}:\n" + "\n".join(lines)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a YAML config (or start from defaults when path is None) and apply overrides."""
+    tree: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {source} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {source} must hold a mapping at top level")
+        tree = loaded
+    for assignment in overrides:
+        apply_override(tree, assignment)
+    return config_from_dict(tree, source)
+
+
+def resolved(cfg: RunConfig) -> dict[str, Any]:
+    """The full config as applied, defaults included (what the receipt records)."""
+    return cfg.model_dump(mode="json")
