@@ -1,0 +1,70 @@
+"""The config schema: every shipped config parses, unknown keys and bad values are errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.config import ConfigError, RunConfig, load_config, resolved
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+def test_there_are_configs():
+    names = {p.name for p in CONFIGS}
+    assert {"smoke.yaml", "voice-leading.yaml", "voice-leading-qwen3-4b.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_parses(path: Path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+    # The resolved dict round-trips through the schema unchanged (defaults included).
+    assert RunConfig.model_validate(resolved(cfg)) == cfg
+
+
+def test_defaults_come_from_the_schema_only():
+    cfg = load_config(None)
+    assert cfg.model.name_or_path == "smollm2-135m-instruct"
+    assert cfg.grader.checker == "reference"
+    assert cfg.trainer.metrics_port == 9464
+
+
+def test_dotted_overrides_are_typed():
+    cfg = load_config(None, ["learner.lr=3e-4", "trainer.steps=5", "learner.lora.target_modules=[q_proj,v_proj]",
+                             "model.eos_token_ids=[2, 7]", "learner.entropy_floor=null", "run_name=abc"])
+    assert cfg.learner.lr == pytest.approx(3e-4)
+    assert cfg.trainer.steps == 5
+    assert cfg.learner.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.model.eos_token_ids == [2, 7]
+    assert cfg.learner.entropy_floor is None
+    assert cfg.run_name == "abc"
+
+
+def test_unknown_key_is_an_error_naming_it(tmp_path: Path):
+    with pytest.raises(ConfigError, match=r"learner\.lrr"):
+        load_config(None, ["learner.lrr=1"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"trainer\.stepz") as info:
+        load_config(bad)
+    assert str(bad) in str(info.value)
+
+
+def test_bad_values_name_the_field():
+    with pytest.raises(ConfigError, match=r"trainer\.group_size"):
+        load_config(None, ["trainer.group_size=1"])
+    with pytest.raises(ConfigError, match=r"grader\.style"):
+        load_config(None, ["grader.style=baroque"])
+    with pytest.raises(ConfigError, match="deepspeed"):
+        load_config(None, ["learner.deepspeed=true"])
+
+
+def test_malformed_override_and_missing_file(tmp_path: Path):
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["learner.lr"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not a section"):
+        load_config(None, ["seed=1", "seed.x=1"])
