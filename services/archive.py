@@ -1,0 +1,483 @@
+"""The run directory (DESIGN.md "Run directory") and the rollout archive.
+
+```
+runs/<run>/run.json            receipt (services/receipt.py)
+runs/<run>/timing.jsonl        one line per TRAINED step: {"step", "total_s", "phases_s"}
+runs/<run>/metrics.jsonl       one line per trained step: {"step", <every scalar metric>}
+runs/<run>/round_<step>/       <task>__<epoch>.jsonl             one row per completion/node
+                               <task>__<epoch>__transcript.md    readable prompts + completions
+                               <task>__<epoch>__tree.txt         group -> node tree with rewards
+                               <task>__summary_<epoch>.json      counts, rates, histograms
+runs/<run>/adapters/init/, adapters/step_<N>/, checkpoints/step_<N>/
+```
+
+Commit order of a step: write its round (after gen/score), then ``append_metrics``, then
+``append_timing`` last. The timing line is the commit point: a step is trained iff timing.jsonl
+has its line, so a round written for a step that never finished shows up in
+``untrained_rounds()`` and is overwritten when that step is run again after a resume.
+
+JSONL files survive a SIGKILL mid-write: a record is committed once its trailing newline is on
+disk. ``recover()`` (call it when resuming) cuts a torn last line, and drops metrics lines of
+steps that have no timing line, so a re-run step is never recorded twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+PHASES = (
+    "gen",
+    "score",
+    "old_log_prob",
+    "ref",
+    "adv",
+    "update_actor",
+    "update_weights",
+    "save_checkpoint",
+)
+
+NODE_FIELDS = (
+    "id",
+    "step",
+    "round",
+    "exp_id",
+    "parent_id",
+    "sibling_group",
+    "mode",
+    "prompt_messages",
+    "raw_completion",
+    "response_token_ids",
+    "response_logprobs",
+    "adapter_version",
+    "status",
+    "is_buggy",
+    "verdict",
+    "failing_rules",
+    "test_metric",
+    "reward",
+    "advantage",
+    "exec_time",
+    "n_children",
+)
+
+NodeMode = Literal["sample", "draft", "improve", "debug"]
+
+
+class ArchiveError(ValueError):
+    """Bad input to the archive, or a run directory that is corrupt beyond a torn last line."""
+
+
+# --------------------------------------------------------------------------- JSONL
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def repair_jsonl(path: Path) -> int:
+    """Cut a torn last line (no trailing newline) off ``path``; return bytes dropped."""
+    if not path.exists():
+        return 0
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return 0
+    keep = data.rfind(b"\n") + 1  # 0 when the only line is torn
+    with open(path, "r+b") as fh:
+        fh.truncate(keep)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return len(data) - keep
+
+
+def append_jsonl(path: Path, record: Mapping[str, Any]) -> None:
+    """Append one record as one line, durably. A torn tail left by a crash is cut first, so a
+    new record never glues onto half a line."""
+    line = json.dumps(record, allow_nan=True, separators=(",", ":")) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    repair_jsonl(path)
+    with open(path, "ab") as fh:
+        fh.write(line.encode("utf-8"))
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Committed records of ``path`` (a torn last line is ignored, not an error). A bad line
+    anywhere else is corruption and raises, naming the file and line."""
+    if not path.exists():
+        return []
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    lines = text.split("\n")
+    lines.pop()  # "" after the final newline, or the torn (uncommitted) last line
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ArchiveError(f"{path}:{number}: not a JSON line ({err.msg})") from None
+    return records
+
+
+# --------------------------------------------------------------------------- node rows
+
+
+def node_id(step: int, sibling_group: int, index: int, round: int = 0) -> str:
+    """Stable node id: ``s<step>-r<round>-g<group>-<index>``."""
+    return f"s{step}-r{round}-g{sibling_group}-{index}"
+
+
+def node_row(
+    *,
+    id: str,
+    step: int,
+    exp_id: str,
+    sibling_group: int,
+    prompt_messages: Sequence[Mapping[str, str]],
+    raw_completion: str,
+    response_token_ids: Sequence[int],
+    response_logprobs: Sequence[float],
+    adapter_version: int,
+    status: str,
+    verdict: str | None,
+    failing_rules: Sequence[str],
+    reward: float | None,
+    advantage: float | None,
+    is_buggy: bool | None = None,
+    round: int = 0,
+    parent_id: str | None = None,
+    mode: NodeMode = "sample",
+    test_metric: float | None = None,
+    exec_time: float | None = None,
+    n_children: int = 0,
+) -> dict[str, Any]:
+    """One archived completion/node with exactly the DESIGN.md node-row fields.
+
+    Flat GRPO: mode "sample", round 0, parent_id None, sibling_group = the prompt's group index
+    in the step, n_children 0. ``status`` says what happened to the completion ("ok",
+    "truncated", "grader_error", ...); ``is_buggy`` is True when the completion failed to be
+    scored at all (None = unknown), ``exec_time`` the grader's seconds for it.
+    """
+    if mode not in ("sample", "draft", "improve", "debug"):
+        raise ArchiveError(f"node mode must be sample|draft|improve|debug, got {mode!r}")
+    if len(response_logprobs) != len(response_token_ids):
+        raise ArchiveError(
+            f"node {id}: {len(response_token_ids)} response tokens but "
+            f"{len(response_logprobs)} log-probs"
+        )
+    return {
+        "id": id,
+        "step": step,
+        "round": round,
+        "exp_id": exp_id,
+        "parent_id": parent_id,
+        "sibling_group": sibling_group,
+        "mode": mode,
+        "prompt_messages": [dict(m) for m in prompt_messages],
+        "raw_completion": raw_completion,
+        "response_token_ids": [int(t) for t in response_token_ids],
+        "response_logprobs": [float(x) for x in response_logprobs],
+        "adapter_version": adapter_version,
+        "status": status,
+        "is_buggy": is_buggy,
+        "verdict": verdict,
+        "failing_rules": list(failing_rules),
+        "test_metric": test_metric,
+        "reward": None if reward is None else float(reward),
+        "advantage": None if advantage is None else float(advantage),
+        "exec_time": exec_time,
+        "n_children": n_children,
+    }
+
+
+def check_node_rows(rows: Iterable[Mapping[str, Any]]) -> None:
+    expected = set(NODE_FIELDS)
+    for i, row in enumerate(rows):
+        keys = set(row)
+        if keys != expected:
+            missing, extra = sorted(expected - keys), sorted(keys - expected)
+            raise ArchiveError(f"node row {i}: missing fields {missing}, unexpected fields {extra}")
+
+
+# --------------------------------------------------------------------------- round renderings
+
+
+def _groups(rows: Sequence[Mapping[str, Any]]) -> dict[int, list[Mapping[str, Any]]]:
+    groups: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
+    for row in rows:
+        groups[row["sibling_group"]].append(row)
+    return dict(sorted(groups.items()))
+
+
+def _fmt(value: float | None, signed: bool = False) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:+.3f}" if signed else f"{value:.3f}"
+
+
+def round_summary(
+    rows: Sequence[Mapping[str, Any]], pass_verdicts: Collection[str] = ("admitted",)
+) -> dict[str, Any]:
+    """Counts and rates of one round. ``pass_verdicts``: verdicts that count as a pass."""
+    rewards = [r["reward"] for r in rows if r["reward"] is not None]
+    groups = _groups(rows)
+    zero_std = [
+        len({r["reward"] for r in group}) == 1
+        for group in groups.values()
+        if all(r["reward"] is not None for r in group)
+    ]
+    return {
+        "rows": len(rows),
+        "groups": len(groups),
+        "status_counts": dict(Counter(r["status"] for r in rows)),
+        "mode_counts": dict(Counter(r["mode"] for r in rows)),
+        "reward_mean": statistics.fmean(rewards) if rewards else None,
+        "pass_rate": (
+            sum(r["verdict"] in pass_verdicts for r in rows) / len(rows) if rows else None
+        ),
+        "verdict_histogram": dict(Counter(str(r["verdict"]) for r in rows).most_common()),
+        "failing_rule_histogram": dict(
+            Counter(f for r in rows for f in r["failing_rules"]).most_common()
+        ),
+        "frac_reward_zero_std": sum(zero_std) / len(zero_std) if zero_std else None,
+        "adapter_versions": sorted({r["adapter_version"] for r in rows}),
+    }
+
+
+def _fenced(text: str) -> list[str]:
+    # A fence longer than any backtick run inside, so a completion is shown verbatim (CommonMark).
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [fence, text, fence]
+
+
+def _message_text(messages: Sequence[Mapping[str, str]]) -> str:
+    return "\n\n".join(f"**{m.get('role', '?')}**: {m.get('content', '')}" for m in messages)
+
+
+def render_transcript(step: int, task: str, epoch: int, rows: Sequence[Mapping[str, Any]]) -> str:
+    out = [f"# Step {step} — {task}, epoch {epoch}", ""]
+    for group, members in _groups(rows).items():
+        out += [f"## Group {group}", "", _message_text(members[0]["prompt_messages"]), ""]
+        for row in members:
+            rules = ", ".join(row["failing_rules"]) or "none"
+            out += [
+                f"### {row['id']} — reward {_fmt(row['reward'])}, verdict `{row['verdict']}`, "
+                f"advantage {_fmt(row['advantage'], signed=True)}",
+                "",
+                f"status {row['status']}, adapter v{row['adapter_version']}, "
+                f"mode {row['mode']}, failing rules: {rules}",
+                "",
+                *_fenced(row["raw_completion"]),
+                "",
+            ]
+    return "\n".join(out)
+
+
+def render_tree(step: int, task: str, epoch: int, rows: Sequence[Mapping[str, Any]]) -> str:
+    """ASCII tree: group -> nodes (children nested under their parent_id)."""
+    children: dict[str | None, list[Mapping[str, Any]]] = defaultdict(list)
+    ids = {row["id"] for row in rows}
+    for row in rows:
+        parent = row["parent_id"] if row["parent_id"] in ids else None
+        children[parent].append(row)
+
+    def label(row: Mapping[str, Any]) -> str:
+        return (
+            f"{row['id']} [{row['mode']}] reward {_fmt(row['reward'])} "
+            f"adv {_fmt(row['advantage'], signed=True)} {row['verdict']}"
+        )
+
+    def walk(node: Mapping[str, Any], prefix: str, last: bool, out: list[str]) -> None:
+        out.append(f"{prefix}{'└── ' if last else '├── '}{label(node)}")
+        kids = children.get(node["id"], [])
+        for i, kid in enumerate(kids):
+            walk(kid, prefix + ("    " if last else "│   "), i == len(kids) - 1, out)
+
+    out = [f"step {step}  task {task}  epoch {epoch}"]
+    groups = _groups(children[None])
+    for gi, (group, roots) in enumerate(groups.items()):
+        last_group = gi == len(groups) - 1
+        members = [r for r in rows if r["sibling_group"] == group]
+        rewards = [r["reward"] for r in members if r["reward"] is not None]
+        mean = statistics.fmean(rewards) if rewards else None
+        out.append(f"{'└── ' if last_group else '├── '}group {group}  mean reward {_fmt(mean)}")
+        for i, root in enumerate(roots):
+            walk(root, "    " if last_group else "│   ", i == len(roots) - 1, out)
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------- run directory
+
+
+class RunDir:
+    """Paths and records of one run directory ``runs/<run_name>/``."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    # paths
+    @property
+    def receipt_path(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def timing_path(self) -> Path:
+        return self.root / "timing.jsonl"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def curves_path(self) -> Path:
+        return self.root / "curves.png"
+
+    @property
+    def init_adapter_dir(self) -> Path:
+        return self.root / "adapters" / "init"
+
+    def adapter_dir(self, step: int) -> Path:
+        return self.root / "adapters" / f"step_{step}"
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.root / "checkpoints" / f"step_{step}"
+
+    def round_dir(self, step: int) -> Path:
+        return self.root / f"round_{step}"
+
+    def round_paths(self, step: int, task: str, epoch: int) -> dict[str, Path]:
+        base = self.round_dir(step)
+        return {
+            "rows": base / f"{task}__{epoch}.jsonl",
+            "transcript": base / f"{task}__{epoch}__transcript.md",
+            "tree": base / f"{task}__{epoch}__tree.txt",
+            "summary": base / f"{task}__summary_{epoch}.json",
+        }
+
+    def create(self) -> RunDir:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return self
+
+    # step records
+    def recover(self) -> dict[str, int]:
+        """Make the directory consistent after a crash (call on resume): cut torn last lines and
+        drop metrics lines of steps without a timing line. Returns what was dropped."""
+        torn_timing = repair_jsonl(self.timing_path)
+        torn_metrics = repair_jsonl(self.metrics_path)
+        trained = set(self.trained_steps())
+        metrics = read_jsonl(self.metrics_path)
+        kept = [m for m in metrics if m.get("step") in trained]
+        if len(kept) != len(metrics):
+            body = "".join(json.dumps(m, separators=(",", ":")) + "\n" for m in kept)
+            _atomic_write_text(self.metrics_path, body)
+        return {
+            "timing_torn_bytes": torn_timing,
+            "metrics_torn_bytes": torn_metrics,
+            "metrics_uncommitted_lines": len(metrics) - len(kept),
+        }
+
+    def append_timing(self, step: int, total_s: float, phases_s: Mapping[str, float]) -> None:
+        """Commit step ``step`` as trained (write this last for the step)."""
+        unknown = sorted(set(phases_s) - set(PHASES))
+        if unknown:
+            raise ArchiveError(
+                f"unknown phase names {unknown}; DESIGN.md phases are {list(PHASES)}"
+            )
+        last = self.last_trained_step()
+        if step <= last:
+            raise ArchiveError(f"step {step} is not after the last trained step {last}")
+        record = {
+            "step": step,
+            "total_s": float(total_s),
+            "phases_s": {k: float(v) for k, v in phases_s.items()},
+        }
+        append_jsonl(self.timing_path, record)
+
+    def append_metrics(self, step: int, metrics: Mapping[str, float | int | bool | None]) -> None:
+        """Record every scalar metric of step ``step`` (before its timing line)."""
+        bad = sorted(
+            k for k, v in metrics.items() if v is not None and not isinstance(v, (int, float))
+        )
+        if bad:
+            raise ArchiveError(f"metrics must be scalars; not scalar: {bad}")
+        if "step" in metrics:
+            raise ArchiveError("'step' is the record key, not a metric name")
+        append_jsonl(self.metrics_path, {"step": step, **metrics})
+
+    def timing(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.timing_path)
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.metrics_path)
+
+    def trained_steps(self) -> list[int]:
+        return sorted({int(r["step"]) for r in self.timing()})
+
+    def last_trained_step(self) -> int:
+        """0 when no step was trained; the next step to run is this + 1."""
+        steps = self.trained_steps()
+        return steps[-1] if steps else 0
+
+    def metric_series(self) -> dict[str, int]:
+        """Metric name -> number of points in metrics.jsonl (the receipt's ``metric_series``)."""
+        counts: Counter[str] = Counter()
+        for record in self.metrics():
+            counts.update(k for k, v in record.items() if k != "step" and v is not None)
+        return dict(sorted(counts.items()))
+
+    # rounds
+    def round_steps(self) -> list[int]:
+        steps = []
+        for path in self.root.glob("round_*"):
+            suffix = path.name.removeprefix("round_")
+            if path.is_dir() and suffix.isdigit():
+                steps.append(int(suffix))
+        return sorted(steps)
+
+    def untrained_rounds(self) -> list[int]:
+        """Steps with a round directory but no timing line (generated, never trained)."""
+        trained = set(self.trained_steps())
+        return [s for s in self.round_steps() if s not in trained]
+
+    def write_round(
+        self,
+        step: int,
+        task: str,
+        epoch: int,
+        rows: Sequence[Mapping[str, Any]],
+        pass_verdicts: Collection[str] = ("admitted",),
+    ) -> dict[str, Path]:
+        """Write the rollouts of one step: rows, transcript, tree and summary. Files are written
+        whole (atomic replace), so re-running a step after a resume overwrites cleanly."""
+        if not rows:
+            raise ArchiveError(f"round {step}: no rows to write")
+        check_node_rows(rows)
+        wrong_step = sorted({r["step"] for r in rows if r["step"] != step})
+        if wrong_step:
+            raise ArchiveError(f"round {step}: rows carry other step numbers {wrong_step}")
+        paths = self.round_paths(step, task, epoch)
+        body = "".join(json.dumps(dict(r), separators=(",", ":")) + "\n" for r in rows)
+        _atomic_write_text(paths["rows"], body)
+        _atomic_write_text(paths["transcript"], render_transcript(step, task, epoch, rows))
+        _atomic_write_text(paths["tree"], render_tree(step, task, epoch, rows))
+        summary = {"step": step, "task": task, "epoch": epoch, **round_summary(rows, pass_verdicts)}
+        _atomic_write_text(paths["summary"], json.dumps(summary, indent=2) + "\n")
+        return paths
+
+    def read_round(self, step: int, task: str, epoch: int) -> list[dict[str, Any]]:
+        return read_jsonl(self.round_paths(step, task, epoch)["rows"])
