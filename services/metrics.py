@@ -1,0 +1,207 @@
+"""The trainer's Prometheus metrics: one registry, one /metrics endpoint in the driver process.
+
+Names are fixed by DESIGN.md ("Prometheus metric names"); the Grafana dashboard and the alert
+rules in deploy/ query exactly these. Everything is recorded once per trained step by
+``TrainerMetrics.record_step``; gauges hold the last step, the histogram and the counter
+accumulate. ``series_counts()`` says how many points each series received (for run.json).
+
+Only prometheus_client is imported here: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import Counter as _Tally
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Phase names of DESIGN.md, in step order. `total` is wall time from the step's start to the
+# adapter being live on every replica; `save_checkpoint` only exists on steps that save.
+PHASES: tuple[str, ...] = (
+    "gen",
+    "score",
+    "old_log_prob",
+    "ref",
+    "adv",
+    "update_actor",
+    "update_weights",
+    "save_checkpoint",
+    "total",
+)
+
+# Scalar step metrics exported as gauges: key of `record_step(metrics=...)` -> (name, help).
+# Keys not listed here are accepted and ignored (metrics.jsonl keeps every scalar; Prometheus
+# exports this fixed, bounded set).
+STEP_GAUGES: dict[str, tuple[str, str]] = {
+    "ppl_ratio": (
+        "counterpoint_ppl_ratio",
+        "Training ppl over rollout ppl, mean_i exp(d_i); 1.0 = engines agree.",
+    ),
+    "rollout_kl": ("counterpoint_rollout_kl", "Token-mean(rollout logp - trainer logp)."),
+    "rollout_k3_kl": (
+        "counterpoint_rollout_k3_kl", "Token-mean k3 estimator of KL(rollout || trainer)."
+    ),
+    "reward_mean": ("counterpoint_reward_mean", "Mean reward of the step's completions."),
+    "pass_rate": (
+        "counterpoint_pass_rate", "Fraction of the step's completions that pass the verifier."
+    ),
+    "frac_reward_zero_std": (
+        "counterpoint_frac_reward_zero_std",
+        "Fraction of prompt groups whose rewards all tie (no learning signal).",
+    ),
+    "kl": ("counterpoint_kl", "KL of the policy to the reference model (learner estimate)."),
+    "entropy": (
+        "counterpoint_entropy", "Mean token entropy of the policy on the step's completions."
+    ),
+    "grad_norm": ("counterpoint_grad_norm", "Gradient norm before clipping."),
+    "learning_rate": ("counterpoint_learning_rate", "Learning rate of the step's update."),
+    "adapter_staleness": (
+        "counterpoint_adapter_staleness",
+        "Policy versions between the adapter that sampled and the one updated (one-step-off mode).",
+    ),
+    "tokens_per_second": (
+        "counterpoint_tokens_per_second",
+        "Generated tokens per second of the gen phase (defaults to tokens / phases_s['gen']).",
+    ),
+}
+
+# Every name a scrape of the trainer shows (the histogram and counter as exposed on the wire).
+METRIC_NAMES: tuple[str, ...] = (
+    *(name for name, _ in STEP_GAUGES.values()),
+    "counterpoint_phase_seconds",
+    "counterpoint_phase_duration_seconds",
+    "counterpoint_step",
+    "counterpoint_step_seconds",
+    "counterpoint_adapter_version",
+    "counterpoint_generated_tokens_total",
+    "counterpoint_last_step_timestamp_seconds",
+)
+
+# Step phases span milliseconds (adv) to many minutes (gen/update on a big model).
+PHASE_BUCKETS: tuple[float, ...] = (
+    0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, float("inf"),
+)
+
+
+class TrainerMetrics:
+    """Owns the trainer's CollectorRegistry and serves it on ``host:port`` once started."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 9464) -> None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"metrics port {port} is outside 0..65535")
+        self.host = host
+        self.port = port
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._server = None
+        self._lock = threading.Lock()
+        self._points: _Tally[str] = _Tally()
+        reg = self.registry
+        self._gauges = {
+            key: Gauge(name, doc, registry=reg) for key, (name, doc) in STEP_GAUGES.items()
+        }
+        self._phase_seconds = Gauge(
+            "counterpoint_phase_seconds", "Seconds spent in each phase of the last step.",
+            ["phase"], registry=reg,
+        )
+        self._phase_duration = Histogram(
+            "counterpoint_phase_duration_seconds", "Seconds per phase, every step.",
+            ["phase"], buckets=PHASE_BUCKETS, registry=reg,
+        )
+        self._step = Gauge("counterpoint_step", "Last trained step.", registry=reg)
+        self._step_seconds = Gauge(
+            "counterpoint_step_seconds", "Wall seconds of the last step (phase total).",
+            registry=reg,
+        )
+        self._adapter_version = Gauge(
+            "counterpoint_adapter_version", "Adapter version published by the last step.",
+            registry=reg,
+        )
+        # prometheus_client appends `_total` on the wire: counterpoint_generated_tokens_total.
+        self._generated_tokens = Counter(
+            "counterpoint_generated_tokens", "Completion tokens generated for training.",
+            registry=reg,
+        )
+        self._last_step_ts = Gauge(
+            "counterpoint_last_step_timestamp_seconds", "Unix time the last step finished.",
+            registry=reg,
+        )
+
+    def start(self) -> int:
+        """Serve /metrics; return the bound port (port 0 picks a free one)."""
+        if self._server is not None:
+            raise RuntimeError(f"metrics server already serving on {self.host}:{self.port}")
+        try:
+            server, _thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+        except OSError as err:
+            raise OSError(f"cannot serve /metrics on {self.host}:{self.port}: {err}") from err
+        self._server = server
+        self.port = server.server_port
+        return self.port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def record_step(
+        self,
+        step: int,
+        metrics: Mapping[str, float],
+        phases_s: Mapping[str, float],
+        generated_tokens: int,
+        adapter_version: int,
+    ) -> None:
+        """Export one trained step. ``phases_s`` must hold ``total``; unknown phases are errors."""
+        unknown = sorted(set(phases_s) - set(PHASES))
+        if unknown:
+            raise ValueError(
+                f"unknown phase name(s) {unknown}; expected a subset of {list(PHASES)}"
+            )
+        if "total" not in phases_s:
+            raise ValueError("phases_s lacks 'total' (wall time of the step)")
+        bad = {k: v for k, v in phases_s.items() if not (math.isfinite(v) and v >= 0)}
+        if bad:
+            raise ValueError(f"phase durations must be finite and >= 0, got {bad}")
+        if generated_tokens < 0:
+            raise ValueError(f"generated_tokens must be >= 0, got {generated_tokens}")
+
+        # None = not measured this step (e.g. staleness in sync mode): the gauge keeps its value.
+        values = {k: float(v) for k, v in metrics.items() if k in STEP_GAUGES and v is not None}
+        if "tokens_per_second" not in values and phases_s.get("gen", 0) > 0:
+            values["tokens_per_second"] = generated_tokens / phases_s["gen"]
+
+        with self._lock:
+            for key, value in values.items():
+                self._gauges[key].set(value)
+                self._points[STEP_GAUGES[key][0]] += 1
+            # Every phase gets a gauge value each step (0 when absent, e.g. save_checkpoint), so a
+            # stacked panel of the last step never shows a previous step's checkpoint time.
+            for phase in PHASES:
+                seconds = float(phases_s.get(phase, 0.0))
+                self._phase_seconds.labels(phase=phase).set(seconds)
+                self._points[f'counterpoint_phase_seconds{{phase="{phase}"}}'] += 1
+                if phase in phases_s:
+                    self._phase_duration.labels(phase=phase).observe(seconds)
+                    self._points[f'counterpoint_phase_duration_seconds{{phase="{phase}"}}'] += 1
+            self._step.set(step)
+            self._step_seconds.set(float(phases_s["total"]))
+            self._adapter_version.set(adapter_version)
+            self._generated_tokens.inc(generated_tokens)
+            self._last_step_ts.set(time.time())
+            for name in (
+                "counterpoint_step",
+                "counterpoint_step_seconds",
+                "counterpoint_adapter_version",
+                "counterpoint_generated_tokens_total",
+                "counterpoint_last_step_timestamp_seconds",
+            ):
+                self._points[name] += 1
+
+    def series_counts(self) -> dict[str, int]:
+        """Series name (with labels where it has some) -> points recorded, sorted by name."""
+        with self._lock:
+            return dict(sorted(self._points.items()))

@@ -1,0 +1,425 @@
+"""A real Prometheus server for tests, and the checks we run against it.
+
+``PromServer`` starts the Debian ``prometheus`` binary on 127.0.0.1 with a temp config scraping the
+given targets every second (temp storage, free port), waits for /-/ready, answers PromQL through
+/api/v1/query, and tears everything down. ``dashboard_exprs`` and ``alert_series_exprs`` pull the
+queries out of deploy/ (Grafana JSON, rule files); ``assert_all_queries_return_data`` polls until
+every query returns data and otherwise names each failing one.
+
+Alert conditions (``x < 0.9 or x > 1.1``) are non-empty only while they fire, so the check runs on
+their series instead: ``condition_series`` splits an expr at top-level ``or``/``and``/``unless`` and
+removes each part's trailing comparison with a number. alerts.yml keeps every alert in that form.
+
+Also ``python tests/promharness.py demo-exporter``: a process serving several steps' worth of
+trainer, grader and rollout metrics (see ``run_demo_exporter``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Grafana's interval variables, replaced by a window holding many 1 s scrapes.
+GRAFANA_VARIABLES = {
+    "$__rate_interval": "1m",
+    "${__rate_interval}": "1m",
+    "$__interval": "1m",
+    "${__interval}": "1m",
+    "$__range": "5m",
+    "${__range}": "5m",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class PromQueryError(RuntimeError):
+    """Prometheus answered a query with an error (bad PromQL, unknown function ...)."""
+
+
+class PromServer:
+    """A Prometheus process scraping ``jobs`` (job name -> ["host:port", ...]) every second.
+
+    ``job_settings`` adds scrape-config keys per job (e.g. the ``metric_relabel_configs`` of
+    deploy/prometheus/prometheus.yml), so a test scrapes with the shipped rules.
+    """
+
+    def __init__(
+        self,
+        jobs: Mapping[str, Iterable[str]],
+        rule_files: Iterable[Path] = (),
+        scrape_interval: str = "1s",
+        binary: str = "prometheus",
+        job_settings: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        exe = shutil.which(binary)
+        if exe is None:
+            raise FileNotFoundError(
+                f"{binary!r} not on PATH; install Debian's package: `make prometheus`"
+            )
+        self.binary = exe
+        self.jobs = {name: list(targets) for name, targets in jobs.items()}
+        self.job_settings = {name: dict(extra) for name, extra in (job_settings or {}).items()}
+        unknown = set(self.job_settings) - set(self.jobs)
+        if unknown:
+            raise ValueError(f"job_settings for unknown job(s) {sorted(unknown)}")
+        self.rule_files = [Path(p).resolve() for p in rule_files]
+        self.scrape_interval = scrape_interval
+        self.port: int | None = None
+        self._proc: subprocess.Popen | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "global": {
+                "scrape_interval": self.scrape_interval,
+                "evaluation_interval": self.scrape_interval,
+                "scrape_timeout": self.scrape_interval,
+            },
+            "rule_files": [str(p) for p in self.rule_files],
+            "scrape_configs": [
+                {"job_name": name, "static_configs": [{"targets": targets}],
+                 **self.job_settings.get(name, {})}
+                for name, targets in self.jobs.items()
+            ],
+        }
+
+    def start(self, ready_timeout_s: float = 60.0) -> PromServer:
+        self._tmp = tempfile.TemporaryDirectory(prefix="promharness-")
+        tmp = Path(self._tmp.name)
+        (tmp / "prometheus.yml").write_text(yaml.safe_dump(self.config(), sort_keys=False))
+        self.port = free_port()
+        self._log = open(tmp / "prometheus.log", "wb")
+        self._proc = subprocess.Popen(
+            [
+                self.binary,
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + ready_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited with {self._proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"prometheus not ready after {ready_timeout_s}s")
+
+    def log(self) -> str:
+        if self._tmp is None:
+            return ""
+        path = Path(self._tmp.name) / "prometheus.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """Instant query; the result vector (a scalar result becomes one unlabelled sample)."""
+        params = urllib.parse.urlencode({"query": expr})
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v1/query?{params}", timeout=10) as resp:
+                body = json.load(resp)
+        except urllib.error.HTTPError as err:  # 400/422: bad expression, body says why
+            body = json.load(err)
+        if body.get("status") != "success":
+            raise PromQueryError(f"{expr!r}: {body.get('errorType')}: {body.get('error')}")
+        data = body["data"]
+        if data["resultType"] == "vector":
+            return data["result"]
+        if data["resultType"] == "scalar":
+            return [{"metric": {}, "value": data["result"]}]
+        return data["result"]
+
+    def _get(self, path: str) -> Any:
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=10) as resp:
+            body = json.load(resp)
+        if body.get("status") != "success":
+            raise PromQueryError(f"{path}: {body.get('error')}")
+        return body["data"]
+
+    def rules(self) -> list[dict[str, Any]]:
+        """Every loaded rule with its `health` ("ok" | "err" | "unknown") and `lastError`."""
+        return [rule for group in self._get("/api/v1/rules")["groups"] for rule in group["rules"]]
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """Active alerts (pending or firing), each with `labels.alertname` and `state`."""
+        return self._get("/api/v1/alerts")["alerts"]
+
+    def targets_up(self) -> dict[str, bool]:
+        """scrape URL -> whether the last scrape succeeded."""
+        targets = self._get("/api/v1/targets")["activeTargets"]
+        return {t["scrapeUrl"]: t["health"] == "up" for t in targets}
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+            self._log.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> PromServer:
+        return self.start() if self._proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ---------------------------------------------------------------- query extraction (pure)
+
+
+def substitute_grafana_variables(expr: str) -> str:
+    for name in sorted(GRAFANA_VARIABLES, key=len, reverse=True):
+        expr = expr.replace(name, GRAFANA_VARIABLES[name])
+    if "$" in expr:
+        raise ValueError(f"unsubstituted Grafana variable in {expr!r}")
+    return expr
+
+
+def _walk_exprs(node: Any) -> Iterable[str]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "expr" and isinstance(value, str):
+                yield value
+            else:
+                yield from _walk_exprs(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _walk_exprs(item)
+
+
+def dashboard_exprs(path: Path) -> list[str]:
+    """Every "expr" anywhere in a Grafana dashboard JSON, Grafana variables substituted."""
+    dashboard = json.loads(Path(path).read_text())
+    exprs = [substitute_grafana_variables(e) for e in _walk_exprs(dashboard)]
+    return list(dict.fromkeys(exprs))
+
+
+_LOGICAL_OPS = ("or", "and", "unless")
+_TRAILING_COMPARISON = re.compile(
+    r"\s*(==|!=|>=|<=|>|<)\s*(bool\s+)?[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*$"
+)
+
+
+def _split_top_level(expr: str) -> list[str]:
+    """Split at `or`/`and`/`unless` outside parentheses, braces, brackets and strings."""
+    parts, depth, start, i, quote = [], 0, 0, 0, None
+    while i < len(expr):
+        ch = expr[i]
+        if quote:
+            if ch == "\\":
+                i += 1
+            elif ch == quote:
+                quote = None
+        elif ch in "\"'`":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif depth == 0:
+            for op in _LOGICAL_OPS:
+                if (expr.startswith(op, i) and i > 0 and expr[i - 1].isspace()
+                        and i + len(op) < len(expr) and expr[i + len(op)].isspace()):
+                    parts.append(expr[start:i])
+                    start = i + len(op)
+                    i = start - 1
+                    break
+        i += 1
+    parts.append(expr[start:])
+    return [p.strip() for p in parts]
+
+
+def condition_series(expr: str) -> list[str]:
+    """The series an alert condition compares: `a < 0.9 or a > 1.1` -> ['a'].
+
+    Raises ValueError when a part has no trailing comparison with a number: such an alert would
+    have no series to check, so alerts.yml must not hold one.
+    """
+    series = []
+    for part in _split_top_level(expr):
+        base, n = _TRAILING_COMPARISON.subn("", part)
+        if n != 1 or not base.strip():
+            raise ValueError(f"alert part {part!r} of {expr!r} is not `<series> <cmp> <number>`")
+        series.append(base.strip())
+    return list(dict.fromkeys(series))
+
+
+def rule_exprs(path: Path) -> tuple[list[str], list[str]]:
+    """(recording-rule exprs, alert-rule exprs) of a Prometheus rule file."""
+    doc = yaml.safe_load(Path(path).read_text())
+    records, alerts = [], []
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            (alerts if "alert" in rule else records).append(rule["expr"])
+    return records, alerts
+
+
+def alert_series_exprs(path: Path) -> list[str]:
+    """What to check of a rule file: recording exprs, their recorded names, alert series."""
+    doc = yaml.safe_load(Path(path).read_text())
+    exprs: list[str] = []
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            if "alert" in rule:
+                exprs.extend(condition_series(rule["expr"]))
+            else:
+                exprs.extend([rule["expr"], rule["record"]])
+    return list(dict.fromkeys(exprs))
+
+
+# ---------------------------------------------------------------- the reusable check
+
+
+def assert_all_queries_return_data(
+    prom: PromServer, exprs: Iterable[str], wait_s: float = 60.0, poll_s: float = 1.0
+) -> None:
+    """Poll until every expr returns at least one sample with a number; else fail naming each.
+
+    NaN counts as no data (a histogram_quantile over no observations); an error is reported with
+    Prometheus's message. Waiting is only how long scraping may take to fill the windows.
+    """
+    pending = list(dict.fromkeys(exprs))
+    failures: dict[str, str] = {}
+    deadline = time.monotonic() + wait_s
+    while True:
+        failures = {}
+        for expr in pending:
+            try:
+                result = prom.query(expr)
+            except PromQueryError as err:
+                failures[expr] = f"error: {err}"
+                continue
+            values = [float(sample["value"][1]) for sample in result]
+            if not values:
+                failures[expr] = "empty result"
+            elif all(v != v for v in values):
+                failures[expr] = f"only NaN ({len(values)} series)"
+        pending = list(failures)
+        if not pending or time.monotonic() > deadline:
+            break
+        time.sleep(poll_s)
+    assert not failures, "queries without data:\n" + "\n".join(
+        f"  {expr}  -> {why}" for expr, why in failures.items()
+    )
+
+
+# ---------------------------------------------------------------- demo exporter process
+
+
+def run_demo_exporter(
+    step_interval_s: float = 0.25, ppl_ratio: float = 1.0, ray_prefix: bool = False
+) -> None:
+    """Serve trainer (services/metrics.py), grader (graders/metrics.py) and rollout metrics.
+
+    Prints one JSON line {"trainer": port, "graders": port, "rollout": port} then records a step
+    every `step_interval_s` with realistic values until terminated. `ppl_ratio` centres the
+    exported ratio (1.3 trips the alert); `ray_prefix` names the rollout series as Ray's metrics
+    agent exposes ray.util.metrics (`ray_counterpoint_...`).
+    """
+    import math
+    import random
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+    from graders import metrics as grader_metrics
+    from services.metrics import TrainerMetrics
+
+    trainer = TrainerMetrics(host="127.0.0.1", port=0)
+    ports = {"trainer": trainer.start()}
+
+    # The grader's own metrics module (its default registry), on a port of its own as in a run.
+    ports["graders"] = grader_metrics.start_metrics_server(0, host="127.0.0.1")
+
+    # Stand-in under the DESIGN.md names until rollout/metrics.py exists (the dashboard queries
+    # the names, not the module).
+    prefix = "ray_" if ray_prefix else ""
+    rollout_reg = CollectorRegistry()
+    rollout_tokens = Counter(f"{prefix}counterpoint_rollout_tokens", "tokens", registry=rollout_reg)
+    replica_version = Gauge(f"{prefix}counterpoint_rollout_adapter_version", "adapter", ["replica"],
+                            registry=rollout_reg)
+    server, _ = start_http_server(0, addr="127.0.0.1", registry=rollout_reg)
+    ports["rollout"] = server.server_port
+    print(json.dumps(ports), flush=True)
+
+    rng = random.Random(0)
+    step = 0
+    while True:
+        step += 1
+        tokens = 32 * rng.randint(60, 128)
+        gen = 4.0 + rng.random()
+        phases = {"gen": gen, "score": 0.2, "old_log_prob": 1.1, "ref": 1.0, "adv": 0.002,
+                  "update_actor": 3.0 + rng.random(), "update_weights": 0.05}
+        if step % 3 == 0:
+            phases["save_checkpoint"] = 0.8
+        phases["total"] = sum(phases.values()) + 0.1
+        pass_rate = min(1.0, 0.1 + 0.02 * step)
+        trainer.record_step(
+            step,
+            {"ppl_ratio": ppl_ratio + rng.gauss(0, 0.002), "rollout_kl": abs(rng.gauss(0, 1e-3)),
+             "rollout_k3_kl": abs(rng.gauss(0, 1e-4)), "reward_mean": min(1.0, pass_rate + 0.1),
+             "pass_rate": pass_rate, "frac_reward_zero_std": max(0.0, 0.75 - 0.05 * step),
+             "kl": 0.001 * step, "entropy": 1.8 - 0.01 * step, "grad_norm": 0.5 + rng.random(),
+             "learning_rate": 1e-5 * min(1.0, step / 5), "adapter_staleness": 1},
+            phases,
+            generated_tokens=tokens,
+            adapter_version=step,
+        )
+        verdicts = [
+            "admitted" if rng.random() < pass_rate else rng.choice(["structure", "parallel_fifths"])
+            for _ in range(32)
+        ]
+        grader_metrics.observe_scores("voice-leading", verdicts)
+        latency_s = math.exp(rng.gauss(-4.5, 0.5))  # ~11 ms median
+        grader_metrics.observe_latency("voice-leading", "ScoreBatch", latency_s)
+        rollout_tokens.inc(tokens)
+        for replica in ("0", "1"):
+            replica_version.labels(replica=replica).set(step)
+        time.sleep(step_interval_s)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python tests/promharness.py")
+    parser.add_argument("command", choices=["demo-exporter"])
+    parser.add_argument("--step-interval-s", type=float, default=0.25)
+    parser.add_argument("--ppl-ratio", type=float, default=1.0)
+    parser.add_argument("--ray-prefix", action="store_true")
+    args = parser.parse_args()
+    run_demo_exporter(args.step_interval_s, args.ppl_ratio, args.ray_prefix)

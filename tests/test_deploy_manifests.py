@@ -1,0 +1,148 @@
+"""deploy/: every manifest parses and holds what its tool needs (structure, not a cluster)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+
+
+def yaml_docs(path: Path) -> list:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def kind_doc(path: Path, kind: str) -> dict:
+    (doc,) = [d for d in yaml_docs(path) if d.get("kind") == kind]
+    return doc
+
+
+def gpu_limit(group: dict) -> int:
+    (container,) = group["template"]["spec"]["containers"]
+    return int(container["resources"]["limits"].get("nvidia.com/gpu", 0))
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p.relative_to(REPO) for p in DEPLOY.rglob("*") if p.suffix in {".yml", ".yaml"}),
+    ids=str,
+)
+def test_every_yaml_parses(path):
+    assert yaml_docs(REPO / path), f"{path} holds no document"
+
+
+def test_rayjob_train():
+    job = kind_doc(DEPLOY / "kuberay" / "rayjob-train.yaml", "RayJob")
+    assert job["apiVersion"] == "ray.io/v1"
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:4] == ["counterpoint", "train", "--config", "configs/voice-leading-qwen3-4b.yaml"]
+    # The entrypoint's config and overrides must load under the real schema.
+    overrides = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--set"]
+    cfg = load_config(REPO / argv[3], overrides)
+    assert cfg.trainer.ray_address == "auto"
+
+    cluster = job["spec"]["rayClusterSpec"]
+    head = cluster["headGroupSpec"]
+    assert gpu_limit(head) == 0
+    (head_container,) = head["template"]["spec"]["containers"]
+    assert cfg.trainer.metrics_port in {p["containerPort"] for p in head_container["ports"]}
+    workers = cluster["workerGroupSpecs"]
+    assert workers and all(gpu_limit(group) >= 1 for group in workers)
+    needed = cfg.rollout.replicas * cfg.rollout.num_gpus + (
+        cfg.learner.workers if cfg.learner.use_gpu else 0
+    )
+    assert sum(gpu_limit(g) * g["replicas"] for g in workers) >= needed
+
+
+def test_rayservice_graders():
+    from ray.serve.schema import ServeDeploySchema  # pydantic only; starts nothing
+
+    service = kind_doc(DEPLOY / "kuberay" / "rayservice-graders.yaml", "RayService")
+    assert service["apiVersion"] == "ray.io/v1"
+    serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(serve_config)
+    (app,) = serve_config["applications"]
+    assert app["import_path"] == "graders.serve_app:build_app"
+    assert IMPORT_PATH.match(app["import_path"])
+    assert (REPO / "graders").is_dir()
+    assert set(app["args"]) == {"voices", "style", "checker", "fixture"}
+    for deployment in app["deployments"]:
+        scaling = deployment["autoscaling_config"]
+        assert 1 <= scaling["min_replicas"] <= scaling["max_replicas"]
+        assert 0 < scaling["target_ongoing_requests"] <= deployment["max_ongoing_requests"]
+    # Serve's gRPC proxy imports these by path: they must import here too.
+    for path in serve_config["grpc_options"]["grpc_servicer_functions"]:
+        module, _, name = path.rpartition(".")
+        assert callable(getattr(importlib.import_module(module), name))
+    grpc_service = kind_doc(DEPLOY / "kuberay" / "rayservice-graders.yaml", "Service")
+    assert grpc_service["spec"]["ports"][0]["port"] == serve_config["grpc_options"]["port"]
+
+
+def test_ray_cluster_launcher():
+    cluster = yaml.safe_load((DEPLOY / "ray" / "cluster.yaml").read_text())
+    types = cluster["available_node_types"]
+    assert cluster["head_node_type"] in types
+    workers = [name for name in types if name != cluster["head_node_type"]]
+    assert workers and all(types[w]["max_workers"] >= types[w]["min_workers"] for w in workers)
+    assert any("counterpoint[train,vllm]" in cmd for cmd in cluster["setup_commands"])
+    assert any("ray start --head" in cmd for cmd in cluster["head_start_ray_commands"])
+
+
+def test_dockerfile():
+    lines = [line.strip() for line in (DEPLOY / "Dockerfile").read_text().splitlines()]
+    assert lines[[i for i, l in enumerate(lines) if l and not l.startswith("#")][0]].startswith(
+        "FROM python:3.11"
+    )
+    text = "\n".join(lines)
+    assert 'pip install ".[train,vllm]"' in text
+    copied = {l.split()[1] for l in lines if l.startswith("COPY ")}
+    for package in ("graders", "rollout", "learner", "services"):
+        assert package in copied, f"Dockerfile does not COPY {package}/"
+    for source in copied - {"README.md*"}:
+        assert (REPO / source).exists(), f"Dockerfile copies missing {source}"
+
+
+def test_grafana_dashboard_and_provisioning():
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "counterpoint.json").read_text())
+    (datasource,) = yaml.safe_load(
+        (DEPLOY / "grafana" / "datasources" / "prometheus.yaml").read_text()
+    )["datasources"]
+    assert datasource["type"] == "prometheus"
+    panels = dashboard["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), f"duplicate panel ids: {ids}"
+    cells = set()
+    for panel in panels:
+        assert panel["datasource"]["uid"] == datasource["uid"], panel["title"]
+        assert panel["targets"], f"panel {panel['title']!r} has no targets"
+        ref_ids = [t["refId"] for t in panel["targets"]]
+        assert len(ref_ids) == len(set(ref_ids)), panel["title"]
+        assert all(t["expr"].strip() for t in panel["targets"]), panel["title"]
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24, panel["title"]
+        own = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"])
+               for y in range(pos["y"], pos["y"] + pos["h"])}
+        assert not own & cells, f"panel {panel['title']!r} overlaps another"
+        cells |= own
+    (provider,) = yaml.safe_load(
+        (DEPLOY / "grafana" / "dashboards" / "dashboards.yaml").read_text()
+    )["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"]
+
+
+def test_ppl_ratio_panel_draws_alert_band():
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "counterpoint.json").read_text())
+    (panel,) = [p for p in dashboard["panels"]
+                if any(t["expr"] == "counterpoint_ppl_ratio" for t in p["targets"])]
+    steps = [s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+    assert steps == [None, 0.9, 1.1]
+    assert panel["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] != "off"
