@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -390,6 +391,20 @@ class RunDir:
             "metrics_torn_bytes": torn_metrics,
             "metrics_uncommitted_lines": len(metrics) - len(kept),
         }
+
+    def truncate_after(self, step: int) -> list[int]:
+        """Forget steps after ``step`` (a resume from an older checkpoint re-runs them): drop
+        their timing and metrics lines and their round directories. Returns the dropped steps."""
+        dropped = [s for s in self.trained_steps() if s > step]
+        for path in (self.timing_path, self.metrics_path):
+            records = read_jsonl(path)
+            kept = [r for r in records if int(r["step"]) <= step]
+            if len(kept) != len(records):
+                _atomic_write_text(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in kept))
+        for s in self.round_steps():
+            if s > step:
+                shutil.rmtree(self.round_dir(s))
+        return dropped
 
     def append_timing(self, step: int, total_s: float, phases_s: Mapping[str, float]) -> None:
         """Commit step ``step`` as trained (write this last for the step)."""

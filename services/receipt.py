@@ -56,6 +56,12 @@ UPDATABLE_FIELDS = (
     "resumed_from_step",
     "steps_trained",
     "notes",
+    "checker",
+    "metrics_endpoint",
+    "prometheus_series",
+    "heldout",
+    "init_adapter",
+    "artifacts",
 )
 
 ExitStatus = Literal["completed", "interrupted", "failed"]

@@ -253,3 +253,18 @@ def test_untrained_rounds(tmp_path: Path) -> None:
     assert {r["adapter_version"] for r in rd.read_round(3, "voice-leading", 0)} == {2}
     rd.append_timing(3, 1.0, PHASES)
     assert rd.untrained_rounds() == []
+
+
+def test_truncate_after_forgets_later_steps(tmp_path):
+    run = RunDir(tmp_path / "r").create()
+    for step in (1, 2, 3):
+        run.write_round(step, "voice-leading", 0, flat_rows(step, [[1.0, 0.0]]))
+        run.append_metrics(step, {"reward_mean": 0.5})
+        run.append_timing(step, 1.0, {"gen": 0.5})
+    assert run.truncate_after(1) == [2, 3]
+    assert run.trained_steps() == [1]
+    assert [m["step"] for m in run.metrics()] == [1]
+    assert run.round_steps() == [1]
+    # The re-run steps can be recorded again without a duplicate.
+    run.append_timing(2, 1.0, {"gen": 0.5})
+    assert run.trained_steps() == [1, 2]
