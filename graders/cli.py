@@ -1,5 +1,209 @@
-"""`counterpoint grader ...` (placeholder; the grader service fills this in)."""
+"""`counterpoint grader ...`: serve the grader over gRPC, score JSONL, regenerate the pools.
+
+Defaults come from `graders.config.GraderConfig` (options left unset take its values).
+Heavy imports (grpc, ray, the verifier) stay inside the commands so that --help is instant.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
-app = typer.Typer(no_args_is_help=True)
+from graders import progressions  # light: the generator's defaults
+
+app = typer.Typer(no_args_is_help=True, help="Verifiers: serve over gRPC, score JSONL.")
+
+TaskOpt = Annotated[Optional[str], typer.Option(help="Verifier task (voice-leading).")]
+VoicesOpt = Annotated[Optional[int], typer.Option(help="Voices per chord (2-4).")]
+StyleOpt = Annotated[
+    Optional[str], typer.Option(help="common-practice | lead-sheet | film-ambient.")
+]
+CheckerOpt = Annotated[Optional[str], typer.Option(help="reference | strict.")]
+
+
+def _config(**given):
+    """A GraderConfig from the options that were given; exits 2 naming a bad value."""
+    from pydantic import ValidationError
+
+    from graders.config import GraderConfig
+
+    try:
+        return GraderConfig(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as exc:
+        typer.echo(f"error: invalid grader options: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def serve(
+    task: TaskOpt = None,
+    host: Annotated[Optional[str], typer.Option(help="Bind address.")] = None,
+    port: Annotated[Optional[int], typer.Option(help="gRPC port (0 = a free one).")] = None,
+    fixture: Annotated[
+        Optional[Path], typer.Option(help="p4-progressions/1 train pool (default: shipped).")
+    ] = None,
+    heldout_fixture: Annotated[
+        Optional[Path], typer.Option(help="p4-progressions/1 held-out pool (default: shipped).")
+    ] = None,
+    require_pool: Annotated[
+        Optional[int], typer.Option(help="Refuse to start if the train pool is smaller.")
+    ] = None,
+    voices: VoicesOpt = None,
+    style: StyleOpt = None,
+    checker: CheckerOpt = None,
+    metrics_port: Annotated[
+        Optional[int], typer.Option(help="Expose Prometheus /metrics on 127.0.0.1:PORT (plain server).")
+    ] = None,
+    ray: Annotated[bool, typer.Option("--ray", help="Run as a Ray Serve app.")] = False,
+    replicas: Annotated[Optional[int], typer.Option(help="Serve replicas (with --ray).")] = None,
+    app_name: Annotated[
+        Optional[str], typer.Option(help="Serve application name (with --ray).")
+    ] = None,
+) -> None:
+    """Serve the grader over gRPC (plain grpcio server, or --ray for Serve's gRPC ingress)."""
+    import signal
+    import threading
+
+    from graders.fixtures import FixtureError, PoolTooSmall, load_pool, require_pool as check
+
+    cfg = _config(
+        task=task, host=host, port=port, fixture=str(fixture) if fixture else None,
+        heldout_fixture=str(heldout_fixture) if heldout_fixture else None,
+        require_pool=require_pool, voices=voices, style=style, checker=checker,
+        replicas=replicas, app_name=app_name, metrics_port=metrics_port,
+    )
+    try:
+        pool = load_pool(cfg.fixture, cfg.heldout_fixture, cfg.voices, cfg.style)
+        check(pool, cfg.require_pool)
+    except (FixtureError, PoolTooSmall) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if cfg.metrics_port is not None:
+        from graders.metrics import start_metrics_server
+
+        bound = start_metrics_server(cfg.metrics_port)
+        typer.echo(f"metrics on http://127.0.0.1:{bound}/metrics")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if ray:
+        _serve_ray(cfg, stop)
+        return
+    from graders.service import GraderCore, start_server
+
+    core = GraderCore(pool, cfg.voices, cfg.style, cfg.checker, cfg.task)
+    server = start_server(core, cfg.host, cfg.port)
+    typer.echo(
+        f"grader {cfg.task} serving on {server.address} "
+        f"(pool {pool.size()} {pool.source}, voices {cfg.voices}, {cfg.style}, {cfg.checker})",
+    )
+    sys.stdout.flush()
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    server.stop()
+
+
+def _serve_ray(cfg, stop) -> None:
+    import ray
+    from ray import serve
+
+    from graders import serve_app
+
+    from services.runtime_env import apply_defaults
+
+    if cfg.port == 0:  # Serve's proxy cannot report a port it picked: choose one here
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            cfg = cfg.model_copy(update={"port": sock.getsockname()[1]})
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, runtime_env={"env_vars": apply_defaults()})
+    serve_app.start(cfg, grpc_port=cfg.port)
+    typer.echo(
+        f"grader {cfg.task} serving on Ray Serve gRPC ingress [::]:{cfg.port} "
+        f"(application {cfg.app_name!r}, {cfg.replicas} replica(s))"
+    )
+    sys.stdout.flush()
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    serve.shutdown()
+
+
+def _score_line(text: str, voices: int, style: str, checker: str) -> dict:
+    from graders.voice_leading import score
+
+    row = json.loads(text)
+    if not isinstance(row, dict):
+        raise ValueError("each line must be a JSON object")
+    if "progression" not in row:
+        raise ValueError("missing 'progression'")
+    completion = row.get("completion")
+    if not isinstance(completion, str):
+        raise ValueError("'completion' must be a string")
+    result = score(
+        row["progression"], completion, row.get("voices", voices), row.get("style", style), checker
+    )
+    return {
+        "reward": result.reward,
+        "format_ok": result.format_ok,
+        "admitted": result.admitted,
+        "verdict": result.verdict,
+        "failing_rules": list(result.failing_rules),
+        "sounding_frames": result.sounding_frames,
+        "expected_frames": result.expected_frames,
+    }
+
+
+@app.command()
+def score(
+    task: TaskOpt = None,
+    voices: VoicesOpt = None,
+    style: StyleOpt = None,
+    checker: CheckerOpt = None,
+) -> None:
+    """Score JSONL from stdin; one JSON line out per input line, in order.
+
+    Input lines: {"progression": {key, chords}, "completion": "...", optional "voices",
+    optional "style"}. A malformed line yields {"line": k, "error": "..."}; the rest go on.
+    """
+    cfg = _config(task=task, voices=voices, style=style, checker=checker)
+    out = sys.stdout
+    for k, text in enumerate(sys.stdin, start=1):
+        if not text.strip():
+            continue
+        try:
+            row = _score_line(text, cfg.voices, cfg.style, cfg.checker)
+        except (ValueError, TypeError, KeyError) as exc:  # JSONDecodeError is a ValueError
+            row = {"line": k, "error": f"{type(exc).__name__}: {exc}"}
+        out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    out.flush()
+
+
+@app.command("make-fixtures")
+def make_fixtures(
+    seed: Annotated[int, typer.Option(help="Generator seed.")] = progressions.DEFAULT_SEED,
+    out: Annotated[Path, typer.Option(help="Output directory.")] = progressions.DATA_DIR,
+    bars: Annotated[int, typer.Option(help="Bars per progression.")] = progressions.DEFAULT_BARS,
+    train: Annotated[int, typer.Option(help="Train pool size.")] = (
+        progressions.DEFAULT_SIZES["train"]
+    ),
+    heldout: Annotated[int, typer.Option(help="Held-out pool size.")] = (
+        progressions.DEFAULT_SIZES["heldout"]
+    ),
+) -> None:
+    """(Re)generate the default pools (train.json, heldout.json) deterministically."""
+    try:
+        paths = progressions.write_pools(out, seed, bars, {"train": train, "heldout": heldout})
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for path in paths:
+        typer.echo(f"wrote {path}")

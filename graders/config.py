@@ -50,3 +50,14 @@ class GraderConfig(BaseModel):
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free one).")
     max_retries: int = Field(4, ge=0, description="Retries of a failed grader call (backoff).")
     retry_backoff_s: float = Field(0.5, gt=0, description="First retry delay; doubles each time.")
+    timeout_s: float = Field(
+        60.0, gt=0, description="Deadline of one grader call attempt (before a retry)."
+    )
+    app_name: str = Field(
+        "grader",
+        min_length=1,
+        description="Ray Serve application name; gRPC callers send it as `application` metadata.",
+    )
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="Prometheus /metrics port of a grader server (None = off)."
+    )

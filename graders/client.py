@@ -1,0 +1,237 @@
+"""A small typed client for the Grader service (plain server or Serve's gRPC ingress).
+
+Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED) are retried with exponential backoff
+(`GraderConfig.max_retries`, `retry_backoff_s`); when retries run out a `GraderUnavailable`
+is raised — a training step must never silently run on missing rewards. Request errors
+(INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION) are raised at once as `GraderRequestError`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from graders.proto import grader_pb2 as pb
+from graders.proto import grader_pb2_grpc as pb_grpc
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class GraderError(RuntimeError):
+    """Base of client errors; ``code`` is the last gRPC status."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class GraderUnavailable(GraderError):
+    """The grader could not be reached within the retry budget."""
+
+
+class GraderRequestError(GraderError):
+    """The grader refused the request (bad argument, unknown case, pool too small)."""
+
+
+@dataclass(frozen=True)
+class Health:
+    task: str
+    pool_size: int
+    pool_source: str
+    voices: int
+    style: str
+    checker: str
+    counters: dict[str, int]
+    heldout_pool_size: int
+    openings_histogram: dict[int, int]
+    version: str
+
+
+@dataclass(frozen=True)
+class CaseInfo:
+    id: str
+    split: str
+    task: str
+    voices: int
+    style: str
+    chords: int
+    messages: list[dict[str, str]]
+    openings: list[str]
+    prefixes: list[str]
+    progression: dict
+
+
+@dataclass(frozen=True)
+class Score:
+    case_id: str
+    reward: float
+    format_ok: bool
+    admitted: bool
+    verdict: str
+    failing_rules: tuple[str, ...]
+    sounding_frames: int
+    expected_frames: int
+    opening: str
+    first_measure_ok: bool
+    status: str
+    test_metric: float | None = None
+    details: dict = field(default_factory=dict)
+
+
+def _health(r: pb.HealthReply) -> Health:
+    return Health(
+        task=r.task,
+        pool_size=r.pool_size,
+        pool_source=r.pool_source,
+        voices=r.voices,
+        style=r.style,
+        checker=r.checker,
+        counters={
+            "scored": r.counters.scored,
+            "unparsed": r.counters.unparsed,
+            "admitted": r.counters.admitted,
+            "first_measure_wrong": r.counters.first_measure_wrong,
+        },
+        heldout_pool_size=r.heldout_pool_size,
+        openings_histogram=dict(sorted(r.openings_histogram.items())),
+        version=r.version,
+    )
+
+
+def _measure(value: float) -> int | float:
+    return int(value) if value.is_integer() else value
+
+
+def _case(c: pb.Case) -> CaseInfo:
+    return CaseInfo(
+        id=c.id,
+        split=c.split,
+        task=c.task,
+        voices=c.voices,
+        style=c.style,
+        chords=c.chords,
+        messages=[{"role": m.role, "content": m.content} for m in c.messages],
+        openings=list(c.openings),
+        prefixes=list(c.prefixes),
+        progression={
+            "key": c.progression.key,
+            "chords": [
+                {"measure": _measure(ch.measure), "chordSymbol": ch.chord_symbol}
+                for ch in c.progression.chords
+            ],
+        },
+    )
+
+
+def _score(r: pb.ScoreReply) -> Score:
+    return Score(
+        case_id=r.case_id,
+        reward=r.reward,
+        format_ok=r.format_ok,
+        admitted=r.admitted,
+        verdict=r.verdict,
+        failing_rules=tuple(r.failing_rules),
+        sounding_frames=r.sounding_frames,
+        expected_frames=r.expected_frames,
+        opening=r.opening,
+        first_measure_ok=r.first_measure_ok,
+        status=r.status,
+        test_metric=r.test_metric if r.HasField("test_metric") else None,
+        details=json.loads(r.details_json) if r.details_json else {},
+    )
+
+
+class GraderClient:
+    """``GraderClient("127.0.0.1:50051")``; pass ``application=`` for a Serve ingress.
+
+    ``timeout_s`` is the per-attempt deadline; attempts = 1 + max_retries, the n-th retry
+    waiting ``retry_backoff_s * 2**(n-1)`` seconds.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        application: str | None = None,
+        max_retries: int = 4,
+        retry_backoff_s: float = 0.5,
+        timeout_s: float = 60.0,
+    ) -> None:
+        if max_retries < 0 or retry_backoff_s <= 0:
+            raise ValueError("max_retries must be >= 0 and retry_backoff_s > 0")
+        self.address = address
+        self.metadata = (("application", application),) if application else ()
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.GraderStub(self._channel)
+
+    @classmethod
+    def from_config(
+        cls, config, address: str | None = None, application: str | None = None
+    ) -> GraderClient:
+        """From a `GraderConfig` (address or host:port, retries, backoff, timeout). Pass
+        ``application=config.app_name`` when the address is a Serve gRPC ingress."""
+        return cls(
+            address or config.address or f"{config.host}:{config.port}",
+            application=application,
+            max_retries=config.max_retries,
+            retry_backoff_s=config.retry_backoff_s,
+            timeout_s=config.timeout_s,
+        )
+
+    def _call(self, rpc: str, request):
+        method = getattr(self._stub, rpc)
+        last: grpc.RpcError | None = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+            try:
+                return method(request, timeout=self.timeout_s, metadata=self.metadata)
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code not in RETRYABLE:
+                    raise GraderRequestError(
+                        f"grader {self.address} {rpc}: {code.name}: {exc.details()}", code
+                    ) from None
+                last = exc
+        assert last is not None
+        raise GraderUnavailable(
+            f"grader {self.address} {rpc} failed after {self.max_retries + 1} attempts: "
+            f"{last.code().name}: {last.details()}",
+            last.code(),
+        )
+
+    def health(self) -> Health:
+        return _health(self._call("Health", pb.HealthRequest()))
+
+    def cases(self, limit: int = 0, split: str = "train") -> list[CaseInfo]:
+        reply = self._call("Cases", pb.CasesRequest(limit=limit, split=split))
+        return [_case(c) for c in reply.cases]
+
+    def score(self, case_id: str, completion: str) -> Score:
+        return _score(self._call("Score", pb.ScoreRequest(case_id=case_id, completion=completion)))
+
+    def score_batch(self, pairs: Sequence[tuple[str, str]]) -> list[Score]:
+        """Scores in the order of ``pairs``; raises rather than return fewer."""
+        request = pb.ScoreBatchRequest(
+            requests=[pb.ScoreRequest(case_id=c, completion=t) for c, t in pairs]
+        )
+        replies = self._call("ScoreBatch", request).replies
+        if len(replies) != len(pairs):
+            raise GraderError(f"grader returned {len(replies)} scores for {len(pairs)} requests")
+        return [_score(r) for r in replies]
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> GraderClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

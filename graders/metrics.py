@@ -1,0 +1,99 @@
+"""Grader counters and Prometheus metrics (DESIGN.md "Prometheus metric names").
+
+- `counterpoint_grader_requests_total{task, verdict}`: completions scored; `verdict` is bounded to
+  `admitted` | `structure` (format or structure gate failed) | `rule_failure` (a part-writing rule
+  rejected it). Never a per-request label.
+- `counterpoint_grader_latency_seconds{task, rpc}`: wall time per RPC (`rpc` is one of the four
+  method names).
+The metric objects live in the process's default registry, created once per process (several
+servers in one process share them).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+VERDICT_CLASSES = ("admitted", "structure", "rule_failure")
+
+
+def verdict_class(verdict: str) -> str:
+    """Map a verdict string to one of three bounded label values."""
+    if verdict == "admitted":
+        return "admitted"
+    if verdict == "structure":
+        return "structure"
+    return "rule_failure"
+
+
+@dataclass
+class Counters:
+    """Counts since the server started (reported by Health); thread-safe."""
+
+    scored: int = 0
+    unparsed: int = 0
+    admitted: int = 0
+    first_measure_wrong: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, *, format_ok: bool, admitted: bool, first_measure_ok: bool) -> None:
+        with self._lock:
+            self.scored += 1
+            self.unparsed += not format_ok
+            self.admitted += admitted
+            self.first_measure_wrong += not first_measure_ok
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "scored": self.scored,
+                "unparsed": self.unparsed,
+                "admitted": self.admitted,
+                "first_measure_wrong": self.first_measure_wrong,
+            }
+
+
+_metrics_lock = threading.Lock()
+_metrics: tuple | None = None
+
+
+def prometheus_metrics():
+    """(requests_total Counter, latency_seconds Histogram), registered once per process."""
+    global _metrics
+    with _metrics_lock:
+        if _metrics is None:
+            from prometheus_client import Counter, Histogram
+
+            requests = Counter(
+                "counterpoint_grader_requests_total",
+                "Completions scored by the grader, by task and bounded verdict class.",
+                ["task", "verdict"],
+            )
+            latency = Histogram(
+                "counterpoint_grader_latency_seconds",
+                "Grader RPC wall time.",
+                ["task", "rpc"],
+                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            )
+            _metrics = (requests, latency)
+        return _metrics
+
+
+def observe_scores(task: str, verdicts: list[str]) -> None:
+    requests, _ = prometheus_metrics()
+    for verdict in verdicts:
+        requests.labels(task=task, verdict=verdict_class(verdict)).inc()
+
+
+def observe_latency(task: str, rpc: str, seconds: float) -> None:
+    _, latency = prometheus_metrics()
+    latency.labels(task=task, rpc=rpc).observe(seconds)
+
+
+def start_metrics_server(port: int, host: str = "127.0.0.1") -> int:
+    """Expose /metrics on host:port (0 = a free port); returns the bound port."""
+    from prometheus_client import start_http_server
+
+    prometheus_metrics()
+    server, _thread = start_http_server(port, addr=host)
+    return server.server_port

@@ -1,0 +1,254 @@
+"""The grader over gRPC: a thin shell around the verifier (`graders.voice_leading.score`) and a
+prompt pool (`graders.fixtures.Pool`).
+
+`GraderCore` answers the four RPCs with proto messages and raises `PoolError` (whose `code`
+names the status) for bad requests; the plain grpcio servicer here and the Ray Serve deployment
+(`graders/serve_app.py`) only translate that into a gRPC status. Anything unexpected becomes
+INTERNAL with its message: a grader never answers UNKNOWN.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from graders import metrics
+from graders.fixtures import Case, Pool, PoolError
+from graders.proto import grader_pb2 as pb
+from graders.proto import grader_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Grader"].full_name  # counterpoint.grader.v1.Grader
+RPCS = ("Health", "Cases", "Score", "ScoreBatch")
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("counterpoint")
+    except Exception:  # not installed (a bare checkout on the path)
+        return "unknown"
+
+
+def case_to_proto(case: Case, task: str) -> pb.Case:
+    return pb.Case(
+        id=case.id,
+        split=case.split,
+        task=task,
+        voices=case.voices,
+        style=case.style,
+        chords=case.chords,
+        messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in case.messages],
+        openings=[",".join(str(d) for d in o) for o in case.openings],
+        prefixes=list(case.prefixes),
+        progression=pb.Progression(
+            key=case.progression["key"],
+            chords=[
+                pb.Chord(measure=c["measure"], chord_symbol=c["chordSymbol"])
+                for c in case.progression["chords"]
+            ],
+        ),
+    )
+
+
+def result_to_proto(case_id: str, result) -> pb.ScoreReply:
+    details = {"first_measure": result.first_measure, "voice_count": result.voice_count}
+    return pb.ScoreReply(
+        case_id=case_id,
+        reward=result.reward,
+        format_ok=result.format_ok,
+        admitted=result.admitted,
+        verdict=result.verdict,
+        failing_rules=list(result.failing_rules),
+        sounding_frames=result.sounding_frames,
+        expected_frames=result.expected_frames,
+        status="ok",
+        details_json=json.dumps(details),
+        opening=result.opening,
+        first_measure_ok=result.first_measure_ok,
+    )
+
+
+class GraderCore:
+    """Pool + verifier options + counters; every method returns a reply proto or raises
+    PoolError. Thread-safe (the verifier is pure, the counters lock)."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        voices: int = 2,
+        style: str = "common-practice",
+        checker: str = "reference",
+        task: str = "voice-leading",
+    ) -> None:
+        from graders.voice_leading.score import check_options
+
+        check_options(voices, style, checker)
+        self.pool, self.voices, self.style, self.checker, self.task = (
+            pool, voices, style, checker, task,
+        )
+        self.counters = metrics.Counters()
+        self.version = _version()
+
+    def health(self, request: pb.HealthRequest | None = None) -> pb.HealthReply:
+        return pb.HealthReply(
+            task=self.task,
+            pool_size=self.pool.size("train"),
+            pool_source=self.pool.source,
+            voices=self.voices,
+            style=self.style,
+            checker=self.checker,
+            counters=pb.Counters(**self.counters.snapshot()),
+            heldout_pool_size=self.pool.size("heldout") if "heldout" in self.pool.splits else 0,
+            openings_histogram=self.pool.openings_histogram("train"),
+            version=self.version,
+        )
+
+    def cases(self, request: pb.CasesRequest) -> pb.CasesReply:
+        split = request.split or "train"
+        cases = self.pool.take(request.limit, split)
+        return pb.CasesReply(
+            cases=[case_to_proto(c, self.task) for c in cases], pool_size=self.pool.size(split)
+        )
+
+    def score_pairs(self, pairs: list[tuple[str, str]]) -> list[pb.ScoreReply]:
+        """Score (case_id, completion) pairs in order; every id is checked before any scoring."""
+        from graders.voice_leading import score
+
+        cases = []
+        for i, (case_id, _) in enumerate(pairs):
+            try:
+                cases.append(self.pool.get(case_id))
+            except PoolError as exc:
+                where = f"requests[{i}]: " if len(pairs) > 1 else ""
+                raise type(exc)(f"{where}{exc}") from None
+        replies = []
+        for case, (case_id, completion) in zip(cases, pairs, strict=True):
+            result = score(case.progression, completion, case.voices, case.style, self.checker)
+            self.counters.add(
+                format_ok=result.format_ok,
+                admitted=result.admitted,
+                first_measure_ok=result.first_measure_ok,
+            )
+            replies.append(result_to_proto(case_id, result))
+        metrics.observe_scores(self.task, [r.verdict for r in replies])
+        return replies
+
+    def score(self, request: pb.ScoreRequest) -> pb.ScoreReply:
+        return self.score_pairs([(request.case_id, request.completion)])[0]
+
+    def score_batch(self, request: pb.ScoreBatchRequest) -> pb.ScoreBatchReply:
+        pairs = [(r.case_id, r.completion) for r in request.requests]
+        return pb.ScoreBatchReply(replies=self.score_pairs(pairs))
+
+    def handle(self, rpc: str, request):
+        """Dispatch by RPC name, timing it (Prometheus latency histogram)."""
+        method: Callable = {
+            "Health": self.health,
+            "Cases": self.cases,
+            "Score": self.score,
+            "ScoreBatch": self.score_batch,
+        }[rpc]
+        start = time.perf_counter()
+        try:
+            return method(request)
+        finally:
+            metrics.observe_latency(self.task, rpc, time.perf_counter() - start)
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status for an exception raised by GraderCore (never UNKNOWN)."""
+    if isinstance(exc, PoolError):
+        return getattr(grpc.StatusCode, exc.code), str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+class GraderServicer(pb_grpc.GraderServicer):
+    """grpcio servicer: GraderCore plus status mapping."""
+
+    def __init__(self, core: GraderCore) -> None:
+        self.core = core
+
+    def _call(self, rpc: str, request, context: grpc.ServicerContext):
+        try:
+            return self.core.handle(rpc, request)
+        except Exception as exc:
+            code, details = status_of(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("grader %s failed", rpc)
+            context.abort(code, details)
+
+    def Health(self, request, context):
+        return self._call("Health", request, context)
+
+    def Cases(self, request, context):
+        return self._call("Cases", request, context)
+
+    def Score(self, request, context):
+        return self._call("Score", request, context)
+
+    def ScoreBatch(self, request, context):
+        return self._call("ScoreBatch", request, context)
+
+
+@dataclass
+class RunningServer:
+    server: grpc.Server
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self.server.stop(grace).wait()
+
+
+def start_server(
+    core: GraderCore, host: str = "127.0.0.1", port: int = 0, max_workers: int = 8
+) -> RunningServer:
+    """Start a grpcio server with the Grader, grpc.health.v1 and reflection services.
+
+    Binds host:port (port 0 = a free port) and returns once it is serving. Health and
+    reflection come from grpcio-health-checking / grpcio-reflection (project dependencies);
+    an image without them (the lent GPU image has neither) still serves Grader, with a warning.
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+    pb_grpc.add_GraderServicer_to_server(GraderServicer(core), server)
+    mark_serving = _add_standard_services(server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise OSError(f"could not bind a gRPC server to {host}:{port}")
+    server.start()
+    mark_serving()
+    return RunningServer(server, host, bound)
+
+
+def _add_standard_services(server: grpc.Server) -> Callable[[], None]:
+    """Register grpc.health.v1 and reflection; returns the call that marks them SERVING."""
+    try:
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+        from grpc_reflection.v1alpha import reflection
+    except ImportError as exc:
+        log.warning("%s: serving without grpc.health.v1 and reflection", exc)
+        return lambda: None
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+
+    def mark_serving() -> None:
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    return mark_serving

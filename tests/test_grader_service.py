@@ -1,0 +1,301 @@
+"""The plain grpcio grader over a real loopback socket, called through the committed stubs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from graders.client import GraderClient, GraderRequestError, GraderUnavailable
+from graders.fixtures import load_pool
+from graders.metrics import start_metrics_server
+from graders.proto import grader_pb2 as pb
+from graders.proto import grader_pb2_grpc as pb_grpc
+from graders.service import SERVICE_NAME, GraderCore, start_server
+from graders.voice_leading import score
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Spec §14 example 11 (admitted) plus a plain cadence; served as a user fixture.
+TINY = {
+    "schema": "p4-progressions/1",
+    "n": 2,
+    "progressions": [
+        {"songId": "rest-between", "genre": "t", "progression": {"key": "C major", "chords": [
+            {"measure": 1, "chordSymbol": "C"}, {"measure": 2, "chordSymbol": "N/C"},
+            {"measure": 3, "chordSymbol": "G"}]}},
+        {"songId": "cadence", "genre": "t", "progression": {"key": "C major", "chords": [
+            {"measure": 1, "chordSymbol": "C"}, {"measure": 2, "chordSymbol": "F"},
+            {"measure": 3, "chordSymbol": "G7"}, {"measure": 4, "chordSymbol": "C"}]}},
+    ],
+}
+ADMITTED = '[{"measure":1,"degrees":[0,2]},{"measure":3,"degrees":[0,1]}]'
+COMPLETIONS = [
+    ADMITTED,
+    '[{"measure": 1, "degrees": [0, 0]}, {"measure": 2, "degrees": [0, 1]}, '
+    '{"measure": 3, "degrees": [0, 1]}, {"measure": 4, "degrees": [1, 1]}]',
+    "```json\n[{\"measure\": 1, \"degrees\": [0, 2]}]\n```",
+    "I would write this in Python instead.",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_fixture(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("pool") / "tiny.json"
+    path.write_text(json.dumps(TINY), "utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tiny_fixture):
+    core = GraderCore(load_pool(fixture=tiny_fixture), voices=2, style="common-practice")
+    running = start_server(core, "127.0.0.1", 0)
+    yield running
+    running.stop(None)
+
+
+@pytest.fixture(scope="module")
+def default_server():
+    running = start_server(GraderCore(load_pool()), "127.0.0.1", 0)
+    yield running
+    running.stop(None)
+
+
+@pytest.fixture()
+def stub(server):
+    with grpc.insecure_channel(server.address) as channel:
+        yield pb_grpc.GraderStub(channel)
+
+
+def _code(call, request) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        call(request, timeout=10)
+    return err.value.code(), err.value.details()
+
+
+def test_binds_loopback(server):
+    assert server.host == "127.0.0.1" and server.port > 0
+
+
+def test_health_reports_pool_and_counters(stub):
+    before = stub.Health(pb.HealthRequest(), timeout=10)
+    assert (before.task, before.pool_size, before.pool_source) == ("voice-leading", 2, "fixture")
+    assert (before.voices, before.style, before.checker) == (2, "common-practice", "reference")
+    assert before.heldout_pool_size == 96 and dict(before.openings_histogram) == {16: 2}
+    stub.ScoreBatch(pb.ScoreBatchRequest(requests=[
+        pb.ScoreRequest(case_id="rest-between", completion=ADMITTED),
+        pb.ScoreRequest(case_id="cadence", completion="no json here"),
+    ]), timeout=10)
+    after = stub.Health(pb.HealthRequest(), timeout=10).counters
+    assert after.scored - before.counters.scored == 2
+    assert after.unparsed - before.counters.unparsed == 1
+    assert after.admitted - before.counters.admitted == 1
+
+
+def test_default_pools_report_generated(default_server):
+    with GraderClient(default_server.address) as client:
+        health = client.health()
+        assert (health.pool_size, health.pool_source, health.heldout_pool_size) == (48, "generated", 96)
+        heldout = client.cases(3, "heldout")
+    assert [c.id for c in heldout] == ["heldout-000", "heldout-001", "heldout-002"]
+
+
+def test_cases_in_pool_order_with_prompt_fields(stub):
+    reply = stub.Cases(pb.CasesRequest(limit=1), timeout=10)
+    assert [c.id for c in reply.cases] == ["rest-between"] and reply.pool_size == 2
+    case = reply.cases[0]
+    assert (case.split, case.task, case.voices, case.chords) == ("train", "voice-leading", 2, 2)
+    assert [m.role for m in case.messages] == ["system", "user"]
+    assert "| 2 | N/C |" in case.messages[1].content
+    assert len(case.openings) == 16 and case.openings[1] == "0,1"
+    assert case.prefixes[1] == '[{"measure": 1, "degrees": [0, 1]},'
+    assert [(c.measure, c.chord_symbol) for c in case.progression.chords] == [
+        (1, "C"), (2, "N/C"), (3, "G")]
+    everything = stub.Cases(pb.CasesRequest(), timeout=10)
+    assert [c.id for c in everything.cases] == ["rest-between", "cadence"]
+
+
+def test_cases_errors(stub):
+    code, details = _code(stub.Cases, pb.CasesRequest(limit=3))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "3" in details and "2" in details
+    code, details = _code(stub.Cases, pb.CasesRequest(limit=1, split="dev"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "dev" in details
+    code, _ = _code(stub.Cases, pb.CasesRequest(limit=-1))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("completion", COMPLETIONS)
+@pytest.mark.parametrize("case_id", ["rest-between", "cadence"])
+def test_score_matches_the_verifier(stub, case_id, completion):
+    reply = stub.Score(pb.ScoreRequest(case_id=case_id, completion=completion), timeout=10)
+    expected = score(TINY["progressions"][case_id == "cadence"]["progression"], completion, 2)
+    assert reply.case_id == case_id and reply.status == "ok"
+    assert (reply.reward, reply.format_ok, reply.admitted, reply.verdict) == (
+        expected.reward, expected.format_ok, expected.admitted, expected.verdict)
+    assert tuple(reply.failing_rules) == expected.failing_rules
+    assert list(reply.failing_rules) == sorted(reply.failing_rules)
+    assert (reply.sounding_frames, reply.expected_frames) == (
+        expected.sounding_frames, expected.expected_frames)
+    assert reply.opening == expected.opening and not reply.HasField("test_metric")
+    assert json.loads(reply.details_json)["voice_count"] == expected.voice_count
+
+
+def test_admitted_example(stub):
+    reply = stub.Score(pb.ScoreRequest(case_id="rest-between", completion=ADMITTED), timeout=10)
+    assert (reply.reward, reply.verdict, reply.sounding_frames, reply.expected_frames) == (
+        1.0, "admitted", 2, 2)
+
+
+def test_score_errors_never_unknown(stub):
+    code, details = _code(stub.Score, pb.ScoreRequest(case_id="nope", completion="[]"))
+    assert code == grpc.StatusCode.NOT_FOUND and "nope" in details
+    code, details = _code(stub.Score, pb.ScoreRequest(completion="[]"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "case_id" in details
+    batch = pb.ScoreBatchRequest(requests=[
+        pb.ScoreRequest(case_id="cadence", completion="[]"),
+        pb.ScoreRequest(case_id="cadence", completion="[]"),
+        pb.ScoreRequest(case_id="ghost", completion="[]"),
+    ])
+    code, details = _code(stub.ScoreBatch, batch)
+    assert code == grpc.StatusCode.NOT_FOUND and "requests[2]" in details and "ghost" in details
+
+
+def test_score_batch_keeps_order(stub):
+    pairs = [(cid, c) for c in COMPLETIONS for cid in ("cadence", "rest-between")]
+    reply = stub.ScoreBatch(pb.ScoreBatchRequest(
+        requests=[pb.ScoreRequest(case_id=i, completion=c) for i, c in pairs]), timeout=10)
+    assert [r.case_id for r in reply.replies] == [i for i, _ in pairs]
+    progs = {r["songId"]: r["progression"] for r in TINY["progressions"]}
+    assert [r.verdict for r in reply.replies] == [score(progs[i], c).verdict for i, c in pairs]
+    assert len(stub.ScoreBatch(pb.ScoreBatchRequest(), timeout=10).replies) == 0
+
+
+def test_32_concurrent_clients(server):
+    progs = {r["songId"]: r["progression"] for r in TINY["progressions"]}
+
+    def one(k: int) -> list[tuple[str, float]]:
+        pairs = [(("cadence", "rest-between")[(k + j) % 2], COMPLETIONS[(k + j) % 5])
+                 for j in range(8)]
+        with GraderClient(server.address) as client:
+            got = client.score_batch(pairs)
+        assert [(s.case_id, s.verdict) for s in got] == [
+            (i, score(progs[i], c).verdict) for i, c in pairs]
+        return [(s.case_id, s.reward) for s in got]
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(32)))
+    assert len(results) == 32 and all(len(r) == 8 for r in results)
+
+
+def test_standard_health_service(server):
+    with grpc.insecure_channel(server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", SERVICE_NAME):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_reflection_lists_and_describes_services(server):
+    with grpc.insecure_channel(server.address) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        services = set(database.get_services())
+        assert {SERVICE_NAME, "grpc.health.v1.Health",
+                "grpc.reflection.v1alpha.ServerReflection"} <= services
+        from google.protobuf.descriptor_pool import DescriptorPool
+
+        described = DescriptorPool(database).FindServiceByName(SERVICE_NAME)
+        assert [m.name for m in described.methods] == ["Health", "Cases", "Score", "ScoreBatch"]
+        assert described.FindMethodByName("Score").output_type.fields_by_name["failing_rules"]
+
+
+def test_client_raises_after_retries_on_a_dead_address():
+    import socket
+
+    with socket.socket() as sock:  # a port that nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    client = GraderClient(f"127.0.0.1:{port}", max_retries=2, retry_backoff_s=0.01, timeout_s=2)
+    with pytest.raises(GraderUnavailable, match="after 3 attempts: UNAVAILABLE"):
+        client.score_batch([("x", "[]")])
+    client.close()
+
+
+def test_client_request_errors_are_not_retried(server):
+    with GraderClient(server.address, max_retries=3) as client:
+        with pytest.raises(GraderRequestError, match="FAILED_PRECONDITION") as err:
+            client.cases(10)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        cases = client.cases(2)
+        assert cases[0].progression == TINY["progressions"][0]["progression"]
+        assert client.score(cases[0].id, ADMITTED).reward == 1.0
+
+
+def test_prometheus_metrics_exposed(stub):
+    port = start_metrics_server(0)
+    stub.Score(pb.ScoreRequest(case_id="cadence", completion="not json"), timeout=10)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'counterpoint_grader_requests_total{task="voice-leading",verdict="structure"}' in body
+    assert 'counterpoint_grader_latency_seconds_count{rpc="Score",task="voice-leading"}' in body
+
+
+# --- the real CLI -----------------------------------------------------------------------------
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", "grader", *args]
+
+
+def test_require_pool_refuses_before_serving(tiny_fixture):
+    proc = subprocess.run(
+        _cli("serve", "--fixture", str(tiny_fixture), "--require-pool", "3", "--port", "0"),
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "--require-pool 3" in proc.stderr and "holds only 2" in proc.stderr
+    assert "serving" not in proc.stdout
+
+
+def test_serve_refuses_another_schema(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({**TINY, "schema": "p5-something/1"}), "utf-8")
+    proc = subprocess.run(_cli("serve", "--fixture", str(path), "--port", "0"), cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "not p4-progressions/1" in proc.stderr
+
+
+def test_cli_serve_prints_address_and_serves(tiny_fixture):
+    proc = subprocess.Popen(
+        _cli("serve", "--fixture", str(tiny_fixture), "--require-pool", "2", "--port", "0",
+             "--style", "film-ambient"),
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "serving on 127.0.0.1:" in line, line + proc.stderr.read()
+        address = line.split("serving on ")[1].split()[0]
+        with GraderClient(address) as client:
+            health = client.health()
+            assert (health.pool_size, health.style) == (2, "film-ambient")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        proc.stdout.close()
+        proc.stderr.close()
