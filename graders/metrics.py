@@ -6,7 +6,10 @@
 - `counterpoint_grader_latency_seconds{task, rpc}`: wall time per RPC (`rpc` is one of the four
   method names).
 The metric objects live in the process's default registry, created once per process (several
-servers in one process share them).
+servers in one process share them). Inside Ray Serve replicas `use_ray_metrics()` swaps them for
+`ray.util.metrics` objects of the same names: Ray's per-node metrics agent exports them (as
+`ray_<name>`, which deploy/prometheus/prometheus.yml strips), so every replica is scraped
+without a port of its own.
 """
 
 from __future__ import annotations
@@ -77,6 +80,47 @@ def prometheus_metrics():
             )
             _metrics = (requests, latency)
         return _metrics
+
+
+class _RayLabelled:
+    """prometheus_client's `.labels(**tags).inc()/.observe()` over a ray.util.metrics object."""
+
+    def __init__(self, metric, tags: dict[str, str]) -> None:
+        self._metric, self._tags = metric, tags
+
+    def inc(self, value: float = 1.0) -> None:
+        self._metric.inc(value, tags=self._tags)
+
+    def observe(self, value: float) -> None:
+        self._metric.observe(value, tags=self._tags)
+
+
+class _RayMetric:
+    def __init__(self, metric) -> None:
+        self._metric = metric
+
+    def labels(self, **tags: str) -> _RayLabelled:
+        return _RayLabelled(self._metric, tags)
+
+
+def use_ray_metrics() -> None:
+    """Record through Ray's metrics agent from now on (call once in a Serve replica)."""
+    global _metrics
+    from ray.util.metrics import Counter, Histogram
+
+    with _metrics_lock:
+        requests = Counter(
+            "counterpoint_grader_requests_total",
+            "Completions scored by the grader, by task and bounded verdict class.",
+            tag_keys=("task", "verdict"),
+        )
+        latency = Histogram(
+            "counterpoint_grader_latency_seconds",
+            "Grader RPC wall time.",
+            boundaries=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5],
+            tag_keys=("task", "rpc"),
+        )
+        _metrics = (_RayMetric(requests), _RayMetric(latency))
 
 
 def observe_scores(task: str, verdicts: list[str]) -> None:

@@ -10,9 +10,10 @@ What Serve's gRPC proxy (Ray 2.60) serves: the `Grader` methods, its own
 (probe `RayServeAPIService/Healthz` or call `Grader/Health`), and it binds `[::]:<port>`
 (all interfaces; Ray 2.60 has no host option for gRPC): keep the port firewalled.
 
-Per-replica state: `Health` counters are those of the replica that answered, and the
-`counterpoint_grader_*` Prometheus series live in each replica's default registry (not scraped);
-the plain server (`counterpoint grader serve --metrics-port`) is the one that exposes them.
+Per-replica state: `Health` counters are those of the replica that answered. The
+`counterpoint_grader_*` series are recorded through `ray.util.metrics` and exported by Ray's
+metrics agent on each node (`ray.init(_metrics_export_port=...)`; the trainer records the
+endpoint in its receipt); the plain server exposes them on its own `--metrics-port`.
 
 The orchestrator may skip gRPC altogether: a `DeploymentHandle` to this app exposes
 `score_batch(pairs)`, `cases(limit, split)` and `health()` returning the same typed values as
@@ -35,10 +36,12 @@ DEPLOYMENT_NAME = "Grader"
 class GraderDeployment:
     def __init__(self, config: dict) -> None:
         from graders.fixtures import load_pool
+        from graders.metrics import use_ray_metrics
         from graders.service import GraderCore
         from services.runtime_env import apply_defaults
 
         apply_defaults()
+        use_ray_metrics()  # exported by Ray's metrics agent of this node
         cfg = GraderConfig(**config)
         pool = load_pool(cfg.fixture, cfg.heldout_fixture, cfg.voices, cfg.style)
         self.core = GraderCore(pool, cfg.voices, cfg.style, cfg.checker, cfg.task)

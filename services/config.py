@@ -54,6 +54,11 @@ class TrainerConfig(BaseModel):
     eval_generations: int = Field(1, ge=1, description="Completions per held-out case.")
     ray_address: str | None = Field(None, description="Join this Ray cluster (None = start local).")
     ray_num_cpus: int | None = Field(None, ge=1, description="CPUs of a locally started Ray.")
+    ray_metrics_port: int = Field(
+        0, ge=0, le=65535,
+        description="Metrics export port of a locally started Ray's metrics agent (grader Serve "
+        "replicas export there); 0 = a free port, recorded in the receipt.",
+    )
 
 
 class RunConfig(BaseModel):

@@ -347,10 +347,10 @@ def run_demo_exporter(
 ) -> None:
     """Serve trainer (services/metrics.py), grader (graders/metrics.py) and rollout metrics.
 
-    Prints one JSON line {"trainer": port, "graders": port, "rollout": port} then records a step
+    Prints one JSON line {"trainer": port, "graders": port, "ray": port} then records a step
     every `step_interval_s` with realistic values until terminated. `ppl_ratio` centres the
-    exported ratio (1.3 trips the alert); `ray_prefix` names the rollout series as Ray's metrics
-    agent exposes ray.util.metrics (`ray_counterpoint_...`).
+    exported ratio (1.3 trips the alert); `ray_prefix` names the series on the "ray" port as
+    Ray's metrics agent exposes ray.util.metrics (`ray_counterpoint_...`).
     """
     import math
     import random
@@ -366,15 +366,20 @@ def run_demo_exporter(
     # The grader's own metrics module (its default registry), on a port of its own as in a run.
     ports["graders"] = grader_metrics.start_metrics_server(0, host="127.0.0.1")
 
-    # Stand-in under the DESIGN.md names until rollout/metrics.py exists (the dashboard queries
-    # the names, not the module).
+    # Rollout replicas report to the adapter registry and the driver exports them: the real
+    # collector of rollout/metrics.py, fed a snapshot as the registry would give it.
+    from rollout.metrics import RolloutCollector
+
+    snapshot = {"replicas": {"0": 0, "1": 0}, "tokens_total": 0}
+    trainer.registry.register(RolloutCollector(lambda: dict(snapshot)))
+
+    # Grader Serve replicas export through Ray's metrics agent, which names them `ray_<name>`:
+    # with ray_prefix the same grader series are also served that way on a port of their own.
     prefix = "ray_" if ray_prefix else ""
-    rollout_reg = CollectorRegistry()
-    rollout_tokens = Counter(f"{prefix}counterpoint_rollout_tokens", "tokens", registry=rollout_reg)
-    replica_version = Gauge(f"{prefix}counterpoint_rollout_adapter_version", "adapter", ["replica"],
-                            registry=rollout_reg)
-    server, _ = start_http_server(0, addr="127.0.0.1", registry=rollout_reg)
-    ports["rollout"] = server.server_port
+    ray_reg = CollectorRegistry()
+    ray_requests = Counter(f"{prefix}counterpoint_grader_requests", "scored", ["task", "verdict"], registry=ray_reg)
+    server, _ = start_http_server(0, addr="127.0.0.1", registry=ray_reg)
+    ports["ray"] = server.server_port
     print(json.dumps(ports), flush=True)
 
     rng = random.Random(0)
@@ -407,9 +412,10 @@ def run_demo_exporter(
         grader_metrics.observe_scores("voice-leading", verdicts)
         latency_s = math.exp(rng.gauss(-4.5, 0.5))  # ~11 ms median
         grader_metrics.observe_latency("voice-leading", "ScoreBatch", latency_s)
-        rollout_tokens.inc(tokens)
-        for replica in ("0", "1"):
-            replica_version.labels(replica=replica).set(step)
+        snapshot["tokens_total"] += tokens
+        snapshot["replicas"] = {"0": step, "1": step}
+        for verdict in verdicts:
+            ray_requests.labels(task="voice-leading", verdict=grader_metrics.verdict_class(verdict)).inc()
         time.sleep(step_interval_s)
 
 

@@ -50,7 +50,7 @@ def test_promtool_check_rules():
 def test_prometheus_config_scrapes_every_component():
     config = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
     jobs = {job["job_name"] for job in config["scrape_configs"]}
-    assert jobs == {"counterpoint-trainer", "counterpoint-graders", "counterpoint-rollout"}
+    assert jobs == {"counterpoint-trainer", "counterpoint-graders", "counterpoint-ray"}
     assert config["rule_files"] == ["alerts.yml"]
 
 
@@ -109,7 +109,7 @@ def scrape_jobs(ports: dict[str, int]) -> dict[str, list[str]]:
     return {
         "counterpoint-trainer": [f"127.0.0.1:{ports['trainer']}"],
         "counterpoint-graders": [f"127.0.0.1:{ports['graders']}"],
-        "counterpoint-rollout": [f"127.0.0.1:{ports['rollout']}"],
+        "counterpoint-ray": [f"127.0.0.1:{ports['ray']}"],
     }
 
 
@@ -131,7 +131,7 @@ def prom():
 def prom_drifting():
     """ppl_ratio near 1.3; rollout series as Ray's metrics agent names them (`ray_` prefix),
     scraped with the shipped relabelling of the rollout job."""
-    settings = {"counterpoint-rollout": shipped_job_settings("counterpoint-rollout")}
+    settings = {"counterpoint-ray": shipped_job_settings("counterpoint-ray")}
     with demo_exporter("--ppl-ratio", "1.3", "--ray-prefix") as ports, PromServer(
         scrape_jobs(ports), rule_files=[ALERTS], job_settings=settings
     ) as server:
@@ -211,10 +211,11 @@ def test_drifting_ppl_ratio_trips_the_alert(prom_drifting):
     assert alerts["CounterpointPplRatioOutOfBand"] == "pending"
 
 
-def test_ray_prefixed_rollout_series_are_relabelled(prom_drifting):
+def test_ray_prefixed_grader_series_are_relabelled(prom_drifting):
     assert_all_queries_return_data(
         prom_drifting,
-        ["counterpoint_rollout_adapter_version", "counterpoint_rollout_tokens_total"],
+        ['counterpoint_grader_requests_total{job="counterpoint-ray"}',
+         "counterpoint_rollout_adapter_version", "counterpoint_rollout_tokens_total"],
     )
     assert prom_drifting.query('{__name__=~"ray_counterpoint_.*"}') == []
 
