@@ -7,7 +7,7 @@ from itertools import product
 from typing import Any
 
 from graders.voice_leading.chords import is_named
-from graders.voice_leading.jsnum import number_to_string
+from graders.voice_leading.jsnum import MISSING, number_to_string
 from graders.voice_leading.parser import SpecEntry, parse_completion
 from graders.voice_leading.prompt import template_string
 from graders.voice_leading.render import render_frames
@@ -70,4 +70,5 @@ def forced_prefix(progression: Mapping[str, Any], opening: Sequence[int]) -> str
     if first is None:
         raise ValueError("progression has no named chord, so it has no opening to force")
     degrees = ", ".join(template_string(d) for d in opening)
-    return f'[{{"measure": {template_string(first.get("measure"))}, "degrees": [{degrees}]}},'
+    measure = template_string(first.get("measure", MISSING))
+    return f'[{{"measure": {measure}, "degrees": [{degrees}]}},'

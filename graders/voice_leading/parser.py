@@ -6,12 +6,13 @@ checkers read a completion identically and strict can only take reward away.
 
 from __future__ import annotations
 
-from math import isfinite
 import re
 from functools import partial
+from math import isfinite
 from typing import Any, Final, NamedTuple
 
 from graders.voice_leading.jsnum import (
+    JS_WHITESPACE,
     JS_WS_CLASS,
     MISSING,
     JSONParseError,
@@ -22,13 +23,21 @@ from graders.voice_leading.jsnum import (
     to_number,
 )
 
-# First fence: ``` + optional 'json' (ASCII, any case) + JS whitespace + shortest run to ```.
-_FENCE: Final = re.compile(r"```(?:[jJ][sS][oO][nN])?" + JS_WS_CLASS + r"*(.*?)```", re.DOTALL)
+# The reference's fence pattern: ``` + optional 'json' (ASCII, any case) + JS whitespace +
+# the shortest run up to the next ```. Kept as the definition `find_fence` is tested against;
+# matching it with a backtracking engine is quadratic in a run of whitespace after an
+# unclosed fence (about a second for 10 kB of spaces, 100 s for 100 kB), so `find_fence`
+# scans instead.
+FENCE_PATTERN: Final = re.compile(
+    r"```(?:[jJ][sS][oO][nN])?" + JS_WS_CLASS + r"*(.*?)```", re.DOTALL
+)
+_JSON_TAG: Final = re.compile(r"[jJ][sS][oO][nN]")
+_WHITESPACE: Final = frozenset(JS_WHITESPACE)
 _BRACKET: Final = re.compile(r"[\[\]]")
 
 _MEASURE_FIELDS: Final = ("measure", "m", "bar")
 _DEGREE_FIELDS: Final = ("degrees", "voices", "tones", "notes")
-_OCTAVE_FIELDS: Final = ("bassOctave", "octave", "bass_octave")
+_OCTAVE_FIELDS: Final = ("bassOctave", "octave", "bass_octave")  # inlined in _parse_entry
 _JUST_INT: Final = {int}
 
 
@@ -45,6 +54,27 @@ class SpecEntry(NamedTuple):
     degrees: tuple[float, ...]
     bass_octave: float | None = None
     typed: bool = True
+
+
+def find_fence(text: str) -> str | None:
+    """The capture of ``FENCE_PATTERN.search(text)`` in linear time (None when no match).
+
+    Only the first ``` can start a match: backtracking the optional tag or the whitespace
+    cannot help (neither holds a backtick), and a later ``` lies either inside the same
+    backtick run (so it has a later start and the same lack of a closing fence) or after the
+    start of the content, where the first start would already have found it as its closer.
+    """
+    start = text.find("```")
+    if start < 0:
+        return None
+    pos = start + 3
+    if _JSON_TAG.match(text, pos):
+        pos += 4
+    end = len(text)
+    while pos < end and text[pos] in _WHITESPACE:
+        pos += 1
+    close = text.find("```", pos)
+    return None if close < 0 else text[pos:close]
 
 
 def _first_balanced_array(text: str) -> str | None:
@@ -71,8 +101,8 @@ def find_json_value(completion: str) -> Any:
         return parse_json(completion)  # the whole, untrimmed text
     except JSONParseError:
         pass
-    fence = _FENCE.search(completion)
-    candidate = fence.group(1) if fence is not None else _first_balanced_array(completion)
+    fence = find_fence(completion)
+    candidate = fence if fence is not None else _first_balanced_array(completion)
     if not candidate:
         return MISSING
     try:

@@ -7,11 +7,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from graders.voice_leading.jsnum import int_to_number, number_to_string
+from graders.voice_leading.jsnum import MISSING, int_to_number, number_to_string, value_to_string
 
 
 def template_string(value: Any) -> str:
-    """How a JavaScript template literal ``${value}`` prints a JSON value."""
+    """How a JavaScript template literal ``${value}`` prints a JSON value (MISSING: undefined)."""
+    if value is MISSING:
+        return "undefined"
     if value is None:
         return "null"
     if value is True:
@@ -22,7 +24,9 @@ def template_string(value: Any) -> str:
         return number_to_string(int_to_number(value))
     if isinstance(value, float):
         return number_to_string(value)
-    return str(value)
+    if isinstance(value, str):
+        return value
+    return value_to_string(value)  # arrays join with ",", objects print [object Object]
 
 
 def system_message(voices: int) -> str:
@@ -56,15 +60,15 @@ def system_message(voices: int) -> str:
 def user_message(progression: Mapping[str, Any], voices: int) -> str:
     """Heading with the key verbatim, the chord table (every chord, N/C included), instruction."""
     lines = [
-        f"# Voice this progression in {template_string(progression.get('key'))} \u2014 "
+        f"# Voice this progression in {template_string(progression.get('key', MISSING))} \u2014 "
         f"{voices} voices per chord, bass to soprano.",
         "",
         "| Measure | Chord |",
         "|---------|-------|",
     ]
     for chord in progression["chords"]:
-        measure = template_string(chord.get("measure"))
-        lines.append(f"| {measure} | {template_string(chord.get('chordSymbol'))} |")
+        measure = template_string(chord.get("measure", MISSING))
+        lines.append(f"| {measure} | {template_string(chord.get('chordSymbol', MISSING))} |")
     lines.append("")
     lines.append(
         f'Return one JSON object per measure above with its "degrees" '

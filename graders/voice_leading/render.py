@@ -74,13 +74,13 @@ def entries_by_measure(specs: Iterable[SpecEntry]) -> dict[float, SpecEntry]:
 def _measure_key(measure: Any) -> Any:
     # Progression measures are numbers; bool is not a measure (True would equal 1 in Python),
     # and an unhashable value can match no entry.
-    if type(measure) is int or type(measure) is float:
-        return measure
-    return None if isinstance(measure, bool) or not isinstance(measure, int | float) else measure
+    if isinstance(measure, bool) or not isinstance(measure, int | float):
+        return None
+    return measure
 
 
 _VOICING_CACHE: dict[tuple[Any, ...], tuple[tuple[float, ...], bool]] = {}
-_VOICING_CACHE_MAX = 1 << 16
+_VOICING_CACHE_MAX = 1 << 14  # entries; a few MB at most
 _REST: tuple[tuple[float, ...], bool] = ((), False)
 
 
@@ -109,16 +109,19 @@ def render_frames(
     """One frame per progression chord, in list order (§7.2)."""
     by_measure = entries_by_measure(specs)
     frames = []
+    append = frames.append
     for chord in progression["chords"]:
         symbol = chord.get("chordSymbol")
         measure = chord.get("measure")
-        if not is_named(symbol):
-            frames.append(_new_frame((measure, symbol, (), False, False)))
+        # is_named(symbol), inlined for plain strings: this runs for every chord of every call
+        if (symbol == "" or symbol == "N/C") if type(symbol) is str else not is_named(symbol):
+            append(_new_frame((measure, symbol, (), False, False)))
             continue
-        spec = by_measure.get(_measure_key(measure))
+        key = measure if type(measure) is int or type(measure) is float else _measure_key(measure)
+        spec = by_measure.get(key)
         if spec is None:
-            frames.append(_new_frame((measure, symbol, (), False, True)))
+            append(_new_frame((measure, symbol, (), False, True)))
         else:
             voiced, clamped = voice_chord(symbol, spec.degrees, spec.bass_octave, voices)
-            frames.append(_new_frame((measure, symbol, voiced, clamped, True)))
+            append(_new_frame((measure, symbol, voiced, clamped, True)))
     return frames

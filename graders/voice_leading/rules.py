@@ -137,9 +137,12 @@ def _leading_tone_resolves(
     return max(b) == soprano + 1.0
 
 
-_CACHE_MAX = 1 << 16
+_CACHE_MAX = 1 << 14  # entries per cache; a few MB at most
 _FRAME_CACHE: dict[tuple[Any, ...], frozenset[str]] = {}
 _PAIR_CACHE: dict[tuple[Any, ...], frozenset[str]] = {}
+
+
+_INTERNED: dict[frozenset[str], frozenset[str]] = {}
 
 
 def _remember(
@@ -147,7 +150,9 @@ def _remember(
 ) -> frozenset[str]:
     if len(cache) >= _CACHE_MAX:
         cache.clear()
-    result = cache[key] = frozenset(value)
+    result = frozenset(value)
+    result = _INTERNED.setdefault(result, result)  # few distinct rule sets: share them
+    cache[key] = result
     return result
 
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from graders.voice_leading.jsnum import value_to_string
 from graders.voice_leading.openings import opening_string
 from graders.voice_leading.parser import parse_completion
 from graders.voice_leading.render import entries_by_measure, render_frames
@@ -38,31 +39,28 @@ class ScoreResult:
 
 
 def completion_from_messages(messages: Any) -> str:
-    """The completion the bridge scores (§2.3): the last assistant message's content.
+    """The completion the bridge scores (§2.3), like the reference's ``lastAssistantText``.
 
-    A list content is concatenated from its parts (a string part counts as itself, otherwise
-    its ``text``; a part without text adds nothing); a bare string is used as-is; anything else
-    (no assistant message, odd shapes) gives the empty string.
+    The content of the last assistant message that has a string or list content; a list is
+    concatenated from its parts (a string part counts as itself, a mapping part as its
+    ``text`` written like JavaScript's ``String()``, anything else as nothing). A bare string
+    instead of a message list is used as-is; otherwise the empty string.
     """
-    if isinstance(messages, str):
-        return messages
-    if not isinstance(messages, list | tuple):
-        return ""
-    for message in reversed(messages):
-        if isinstance(message, Mapping) and message.get("role") == "assistant":
+    if isinstance(messages, list | tuple):
+        for message in reversed(messages):
+            if not isinstance(message, Mapping) or message.get("role") != "assistant":
+                continue
             content = message.get("content")
             if isinstance(content, str):
                 return content
             if isinstance(content, list | tuple):
-                parts = []
-                for part in content:
-                    if isinstance(part, str):
-                        parts.append(part)
-                    elif isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                        parts.append(part["text"])
-                return "".join(parts)
-            return ""
-    return ""
+                return "".join(
+                    part if isinstance(part, str)
+                    else value_to_string(part.get("text")) if isinstance(part, Mapping)
+                    else ""
+                    for part in content
+                )
+    return messages if isinstance(messages, str) else ""
 
 
 def check_options(voices: Any, style: Any, checker: Any) -> None:
