@@ -35,4 +35,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m services.cli`: run the canonical module's app, on which the sub-commands
+    # registered themselves (this file executing as __main__ is a second module object).
+    from services.cli import main as canonical_main
+
+    canonical_main()
