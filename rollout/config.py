@@ -30,8 +30,9 @@ class ModelConfig(BaseModel):
     )
     eos_token_ids: list[int] | None = Field(
         None,
-        description="Stop token ids overriding what the chat template and generation_config "
-        "say; None = the template's end-of-turn token(s) plus generation_config's eos.",
+        description="Stop token ids replacing generation_config's and the tokenizer's eos. The "
+        "chat template's end-of-turn token always stops generation as well; None = end-of-turn "
+        "plus generation_config's and the tokenizer's eos.",
     )
     tiny_seed: int = Field(0, description="Weight seed of the 'tiny-random' model.")
 
@@ -57,6 +58,19 @@ class RolloutConfig(BaseModel):
     kv_cache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts.")
     gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM on GPU hosts.")
     enforce_eager: bool = Field(True, description="vLLM: skip CUDA graph capture.")
+    adapters_kept: int = Field(
+        2, ge=1, description="Published adapter versions the registry keeps reachable (the "
+        "latest and the ones before it, for requests still naming an older version)."
+    )
+    replica_liveness_s: float = Field(
+        10.0, gt=0, description="A replica not heard from for this long is taken for dead by "
+        "the adapter registry (replicas report every second, also while generating)."
+    )
+    max_retries: int = Field(
+        3, ge=0, description="Retries of a failed generate call (e.g. a replica died and is being "
+        "replaced); the step fails loudly after them, it never trains on fewer samples."
+    )
+    retry_backoff_s: float = Field(2.0, gt=0, description="First retry delay; doubles each time.")
     adapter_wait_timeout_s: float = Field(
         120.0, gt=0, description="How long to wait for every replica to load a new adapter."
     )

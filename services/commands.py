@@ -75,3 +75,152 @@ def train_command(
         return
     run = train(TrainOptions(cfg, run_dir, resume=resume is not None, init_adapter=init_adapter))
     typer.echo(f"run directory: {run.root}")
+
+
+@app.command("eval")
+def eval_command(
+    config: Path = typer.Option(..., "--config", "-c", help="YAML config (model, grader, rollout sections)."),
+    set_: list[str] = typer.Option([], "--set", help="Dotted config override (repeatable)."),
+    adapter: Optional[Path] = typer.Option(None, "--adapter", help="A peft adapter dir; none = the base model."),
+    run: Optional[Path] = typer.Option(None, "--run", help="A run directory: evaluate its last adapter."),
+    split: str = typer.Option("heldout", "--split", help="Grader split: heldout or train."),
+    generations: int = typer.Option(8, "--generations", "-g", min=1, help="Completions per prompt (G)."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1, help="Completion token limit."),
+    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass (1.0 = off)."),
+    top_k: int = typer.Option(-1, "--top-k", help="Top-k (-1 = off)."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N prompts of the split."),
+    eos_token_ids: Optional[str] = typer.Option(None, "--eos-token-ids", help="Extra stop ids, comma-separated."),
+    out: Path = typer.Option(..., "--out", "-o", help="EVAL.jsonl to write."),
+) -> None:
+    """Held-out evaluation: pass rate, coverage, unparseable share, mean length (EVAL.jsonl)."""
+    from rich.console import Console
+
+    from services.config import ConfigError, load_config
+    from services.eval_cli import eval_summary_table
+    from services.evaluate import EvalOptions, run_eval
+
+    _setup_logging()
+    if adapter is not None and run is not None:
+        typer.echo("error: give --adapter or --run, not both", err=True)
+        raise typer.Exit(2)
+    try:
+        cfg = load_config(config, set_)
+        eos = [int(t) for t in eos_token_ids.split(",") if t.strip()] if eos_token_ids else None
+    except (ConfigError, ValueError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    summary, path = run_eval(EvalOptions(cfg, out, split, generations, max_new_tokens, temperature, top_p, top_k,
+                                         seed, adapter, run, limit, eos))
+    Console().print(eval_summary_table(summary, title=f"{split} evaluation ({path})"))
+
+
+@app.command("replicate")
+def replicate_command(
+    config: Path = typer.Option(..., "--config", "-c", help="YAML config every arm trains with."),
+    seeds: str = typer.Option(..., "--seeds", help="Comma-separated seeds, one arm each, e.g. 7,8,9."),
+    out: Path = typer.Option(Path("runs/replicate"), "--out", help="Directory for the arms' runs, evals, logs."),
+    set_: list[str] = typer.Option([], "--set", help="Dotted override applied to every arm (repeatable)."),
+    pin_init: bool = typer.Option(False, "--pin-init", help="All arms share the first arm's saved init adapter."),
+    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster every arm joins."),
+    parallel: int = typer.Option(1, "--parallel", min=1, help="Arms at a time (use >1 only on a cluster)."),
+    generations: int = typer.Option(8, "--generations", "-g", min=1, help="Eval completions per held-out prompt."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1, help="Eval completion token limit."),
+) -> None:
+    """Train N runs that differ only in seed, each followed by the same held-out eval."""
+    from rich.console import Console
+
+    from services.config import ConfigError, load_config, resolved
+    from services.receipt import Receipt
+    from services.replicate import ReplicatePlan, arms_table, as_records, replicate
+
+    try:
+        seed_list = [int(s) for s in seeds.split(",") if s.strip()]
+        cfg = load_config(config, set_)
+    except (ValueError, ConfigError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    if len(seed_list) < 1 or len(set(seed_list)) != len(seed_list):
+        typer.echo(f"error: --seeds must list distinct seeds, got {seeds!r}", err=True)
+        raise typer.Exit(2)
+    out.mkdir(parents=True, exist_ok=True)
+    receipt = Receipt(out / "replicate.json", kind="replicate", run_name=out.name)
+    receipt.start(config=resolved(cfg), seeds={"seeds": seed_list},
+                  notes={"pin_init": pin_init, "parallel": parallel, "overrides": set_})
+    with receipt.guard():
+        plan = ReplicatePlan(config, seed_list, out, list(set_), pin_init, address, parallel,
+                             ["--generations", str(generations), "--max-new-tokens", str(max_new_tokens)])
+        arms = replicate(plan)
+        receipt.update(artifacts={"arms": as_records(arms)})
+    Console().print(arms_table(arms))
+    failed = [a.seed for a in arms if a.status != "completed"]
+    if failed:
+        typer.echo(f"{len(failed)} of {len(arms)} arms failed (seeds {failed}); see the table and logs", err=True)
+        raise typer.Exit(1)
+
+
+@app.command("probe-options")
+def probe_options_command(
+    config: Path = typer.Option(..., "--config", "-c", help="YAML config (model, grader, rollout)."),
+    set_: list[str] = typer.Option([], "--set", help="Dotted config override (repeatable)."),
+    split: str = typer.Option("heldout", "--split", help="Grader split."),
+    adapter: Optional[Path] = typer.Option(None, "--adapter", help="A peft adapter dir; none = the base model."),
+    eval_file: Optional[Path] = typer.Option(None, "--eval", help="An EVAL.jsonl of the same items: compare with "
+                                             "the openings single-sample decoding showed."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N prompts."),
+    max_new_tokens: int = typer.Option(192, "--max-new-tokens", min=1, help="Token limit of the probe answer."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the per-item options and the summary as JSON."),
+) -> None:
+    """Ask for five openings with probabilities; how many distinct admissible ones the model knows."""
+    from contextlib import ExitStack
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from rollout.adapters import payload_from_dir
+    from rollout.types import Prompt, SamplingParams
+    from services.config import ConfigError, load_config
+    from services.evalfile import read_eval
+    from services.launch import start_grader, start_ray, start_rollout
+    from services.probe import ProbeItem, parse_options, probe_messages, summarize
+
+    _setup_logging()
+    try:
+        cfg = load_config(config, set_)
+    except ConfigError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    with ExitStack() as stack:
+        start_ray(cfg, stack)
+        grader = start_grader(cfg, stack)
+        rollout = start_rollout(cfg, stack)
+        version = 0
+        if adapter is not None:
+            rollout.publish(payload_from_dir(adapter, version=1))
+            rollout.sync(1)
+            version = 1
+        cases = grader.cases(limit=limit or 0, split=split)
+        prompts = [Prompt(tuple(probe_messages(c.messages, c.progression["chords"][0]["measure"], c.voices)))
+                   for c in cases]
+        params = SamplingParams(n=1, temperature=cfg.rollout.temperature, max_tokens=max_new_tokens, seed=seed)
+        samples = sorted(rollout.generate(prompts, params, version), key=lambda s: s.prompt_index)
+    items = [ProbeItem(c.id, parse_options(s.text), frozenset(c.openings)) for c, s in zip(cases, samples)]
+    decoded = None
+    if eval_file is not None:
+        decoded = {i.item_id: len({o for o in i.openings if o != "(none)"}) for i in read_eval(eval_file).items}
+    summary = summarize(items, decoded)
+    table = Table(title=f"five-options probe ({split}, {len(items)} items)")
+    table.add_column("per item")
+    for col in ("mean", "median", "min", "max"):
+        table.add_column(col, justify="right")
+    for key in ("probe_distinct_admissible", "decoded_support", "probe_minus_decoded"):
+        if key in summary:
+            table.add_row(key, *(f"{summary[key][c]:.2f}" for c in ("mean", "median", "min", "max")))
+    Console().print(table)
+    typer.echo(f"probe answers parsed: {summary['probe_parsed_share']:.1%}")
+    if out is not None:
+        out.write_text(json.dumps({"summary": summary, "items": [
+            {"item_id": i.item_id, "options": [vars(o) for o in i.options], "distinct_admissible": i.distinct_admissible,
+             "raw": s.text} for i, s in zip(items, samples)]}, indent=2, default=str))

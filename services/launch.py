@@ -1,0 +1,85 @@
+"""Starting (or joining) the parts of a run: Ray, the grader, the rollout replicas. Shared by
+`counterpoint train`, `eval`, `probe-options` and `replicate`."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any
+
+from services.config import RunConfig
+from services.runtime_env import apply_defaults
+
+
+def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
+    """Join cfg.trainer.ray_address or start a local cluster; a cluster started here is shut
+    down (Serve apps first) when the stack closes. An already initialised Ray is reused.
+    Returns the local metrics-agent endpoint (host:port) when Ray was started here."""
+    import ray
+
+    env = apply_defaults()
+    if ray.is_initialized():
+        return None
+    kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": True}
+    if cfg.trainer.ray_address:
+        ray.init(address=cfg.trainer.ray_address, **kwargs)
+        return None
+    metrics_port = cfg.trainer.ray_metrics_port or _free_port()
+    ray.init(num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False,
+             _metrics_export_port=metrics_port, **kwargs)
+
+    def _shutdown() -> None:
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+    stack.callback(_shutdown)
+    return f"127.0.0.1:{metrics_port}"
+
+
+def start_grader(cfg: RunConfig, stack: ExitStack):
+    """A client of the configured grader address, or of a grader started here as a Serve app."""
+    from graders.client import GraderClient
+
+    address = cfg.grader.address
+    if address is None:
+        from graders import serve_app
+
+        port = serve_app.free_port() if hasattr(serve_app, "free_port") else _free_port()
+        serve_app.start(cfg.grader, grpc_port=port, http_port=_free_port())
+        address = f"127.0.0.1:{port}"
+    client = GraderClient.from_config(cfg.grader, address=address)
+    stack.callback(client.close)
+    return client
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_rollout(cfg: RunConfig, stack: ExitStack, seed: int | None = None):
+    """Deploy the rollout replicas; they are deleted when the stack closes."""
+    from rollout.deployment import start_rollout as start, stop_rollout
+
+    client = start(cfg.model, cfg.rollout, kind=cfg.rollout.engine, seed=cfg.seed if seed is None else seed)
+    stack.callback(stop_rollout)
+    return client
+
+
+def stop_token_report(cfg: RunConfig) -> dict[str, Any]:
+    """The stop set every engine uses and whether the template's end-of-turn and
+    generation_config's eos disagree (the never-stopping-generation trap), for the receipt."""
+    import logging
+
+    from rollout.models import resolve_model, stop_token_ids
+
+    report = stop_token_ids(resolve_model(cfg.model), cfg.model.eos_token_ids)
+    if report.warning:
+        logging.getLogger("counterpoint").warning("stop tokens: %s", report.warning)
+    return report.as_dict()

@@ -1,0 +1,224 @@
+"""The GRPO driver: the step loop of DESIGN.md.
+
+One step: sample prompts -> gen (rollout replicas, adapter v) -> score (grader) -> adv (pure
+function) -> learner (old_log_prob, ref, update_actor) -> update_weights (adapter v+1 live on
+every replica) [-> save_checkpoint]. `one_step_off` overlaps generation for step t+1 with the
+update of step t; every sample records the adapter version it was sampled with and the
+staleness is a metric.
+
+The services are passed in (`RunParts`): this module knows their typed interfaces, not how
+they are started (services/launch.py does that), so the loop stays on one screen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from learner.advantages import compute_advantages, frac_reward_zero_std
+from learner.types import TrainBatch
+from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
+from services.config import RunConfig
+from services.phases import PhaseTimer
+
+log = logging.getLogger("counterpoint.train")
+
+
+# ---------------------------------------------------------------- typed boundaries of the parts
+class Grader(Protocol):
+    def score_batch(self, items: list[tuple[str, str]]) -> list[Any]: ...
+
+
+class Rollout(Protocol):
+    def generate(self, prompts: list[Prompt], params: SamplingParams, version: int) -> list[Sample]: ...
+    def publish(self, payload: AdapterPayload) -> None: ...
+    def sync(self, version: int) -> float: ...
+
+
+class Learner(Protocol):
+    def step(self, batch: TrainBatch) -> Any: ...
+    def save_checkpoint(self, step: int, data_position: dict[str, Any]) -> Any: ...
+
+
+@dataclass
+class RunParts:
+    cfg: RunConfig
+    cases: dict[str, Any]  # case id -> grader Case (messages, prefixes, ...)
+    sampler: Any  # services.sampler.PromptSampler
+    grader: Grader
+    rollout: Rollout
+    learner: Learner
+    record: Callable[["StepRecord"], None]  # archive + metrics + progress, one call per step
+    version: int = 0  # adapter version live on every replica
+
+
+@dataclass
+class Rollouts:
+    """One step's generations, flattened: sample i belongs to group groups[i]."""
+
+    step: int
+    case_ids: list[str]  # per sample
+    prompts: list[Prompt]  # per sample
+    samples: list[Sample]
+    groups: list[int]
+    gen_seconds: float = 0.0
+
+
+@dataclass
+class StepRecord:
+    step: int
+    rollouts: Rollouts
+    scores: list[Any]
+    rewards: list[float]
+    advantages: list[float]
+    learner_metrics: dict[str, float]
+    phases_s: dict[str, float]
+    total_s: float
+    adapter_version: int
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- the pieces of a step
+def prompts_for_step(parts: RunParts, step: int) -> tuple[list[str], list[Prompt]]:
+    """G prompts per sampled case. With forced openings, rollout i of a group gets opening
+    i mod |alphabet| (voice-leading spec 13.3); otherwise the G prompts are identical."""
+    tcfg = parts.cfg.trainer
+    case_ids: list[str] = []
+    prompts: list[Prompt] = []
+    for case_id in parts.sampler.batch_for_step(step):
+        case = parts.cases[case_id]
+        messages = tuple({"role": m["role"], "content": m["content"]} for m in case.messages)
+        prefixes = list(case.prefixes) if tcfg.prefix_mode == "forced_opening" else []
+        for i in range(tcfg.group_size):
+            prefix = prefixes[i % len(prefixes)] if prefixes else ""
+            case_ids.append(case_id)
+            prompts.append(Prompt(messages=messages, assistant_prefix=prefix))
+    return case_ids, prompts
+
+
+def sampling_params(cfg: RunConfig, step: int) -> SamplingParams:
+    r = cfg.rollout
+    # One seed per (run seed, step): reruns and resumes sample the same way.
+    return SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_tokens=r.max_tokens, seed=cfg.seed * 1_000_003 + step)
+
+
+def with_retries(call: Callable[[], Any], what: str, retries: int, backoff_s: float) -> Any:
+    """Run `call`, retrying with exponential backoff (a replica may be dying and replaced);
+    after `retries` failures the last error propagates: never a partial result."""
+    for attempt in range(retries + 1):
+        try:
+            return call()
+        except Exception as err:  # Ray wraps replica failures in several exception types
+            if attempt == retries:
+                raise
+            delay = backoff_s * 2**attempt
+            log.warning("%s failed (%s: %s); retry %d/%d in %.1f s", what, type(err).__name__,
+                        str(err).splitlines()[0][:200] if str(err) else "", attempt + 1, retries, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def generate(parts: RunParts, step: int, version: int) -> Rollouts:
+    t0 = time.perf_counter()
+    case_ids, prompts = prompts_for_step(parts, step)
+    rc = parts.cfg.rollout
+    samples = with_retries(lambda: parts.rollout.generate(prompts, sampling_params(parts.cfg, step), version),
+                           f"generate (step {step})", rc.max_retries, rc.retry_backoff_s)
+    if len(samples) != len(prompts):
+        raise RuntimeError(f"rollout returned {len(samples)} samples for {len(prompts)} prompts")
+    samples = sorted(samples, key=lambda s: s.prompt_index)
+    stale = [s.adapter_version for s in samples if s.adapter_version != version]
+    if stale:
+        raise RuntimeError(f"rollout answered with adapter versions {sorted(set(stale))}, asked for {version}")
+    groups = [i // parts.cfg.trainer.group_size for i in range(len(prompts))]
+    return Rollouts(step, case_ids, prompts, samples, groups, time.perf_counter() - t0)
+
+
+def completion_text(prompt: Prompt, sample: Sample) -> str:
+    """What the grader scores: the whole assistant turn, forced prefix included."""
+    return prompt.assistant_prefix + sample.text
+
+
+def score(parts: RunParts, ro: Rollouts) -> list[Any]:
+    items = [(cid, completion_text(p, s)) for cid, p, s in zip(ro.case_ids, ro.prompts, ro.samples)]
+    replies = parts.grader.score_batch(items)  # retried inside; raises rather than return partial
+    if len(replies) != len(items):
+        raise RuntimeError(f"grader returned {len(replies)} scores for {len(items)} completions")
+    return replies
+
+
+def advantages(cfg: RunConfig, rewards: list[float], groups: list[int], valid: list[bool]) -> torch.Tensor:
+    lc = cfg.learner
+    return compute_advantages(
+        torch.tensor(rewards, dtype=torch.float32), torch.tensor(groups), estimator=lc.advantage,
+        scale_rewards=lc.scale_rewards, valid=torch.tensor(valid), invalid_advantage=lc.invalid_advantage,
+    )
+
+
+def train_batch(ro: Rollouts, rewards: list[float], adv: torch.Tensor) -> TrainBatch:
+    return TrainBatch(
+        prompt_ids=[s.prompt_token_ids for s in ro.samples],
+        response_ids=[s.token_ids for s in ro.samples],
+        rollout_logprobs=[s.logprobs for s in ro.samples],
+        advantages=adv.tolist(),
+        rewards=list(rewards),
+        group_ids=list(ro.groups),
+    )
+
+
+def for_rollout(payload: AdapterPayload) -> AdapterPayload:
+    """Learner adapters are numbered by the step that produced them (the init adapter is 0);
+    the rollout serves learner adapter k as version k + 1, so step s samples with version s
+    (DESIGN.md's diagram) and rollout version 0 stays the bare base model."""
+    return dataclasses.replace(payload, version=payload.version + 1)
+
+
+# ---------------------------------------------------------------- the loop
+def run_steps(parts: RunParts, first_step: int) -> None:
+    """Train steps first_step..cfg.trainer.steps. Fits on one screen by design."""
+    cfg = parts.cfg
+    overlap = cfg.trainer.mode == "one_step_off"
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gen") if overlap else None
+    ahead: Future[Rollouts] | None = None
+    try:
+        for step in range(first_step, cfg.trainer.steps + 1):
+            timer = PhaseTimer()
+            with timer("gen"):
+                ro = ahead.result() if ahead is not None else generate(parts, step, parts.version)
+            with timer("score"):
+                scores = score(parts, ro)
+            with timer("adv"):
+                rewards = [float(s.reward) for s in scores]
+                valid = [bool(s.format_ok) for s in scores]
+                adv = advantages(cfg, rewards, ro.groups, valid)
+            if pool is not None and step < cfg.trainer.steps:  # sample t+1 with adapter v while v+1 trains
+                ahead = pool.submit(generate, parts, step + 1, parts.version)
+            result = parts.learner.step(train_batch(ro, rewards, adv))
+            timer.add(result.phases_s)
+            with timer("update_weights"):
+                adapter = for_rollout(result.adapter)
+                parts.rollout.publish(adapter)
+                with_retries(lambda: parts.rollout.sync(adapter.version), f"sync adapter v{adapter.version}",
+                             parts.cfg.rollout.max_retries, parts.cfg.rollout.retry_backoff_s)
+            parts.version = adapter.version
+            if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
+                with timer("save_checkpoint"):
+                    parts.learner.save_checkpoint(step, parts.sampler.position(step + 1))
+            staleness = parts.version - min(s.adapter_version for s in ro.samples)
+            parts.record(StepRecord(
+                step=step, rollouts=ro, scores=scores, rewards=rewards, advantages=adv.tolist(),
+                learner_metrics=dict(result.metrics), phases_s=dict(timer.seconds), total_s=timer.total(),
+                adapter_version=parts.version,
+                extra={"frac_reward_zero_std": frac_reward_zero_std(torch.tensor(rewards), torch.tensor(ro.groups)),
+                       "adapter_staleness": float(staleness - 1)},
+            ))
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)

