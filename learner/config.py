@@ -40,7 +40,8 @@ class LearnerConfig(BaseModel):
     micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward.")
     epochs_per_step: int = Field(1, ge=1, description="Optimizer passes over each step's batch.")
     advantage: Literal[
-        "grpo", "dr_grpo", "rank", "rloo", "grpo_valid_only", "dr_grpo_valid_only"
+        "grpo", "dr_grpo", "rank", "rloo",
+        "grpo_valid_only", "dr_grpo_valid_only", "rank_valid_only", "rloo_valid_only",
     ] = Field("grpo", description="Advantage estimator (see learner/advantages.py).")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="Std used to scale advantages (grpo estimators)."
@@ -54,7 +55,7 @@ class LearnerConfig(BaseModel):
     epsilon_low: float = Field(0.2, ge=0, description="Lower clip range of the ratio.")
     epsilon_high: float = Field(0.28, ge=0, description="Upper clip range of the ratio.")
     beta: float = Field(0.0, ge=0, description="KL leash coefficient against the base model.")
-    kl_estimator: Literal["k1", "k3", "low_var_kl"] = Field("k3", description="KL estimator.")
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field("k3", description="KL estimator.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     entropy_floor: float | None = Field(
         None, ge=0, description="Apply the entropy bonus only while entropy is below this."
@@ -64,6 +65,12 @@ class LearnerConfig(BaseModel):
     )
     max_completion_length: int | None = Field(
         None, ge=1, description="dr_grpo's constant normaliser; None = rollout.max_tokens."
+    )
+    fold_old_logprobs: bool = Field(
+        True,
+        description="With epochs_per_step=1, lora.dropout=0 and no entropy floor, take the "
+        "pre-update log-probs from the update's own forward (detached: no optimizer step has "
+        "happened yet) instead of a separate no-grad pass; phase old_log_prob then reports 0 s.",
     )
     on_lr_mismatch: Literal["rebase", "refuse"] = Field(
         "rebase",

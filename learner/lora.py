@@ -1,0 +1,105 @@
+"""The trainable policy: a frozen base model with a peft LoRA adapter.
+
+Init pinning: the LoRA A matrices are drawn from torch's global RNG inside get_peft_model, so
+the seed is set RIGHT BEFORE it: the same seed gives a byte-identical adapter file (and sha256),
+whatever was drawn earlier in the process. ``init_adapter`` (a saved adapter dir) replaces the
+random init whatever the seed. The reference policy of the KL leash is the same model under
+``model.disable_adapter()``: no second copy of the base weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from rollout.types import AdapterPayload
+
+ADAPTER_FILE = "adapter_model.safetensors"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_base_model(model_cfg, device: torch.device | str = "cpu"):
+    """The frozen base model from a rollout.config.ModelConfig (local dir via resolve_model)."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout.models import resolve_model
+
+    path = resolve_model(model_cfg)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[model_cfg.dtype])
+    model.config.use_cache = False
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.to(device)
+
+
+def peft_lora_config(lora_cfg):
+    """peft.LoraConfig from learner.config.LoraConfig ('all-linear' excludes the output head)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    targets = lora_cfg.target_modules
+    return PeftLoraConfig(
+        r=lora_cfg.r,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=targets if isinstance(targets, str) else list(targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def attach_lora(base, lora_cfg, seed: int, init_adapter: Path | None = None):
+    """Wrap ``base`` in a trainable PeftModel: seeded fresh init, or weights from ``init_adapter``
+    (whose own adapter_config — rank, alpha, targets — then applies, not ``lora_cfg``)."""
+    from peft import PeftModel, get_peft_model
+
+    if init_adapter is not None:
+        init_adapter = Path(init_adapter)
+        if not (init_adapter / ADAPTER_FILE).is_file():
+            raise FileNotFoundError(f"init adapter {init_adapter} has no {ADAPTER_FILE}")
+        return PeftModel.from_pretrained(base, str(init_adapter), is_trainable=True)
+    torch.manual_seed(seed)  # seed first, then build: the A init draws from this RNG
+    return get_peft_model(base, peft_lora_config(lora_cfg))
+
+
+def adapter_state_dict(peft_model) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under peft's saved names (what save_pretrained writes), on CPU."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(peft_model)
+    return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+
+
+def adapter_config_dict(peft_model) -> dict:
+    """adapter_config.json content, JSON-safe (peft keeps target_modules as a set)."""
+    cfg = peft_model.peft_config["default"].to_dict()
+    return json.loads(json.dumps(cfg, default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
+
+
+def adapter_payload(peft_model, version: int) -> AdapterPayload:
+    from safetensors.torch import save
+
+    return AdapterPayload(
+        version=version,
+        safetensors=save(adapter_state_dict(peft_model), metadata={"format": "pt"}),
+        config=adapter_config_dict(peft_model),
+    )
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_adapter(peft_model, out_dir: Path) -> str:
+    """peft save_pretrained (safetensors) into out_dir; returns the sha256 of the weights file."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    peft_model.save_pretrained(str(out_dir), safe_serialization=True)
+    return sha256_file(out_dir / ADAPTER_FILE)
+

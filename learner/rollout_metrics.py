@@ -1,0 +1,72 @@
+"""Rollout-vs-trainer agreement (ppl_ratio, rollout_kl, rollout_k3_kl) and metric reduction.
+
+For sequence i with response mask m, rollout log-probs r (the engine that sampled) and trainer
+log-probs o (recomputed before the update), DESIGN.md fixes:
+
+    d_i            = mean_t(r) - mean_t(o)
+    ppl_ratio      = mean_i exp(d_i)          training ppl / rollout ppl (verl's definition)
+    rollout_kl     = token-mean(r - o)
+    rollout_k3_kl  = token-mean(exp(o - r) - (o - r) - 1)
+
+1.0 / 0 / 0 mean both sides describe the same distribution; a drift is a bug or a stale adapter.
+
+Metrics cross workers as SUMS so that an all-reduce(sum) then ``finalize`` gives the value of
+the whole step batch whatever the sharding: keys ``<name>/tok_sum`` are divided by ``tokens``,
+``<name>/seq_sum`` by ``sequences``; other keys are counts and pass through.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rollout_mismatch_sums(
+    rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """Sums over a micro-batch: r, o, mask are [B, T]. Sequences with no response token are
+    skipped (they have no mean)."""
+    r, o, m = rollout_logprobs.float(), trainer_logprobs.float(), mask.float()
+    n_tok = m.sum(-1)  # [B]
+    has = n_tok > 0
+    d = ((r - o) * m).sum(-1) / n_tok.clamp(min=1)
+    delta = (o - r) * m
+    k3 = (torch.exp(o - r) - (o - r) - 1) * m
+    return {
+        "ppl_ratio/seq_sum": float(torch.exp(d)[has].sum()),
+        "rollout_kl/tok_sum": float(((r - o) * m).sum()),
+        "rollout_k3_kl/tok_sum": float(k3.sum()),
+        "rollout_abs_diff/tok_sum": float(delta.abs().sum()),
+        "tokens": float(m.sum()),
+        "sequences": float(has.sum()),
+    }
+
+
+def finalize(sums: dict[str, float]) -> dict[str, float]:
+    """Turn reduced sums into means (see the module docstring)."""
+    out: dict[str, float] = {}
+    tokens = max(sums.get("tokens", 0.0), 1.0)
+    sequences = max(sums.get("sequences", 0.0), 1.0)
+    for key, value in sums.items():
+        if key.endswith("/tok_sum"):
+            out[key[: -len("/tok_sum")]] = value / tokens
+        elif key.endswith("/seq_sum"):
+            out[key[: -len("/seq_sum")]] = value / sequences
+        else:
+            out[key] = value
+    return out
+
+
+def rollout_mismatch(
+    rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """ppl_ratio, rollout_kl, rollout_k3_kl (and rollout_abs_diff) of one batch [B, T]."""
+    return finalize(rollout_mismatch_sums(rollout_logprobs, trainer_logprobs, mask))
+
+
+def merge_sums(*parts: dict[str, float]) -> dict[str, float]:
+    """Add sum-dicts key by key (micro-batches of one worker)."""
+    out: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            out[key] = out.get(key, 0.0) + value
+    return out

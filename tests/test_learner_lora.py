@@ -1,0 +1,92 @@
+"""LoRA init pinning, adapter export and the adapter-disabled reference (tiny random model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load, load_file
+
+from learner.config import LoraConfig
+from learner.lora import (
+    ADAPTER_FILE,
+    adapter_payload,
+    adapter_state_dict,
+    attach_lora,
+    load_base_model,
+    save_adapter,
+)
+from rollout.config import ModelConfig
+
+pytestmark = pytest.mark.slow
+
+TINY = ModelConfig(name_or_path="tiny-random")
+
+
+def build(seed: int, init_adapter=None, lora=LoraConfig(r=4, alpha=8)):
+    return attach_lora(load_base_model(TINY), lora, seed, init_adapter)
+
+
+def test_same_seed_same_bytes_different_seed_differs(tmp_path):
+    a = save_adapter(build(7), tmp_path / "a")
+    torch.rand(1000)  # unrelated RNG draws between builds must not matter: the seed is set first
+    b = save_adapter(build(7), tmp_path / "b")
+    c = save_adapter(build(8), tmp_path / "c")
+    assert (tmp_path / "a" / ADAPTER_FILE).read_bytes() == (tmp_path / "b" / ADAPTER_FILE).read_bytes()
+    assert a == b
+    assert a != c
+    # fresh init: LoRA B is zero (the adapter is the identity), A is not
+    state = load_file(tmp_path / "a" / ADAPTER_FILE)
+    assert all(v.abs().sum() == 0 for k, v in state.items() if "lora_B" in k)
+    assert any(v.abs().sum() > 0 for k, v in state.items() if "lora_A" in k)
+
+
+def test_init_adapter_wins_over_the_seed(tmp_path):
+    source = build(1)
+    with torch.no_grad():
+        for name, p in source.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    save_adapter(source, tmp_path / "src")
+    reused = build(99, init_adapter=tmp_path / "src")
+    want = load_file(tmp_path / "src" / ADAPTER_FILE)
+    got = adapter_state_dict(reused)
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert any(p.requires_grad for p in reused.parameters())  # trainable, not frozen
+    with pytest.raises(FileNotFoundError, match="has no adapter_model.safetensors"):
+        build(0, init_adapter=tmp_path / "missing")
+
+
+def test_payload_matches_saved_adapter_and_config(tmp_path):
+    model = build(3)
+    save_adapter(model, tmp_path / "d")
+    payload = adapter_payload(model, version=5)
+    assert payload.version == 5
+    tensors = load(payload.safetensors)
+    saved = load_file(tmp_path / "d" / ADAPTER_FILE)
+    assert set(tensors) == set(saved) and all(torch.equal(tensors[k], saved[k]) for k in saved)
+    on_disk = json.loads((tmp_path / "d" / "adapter_config.json").read_text())
+    assert payload.config["r"] == on_disk["r"] == 4
+    assert payload.config["lora_alpha"] == 8
+    assert sorted(payload.config["target_modules"]) == sorted(on_disk["target_modules"])
+    assert "lm_head" not in payload.config["target_modules"]  # all-linear skips the head
+    json.dumps(payload.config)  # plain JSON for the rollout side
+
+
+def test_disabled_adapter_is_the_base_model():
+    base_only = load_base_model(TINY)
+    model = build(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        want = base_only(input_ids=ids).logits
+        with model.disable_adapter():
+            ref = model(input_ids=ids).logits
+        adapted = model(input_ids=ids).logits
+    assert torch.allclose(ref, want, atol=1e-6)
+    assert not torch.allclose(adapted, want, atol=1e-3)
