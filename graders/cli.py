@@ -55,6 +55,9 @@ def serve(
     voices: VoicesOpt = None,
     style: StyleOpt = None,
     checker: CheckerOpt = None,
+    bars: Annotated[
+        Optional[int], typer.Option(help="Cut every progression to its first N chords.")
+    ] = None,
     metrics_port: Annotated[
         Optional[int], typer.Option(help="Expose Prometheus /metrics on 127.0.0.1:PORT (plain server).")
     ] = None,
@@ -73,11 +76,11 @@ def serve(
     cfg = _config(
         task=task, host=host, port=port, fixture=str(fixture) if fixture else None,
         heldout_fixture=str(heldout_fixture) if heldout_fixture else None,
-        require_pool=require_pool, voices=voices, style=style, checker=checker,
+        require_pool=require_pool, voices=voices, style=style, checker=checker, bars=bars,
         replicas=replicas, app_name=app_name, metrics_port=metrics_port,
     )
     try:
-        pool = load_pool(cfg.fixture, cfg.heldout_fixture, cfg.voices, cfg.style)
+        pool = load_pool(cfg.fixture, cfg.heldout_fixture, cfg.voices, cfg.style, cfg.bars)
         check(pool, cfg.require_pool)
     except (FixtureError, PoolTooSmall) as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -27,6 +27,11 @@ class GraderConfig(BaseModel):
     require_pool: int | None = Field(
         None, ge=1, description="Refuse to start when the pool holds fewer progressions."
     )
+    bars: int | None = Field(
+        None, ge=1,
+        description="Cut every progression to its first `bars` chords (None = as in the pool). "
+        "Shorter progressions are the main lever on a small model's base pass rate.",
+    )
     voices: int = Field(2, ge=2, le=4, description="Voices per chord (N).")
     style: Style = Field("common-practice", description="Style preset relaxing rules.")
     checker: Checker = Field(

@@ -129,7 +129,15 @@ def read_fixture(path: str | Path) -> list[FixtureRow]:
     return parse_fixture(document, str(path))
 
 
-def build_case(row: FixtureRow, split: str, voices: int, style: str) -> Case:
+def first_bars(progression: dict, bars: int | None) -> dict:
+    """The progression cut to its first `bars` chords (None = whole). A cut keeps the key and
+    the chords' own measure numbers, so a cut case is scored exactly like a short fixture row."""
+    if bars is None:
+        return progression
+    return {**progression, "chords": list(progression["chords"][:bars])}
+
+
+def build_case(row: FixtureRow, split: str, voices: int, style: str, bars: int | None = None) -> Case:
     from graders.voice_leading import (
         build_messages,
         forced_prefix,
@@ -137,23 +145,24 @@ def build_case(row: FixtureRow, split: str, voices: int, style: str) -> Case:
         opening_alphabet,
     )
 
-    openings = tuple(tuple(o) for o in opening_alphabet(row.progression, voices))
+    progression = first_bars(row.progression, bars)
+    openings = tuple(tuple(o) for o in opening_alphabet(progression, voices))
     return Case(
         id=row.song_id,
         split=split,
-        progression=row.progression,
+        progression=progression,
         voices=voices,
         style=style,
-        messages=tuple(build_messages(row.progression, voices)),
-        chords=named_chord_count(row.progression),
+        messages=tuple(build_messages(progression, voices)),
+        chords=named_chord_count(progression),
         openings=openings,
-        prefixes=tuple(forced_prefix(row.progression, o) for o in openings),
+        prefixes=tuple(forced_prefix(progression, o) for o in openings),
     )
 
 
-def load_cases(path: str | Path, split: str, voices: int, style: str) -> list[Case]:
+def load_cases(path: str | Path, split: str, voices: int, style: str, bars: int | None = None) -> list[Case]:
     """Cases of one fixture file, in file order."""
-    return [build_case(row, split, voices, style) for row in read_fixture(path)]
+    return [build_case(row, split, voices, style, bars) for row in read_fixture(path)]
 
 
 @dataclass
@@ -218,8 +227,10 @@ def load_pool(
     heldout_fixture: str | Path | None = None,
     voices: int = 2,
     style: str = "common-practice",
+    bars: int | None = None,
 ) -> Pool:
-    """Both splits; None means the shipped generated pool of that split."""
+    """Both splits; None means the shipped generated pool of that split. `bars` cuts every
+    progression to its first chords (grader.bars)."""
     from graders.voice_leading.score import check_options
 
     check_options(voices, style, "reference")
@@ -227,7 +238,7 @@ def load_pool(
         "train": Path(fixture) if fixture else DEFAULT_FIXTURES["train"],
         "heldout": Path(heldout_fixture) if heldout_fixture else DEFAULT_FIXTURES["heldout"],
     }
-    splits = {s: tuple(load_cases(p, s, voices, style)) for s, p in paths.items()}
+    splits = {s: tuple(load_cases(p, s, voices, style, bars)) for s, p in paths.items()}
     source = "fixture" if fixture else "generated"
     return Pool(splits, source, {s: str(p) for s, p in paths.items()})
 

@@ -43,7 +43,7 @@ class GraderDeployment:
         apply_defaults()
         use_ray_metrics()  # exported by Ray's metrics agent of this node
         cfg = GraderConfig(**config)
-        pool = load_pool(cfg.fixture, cfg.heldout_fixture, cfg.voices, cfg.style)
+        pool = load_pool(cfg.fixture, cfg.heldout_fixture, cfg.voices, cfg.style, cfg.bars)
         self.core = GraderCore(pool, cfg.voices, cfg.style, cfg.checker, cfg.task)
 
     def _grpc(self, rpc: str, request, grpc_context):
@@ -110,7 +110,7 @@ def deployment_options(cfg: GraderConfig) -> dict[str, Any]:
 def build_app(cfg: GraderConfig):
     """The bound Serve application for a grader config."""
     fields = cfg.model_dump(
-        include={"task", "fixture", "heldout_fixture", "voices", "style", "checker"}
+        include={"task", "fixture", "heldout_fixture", "voices", "style", "checker", "bars"}
     )
     return GraderDeployment.options(**deployment_options(cfg)).bind(fields)
 

@@ -33,16 +33,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-PHASES = (
-    "gen",
-    "score",
-    "old_log_prob",
-    "ref",
-    "adv",
-    "update_actor",
-    "update_weights",
-    "save_checkpoint",
-)
+from services.phases import PHASES
+
 
 NODE_FIELDS = (
     "id",

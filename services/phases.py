@@ -6,6 +6,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
+# DESIGN.md's phase names, in step order: the one definition (archive, metrics and the loop use it).
 PHASES = ("gen", "score", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "save_checkpoint")
 
 

@@ -245,3 +245,18 @@ def test_counters_and_verdict_classes():
     assert [verdict_class(v) for v in ("admitted", "structure", "parallels,hidden")] == [
         "admitted", "structure", "rule_failure",
     ]
+
+
+def test_bars_cuts_every_progression_and_its_prompt():
+    from graders.fixtures import load_pool
+
+    whole = load_pool(voices=2, style="common-practice")
+    cut = load_pool(voices=2, style="common-practice", bars=2)
+    assert cut.size("train") == whole.size("train")
+    for a, b in zip(whole.take(0, "train"), cut.take(0, "train")):
+        assert a.id == b.id
+        assert b.progression["chords"] == a.progression["chords"][:2]
+        assert b.progression["key"] == a.progression["key"]
+        rows = [line for line in b.messages[1]["content"].splitlines() if line.startswith("| ") and "Measure" not in line]
+        assert len(rows) == 2
+        assert b.prefixes == a.prefixes  # the opening is the first chord's either way
