@@ -1,5 +1,368 @@
-"""`counterpoint rollout ...` (placeholder; the rollout service fills this in)."""
+"""`counterpoint rollout ...`: sample completions, recompute their log-probs, serve replicas.
+
+Defaults come from `rollout.config` (ModelConfig, RolloutConfig): options left unset take their
+values, or those of `--config FILE` (a run config YAML) when given. Heavy imports (torch, vLLM,
+Ray) stay inside the commands so that --help is instant.
+
+    counterpoint rollout generate --model tiny-random --prompts p.jsonl --n 4 --out s.jsonl
+    counterpoint rollout logprobs --model tiny-random --in s.jsonl --out scored.jsonl
+    counterpoint rollout serve --replicas 2 --metrics-port 9400
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
-app = typer.Typer(no_args_is_help=True)
+app = typer.Typer(no_args_is_help=True, help="Generation engines and the Serve deployment.")
+
+ModelOpt = Annotated[
+    Optional[str],
+    typer.Option("--model", help="smollm2-135m-instruct | tiny-random | a local dir | a hub id."),
+]
+DtypeOpt = Annotated[Optional[str], typer.Option(help="float32 | bfloat16 | float16 (base weights).")]
+EngineOpt = Annotated[Optional[str], typer.Option("--engine", help="auto | vllm | hf.")]
+AdapterOpt = Annotated[
+    Optional[Path], typer.Option(help="A peft LoRA adapter dir, served as adapter version 1.")
+]
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="Run config YAML for defaults.")]
+EosOpt = Annotated[
+    Optional[str],
+    typer.Option(help="Comma-separated stop token ids replacing the model's eos (end-of-turn stays)."),
+]
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _configs(config: Path | None, model: dict, rollout: dict):
+    """(ModelConfig, RolloutConfig) from the config file (if any) plus the options given."""
+    from pydantic import ValidationError
+
+    from rollout.config import ModelConfig, RolloutConfig
+
+    base_model, base_rollout = {}, {}
+    if config is not None:
+        from services.config import load_config
+
+        try:
+            run = load_config(config)
+        except Exception as err:  # ConfigError, YAML or file errors: say which file
+            _fail(f"{config}: {err}")
+        base_model, base_rollout = run.model.model_dump(), run.rollout.model_dump()
+    try:
+        return (
+            ModelConfig(**{**base_model, **{k: v for k, v in model.items() if v is not None}}),
+            RolloutConfig(**{**base_rollout, **{k: v for k, v in rollout.items() if v is not None}}),
+        )
+    except ValidationError as err:
+        _fail(f"invalid options: {err}")
+
+
+def _eos(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        _fail(f"--eos-token-ids must be comma-separated integers, got {value!r}")
+
+
+def read_prompts(path: Path) -> list:
+    """Prompts JSONL: one object per line with `messages` ([{role, content}, ...]) and an
+    optional `assistant_prefix`."""
+    from rollout.types import Prompt
+
+    if not path.is_file():
+        _fail(f"prompts file {path} does not exist")
+    prompts = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            _fail(f"{path}:{lineno}: not JSON ({err.msg})")
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            _fail(f"{path}:{lineno}: needs 'messages': a non-empty list of {{role, content}} strings")
+        prefix = row.get("assistant_prefix", "")
+        if not isinstance(prefix, str):
+            _fail(f"{path}:{lineno}: 'assistant_prefix' must be a string")
+        prompts.append(Prompt(messages=tuple(messages), assistant_prefix=prefix))
+    if not prompts:
+        _fail(f"{path} holds no prompts")
+    return prompts
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        disable=not sys.stderr.isatty(), transient=True,
+    )
+
+
+@app.command()
+def generate(
+    prompts: Annotated[Path, typer.Option("--prompts", help="Prompts JSONL (lines with `messages`).")],
+    out: Annotated[Path, typer.Option("--out", help="Samples JSONL to write (one line per sample).")],
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    engine: EngineOpt = None,
+    adapter: AdapterOpt = None,
+    n: Annotated[int, typer.Option("--n", min=1, help="Samples per prompt.")] = 1,
+    max_tokens: Annotated[Optional[int], typer.Option(help="Max completion tokens.")] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature.")] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="Nucleus mass.")] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="Top-k (-1 = off).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Sampling seed (reproducible runs).")] = None,
+    eos_token_ids: EosOpt = None,
+    max_model_len: Annotated[Optional[int], typer.Option(help="Context length for vLLM.")] = None,
+    replicas: Annotated[
+        Optional[int], typer.Option(help="Run on a Ray Serve deployment of this many replicas.")
+    ] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="Prompts per engine call (in-process).")] = 8,
+    config: ConfigOpt = None,
+) -> None:
+    """Sample N completions per prompt; write text, token ids and sampling log-probs."""
+    from rollout.types import SamplingParams
+
+    model_cfg, rollout_cfg = _configs(
+        config,
+        {"name_or_path": model, "dtype": dtype, "eos_token_ids": _eos(eos_token_ids)},
+        {"engine": engine, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+         "top_k": top_k, "max_model_len": max_model_len, "replicas": replicas},
+    )
+    prompt_list = read_prompts(prompts)
+    payload = None
+    if adapter is not None:
+        from rollout.adapters import AdapterError, payload_from_dir
+
+        try:
+            payload = payload_from_dir(adapter, version=1)
+        except AdapterError as err:
+            _fail(str(err))
+    params = SamplingParams(
+        n=n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
+        max_tokens=rollout_cfg.max_tokens, seed=seed,
+    )
+    version = 1 if payload is not None else 0
+    if replicas is not None:
+        samples = _generate_on_serve(model_cfg, rollout_cfg, prompt_list, params, payload, seed or 0)
+    else:
+        samples = _generate_in_process(model_cfg, rollout_cfg, prompt_list, params, payload, batch_size, seed or 0)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as fh:
+        for s in samples:
+            fh.write(json.dumps({
+                "prompt_index": s.prompt_index, "sample_index": s.sample_index, "text": s.text,
+                "prompt_token_ids": s.prompt_token_ids, "token_ids": s.token_ids,
+                "logprobs": s.logprobs, "finish_reason": s.finish_reason,
+                "adapter_version": s.adapter_version, "temperature": params.temperature,
+            }) + "\n")
+    stops = sum(s.finish_reason == "stop" for s in samples)
+    tokens = sum(len(s.token_ids) for s in samples)
+    typer.echo(
+        f"wrote {len(samples)} samples ({tokens} tokens, {stops} stopped, adapter v{version}) to {out}"
+    )
+
+
+def _generate_in_process(model_cfg, rollout_cfg, prompts, params, payload, batch_size, seed):
+    from dataclasses import replace
+
+    from rollout.engines import make_engine
+
+    engine = make_engine(model_cfg, rollout_cfg, seed=seed)
+    if engine.stop.warning:
+        typer.echo(f"warning: {engine.stop.warning}", err=True)
+    version = 0
+    if payload is not None:
+        engine.load_adapter(payload)
+        version = payload.version
+    samples = []
+    with _progress() as progress:
+        task = progress.add_task(f"{engine.kind} generate", total=len(prompts))
+        for start in range(0, len(prompts), batch_size):
+            batch_params = params if params.seed is None else replace(params, seed=params.seed + start * params.n)
+            for s in engine.generate(prompts[start : start + batch_size], batch_params, version):
+                s.prompt_index += start
+                samples.append(s)
+            progress.advance(task, min(batch_size, len(prompts) - start))
+    return samples
+
+
+def _generate_on_serve(model_cfg, rollout_cfg, prompts, params, payload, seed):
+    import ray
+
+    from rollout.deployment import start_rollout, stop_rollout
+
+    ray.init(num_cpus=max(2, int(rollout_cfg.num_cpus * rollout_cfg.replicas + 0.999)), include_dashboard=False)
+    try:
+        client = start_rollout(model_cfg, rollout_cfg, seed=seed)
+        version = 0
+        if payload is not None:
+            client.publish(payload)
+            seconds = client.sync(payload.version)
+            typer.echo(f"adapter v{payload.version} live on {rollout_cfg.replicas} replicas in {seconds:.2f} s", err=True)
+            version = payload.version
+        samples = client.generate(prompts, params, version)
+        stop_rollout()
+        return samples
+    finally:
+        ray.shutdown()
+
+
+@app.command()
+def logprobs(
+    in_path: Annotated[Path, typer.Option("--in", help="Samples JSONL from `rollout generate`.")],
+    out: Annotated[Path, typer.Option("--out", help="JSONL with `trainer_logprobs` added.")],
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    adapter: AdapterOpt = None,
+    temperature: Annotated[
+        Optional[float], typer.Option(help="Override the temperature stored in each line.")
+    ] = None,
+    micro_batch_size: Annotated[int, typer.Option(min=1, help="Sequences per forward.")] = 8,
+    config: ConfigOpt = None,
+) -> None:
+    """Recompute the samples' log-probs with transformers (the learner's side) and print
+    ppl_ratio, rollout_kl and rollout_k3_kl of the file."""
+    model_cfg, _ = _configs(config, {"name_or_path": model, "dtype": dtype}, {})
+    if not in_path.is_file():
+        _fail(f"samples file {in_path} does not exist")
+    rows = []
+    for lineno, line in enumerate(in_path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            assert all(k in row for k in ("prompt_token_ids", "token_ids", "logprobs"))
+        except (json.JSONDecodeError, AssertionError):
+            _fail(f"{in_path}:{lineno}: needs JSON with prompt_token_ids, token_ids and logprobs")
+        rows.append(row)
+    if not rows:
+        _fail(f"{in_path} holds no samples")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from learner.logprobs import response_logprobs
+    from rollout.models import resolve_model
+    from rollout.parity import parity_stats
+
+    model_dir = resolve_model(model_cfg)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    net = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtypes[model_cfg.dtype])
+    if adapter is not None:
+        from peft import PeftModel
+
+        net = PeftModel.from_pretrained(net, str(adapter))
+    net.eval()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+
+    trainer: list[list[float]] = [None] * len(rows)  # type: ignore[list-item]
+    by_temp: dict[float, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_temp.setdefault(float(temperature or row.get("temperature", 1.0)), []).append(i)
+    with _progress() as progress:
+        task = progress.add_task("transformers log-probs", total=len(rows))
+        for temp, idx in by_temp.items():
+            for start in range(0, len(idx), micro_batch_size):
+                chunk = idx[start : start + micro_batch_size]
+                lps = response_logprobs(
+                    net, [rows[i]["prompt_token_ids"] for i in chunk], [rows[i]["token_ids"] for i in chunk],
+                    pad_id=pad_id, temperature=temp, micro_batch_size=micro_batch_size,
+                )
+                for i, lp in zip(chunk, lps):
+                    trainer[i] = lp
+                progress.advance(task, len(chunk))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as fh:
+        for row, lp in zip(rows, trainer):
+            fh.write(json.dumps({**row, "trainer_logprobs": lp}) + "\n")
+    try:
+        stats = parity_stats([r["logprobs"] for r in rows], trainer)
+    except ValueError as err:
+        _fail(f"{in_path}: {err}")
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{in_path.name}: rollout vs transformers ({model_cfg.dtype})")
+    for name in ("ppl_ratio", "rollout_kl", "rollout_k3_kl", "max_abs_diff", "sequences", "tokens"):
+        table.add_column(name, justify="right")
+    d = stats.as_dict()
+    table.add_row(*(f"{d[k]:.6g}" if isinstance(d[k], float) else str(d[k]) for k in d))
+    Console().print(table)
+    typer.echo(json.dumps(d))
+
+
+@app.command()
+def serve(
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    engine: EngineOpt = None,
+    replicas: Annotated[Optional[int], typer.Option(help="Engine replicas.")] = None,
+    num_cpus: Annotated[Optional[float], typer.Option(help="CPUs per replica.")] = None,
+    num_gpus: Annotated[Optional[float], typer.Option(help="GPUs per replica.")] = None,
+    adapter: AdapterOpt = None,
+    address: Annotated[
+        Optional[str], typer.Option(help="Ray cluster address (default: start a local one).")
+    ] = None,
+    metrics_port: Annotated[
+        Optional[int], typer.Option(help="Expose Prometheus /metrics on 127.0.0.1:PORT.")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Engine seed.")] = 0,
+    config: ConfigOpt = None,
+) -> None:
+    """Deploy the rollout replicas on Ray Serve and keep them up until Ctrl-C."""
+    import time
+
+    import ray
+
+    from rollout.deployment import APP_NAME, REGISTRY_NAME, start_rollout, stop_rollout
+
+    model_cfg, rollout_cfg = _configs(
+        config, {"name_or_path": model, "dtype": dtype},
+        {"engine": engine, "replicas": replicas, "num_cpus": num_cpus, "num_gpus": num_gpus},
+    )
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(num_cpus=max(2, int(rollout_cfg.num_cpus * rollout_cfg.replicas + 0.999)), include_dashboard=False)
+    client = start_rollout(model_cfg, rollout_cfg, seed=seed)
+    if adapter is not None:
+        from rollout.adapters import payload_from_dir
+
+        client.publish(payload_from_dir(adapter, version=client.snapshot()["latest"] + 1))
+        client.sync(client.snapshot()["latest"])
+    if metrics_port is not None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        registry = CollectorRegistry()
+        registry.register(client.metrics_collector())
+        start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
+        typer.echo(f"metrics on http://127.0.0.1:{metrics_port}/metrics")
+    typer.echo(
+        f"serving app {APP_NAME!r}: {rollout_cfg.replicas} replicas of {model_cfg.name_or_path}; "
+        f"registry {REGISTRY_NAME!r} (namespace 'counterpoint'); Ctrl-C to stop"
+    )
+    try:
+        while True:
+            time.sleep(5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_rollout()
+        ray.shutdown()

@@ -1,0 +1,93 @@
+"""AdapterPayload <-> peft adapter directory. Pure file handling (safetensors + json), no torch.
+
+The learner publishes a payload per step; engines write it to a private temp dir and load it
+from there (vLLM and peft both load adapters from a directory).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rollout.types import AdapterPayload
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+
+
+class AdapterError(ValueError):
+    """A payload or adapter directory that cannot be served."""
+
+
+def payload_from_dir(adapter_dir: Path | str, version: int) -> AdapterPayload:
+    """Read a peft adapter directory (adapter_model.safetensors + adapter_config.json)."""
+    adapter_dir = Path(adapter_dir)
+    weights, config = adapter_dir / WEIGHTS_FILE, adapter_dir / CONFIG_FILE
+    for f in (weights, config):
+        if not f.is_file():
+            raise AdapterError(f"adapter directory {adapter_dir} has no {f.name}")
+    return AdapterPayload(
+        version=version, safetensors=weights.read_bytes(), config=json.loads(config.read_text())
+    )
+
+
+def write_payload(payload: AdapterPayload, adapter_dir: Path | str) -> Path:
+    """Write a payload as a peft adapter directory; returns the directory."""
+    validate_payload(payload)
+    adapter_dir = Path(adapter_dir)
+    adapter_dir.mkdir(parents=True, exist_ok=True)
+    (adapter_dir / WEIGHTS_FILE).write_bytes(payload.safetensors)
+    (adapter_dir / CONFIG_FILE).write_text(json.dumps(payload.config, indent=1))
+    return adapter_dir
+
+
+def validate_payload(payload: AdapterPayload, max_rank: int | None = None) -> None:
+    """Fail early, naming the problem, instead of deep inside an engine."""
+    if payload.version < 1:
+        raise AdapterError(f"adapter version must be >= 1 (0 is the base model), got {payload.version}")
+    if not payload.safetensors:
+        raise AdapterError(f"adapter v{payload.version} has empty safetensors bytes")
+    cfg = payload.config
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"adapter v{payload.version}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    if "r" not in cfg or "target_modules" not in cfg:
+        raise AdapterError(f"adapter v{payload.version}: adapter_config lacks 'r' or 'target_modules'")
+    if max_rank is not None and int(cfg["r"]) > max_rank:
+        raise AdapterError(
+            f"adapter v{payload.version} has rank {cfg['r']} > rollout.max_lora_rank {max_rank}"
+        )
+
+
+def make_lora_payload(
+    model_dir: Path | str,
+    version: int,
+    r: int = 8,
+    alpha: float = 16.0,
+    target_modules: list[str] | str = "all-linear",
+    b_std: float = 0.0,
+    seed: int = 0,
+) -> AdapterPayload:
+    """A LoRA adapter for the model in `model_dir`, built with peft (tests, benches, smoke runs).
+
+    b_std 0 gives peft's own init (B = 0: the adapter changes nothing); b_std > 0 draws B from
+    N(0, b_std^2) so the adapter moves the distribution.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = get_peft_model(
+        base, LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0)
+    )
+    if b_std > 0:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, b_std)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        return payload_from_dir(tmp, version)

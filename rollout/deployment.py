@@ -1,0 +1,376 @@
+"""Rollout on Ray Serve: N engine replicas, an adapter registry, and the driver's client.
+
+Data plane: `RolloutClient.generate` splits the prompts into chunks (a prompt's G samples
+always stay in one request) and sends them concurrently through the Serve handle; each request
+reaches one replica.
+
+Control plane (weight sync, DESIGN.md): the learner's rank 0 `publish`es AdapterPayload v into
+the object store and hands the ref to the named `AdapterRegistry` actor. Every replica
+long-polls the registry from a background thread (`wait_newer`, which doubles as its
+heartbeat); when v appears the replica loads it and reports back, so a publish reaches every
+live replica without knowing their addresses. `RolloutClient.sync(v)` waits (on the registry)
+until every live replica — at least `rollout.replicas` of them — holds v and returns the
+seconds taken. A replica started later (after a crash) loads the latest version in its
+constructor. A request naming a version the replica does not hold makes it fetch that version
+first; if the registry cannot provide it the request fails with AdapterUnavailableError.
+Completions carry the version they were sampled with.
+
+Engine calls run on ONE thread per replica (the engine is built on it too): "ensure version,
+then generate" is atomic there, and the event loop stays free for heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import ray
+from ray import serve
+
+from rollout.config import ModelConfig, RolloutConfig
+from rollout.registry import AdapterUnavailableError, RegistryState
+from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "counterpoint"
+REGISTRY_NAME = "counterpoint-adapter-registry"
+APP_NAME = "counterpoint-rollout"
+HEARTBEAT_S = 1.0
+
+
+# --------------------------------------------------------------------------- registry actor
+
+
+@ray.remote(num_cpus=0)
+class AdapterRegistry:
+    """Async actor around RegistryState; payloads stay in the object store (refs kept here)."""
+
+    def __init__(self, keep: int = 2, liveness_s: float = 10.0):
+        self.state = RegistryState(keep=keep, liveness_s=liveness_s)
+        self.changed = asyncio.Condition()
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def publish(self, version: int, payload_box: list) -> int:
+        # The ref arrives boxed in a list so that Ray hands us the ref, not the bytes.
+        self.state.publish(version, payload_box[0])
+        await self._notify()
+        return version
+
+    async def get(self, version: int) -> dict:
+        """{"box": [ref]} or {"error": why} (an error string crosses actors more plainly)."""
+        try:
+            return {"box": [self.state.get(version)]}
+        except AdapterUnavailableError as err:
+            return {"error": str(err)}
+
+    async def latest(self) -> int:
+        return self.state.latest
+
+    async def heartbeat(self, replica_id: str, actor_name: str, version: int, tokens: int) -> int:
+        self.state.heartbeat(replica_id, actor_name, version, tokens, time.monotonic())
+        await self._notify()
+        return self.state.latest
+
+    async def wait_newer(
+        self, replica_id: str, actor_name: str, held: int, tokens: int, newer_than: int, timeout: float
+    ) -> int:
+        """Heartbeat (`held` = the version the replica serves), then return the latest version
+        as soon as it is newer than `newer_than` (or after `timeout`)."""
+        await self.heartbeat(replica_id, actor_name, held, tokens)
+        async with self.changed:
+            try:
+                await asyncio.wait_for(
+                    self.changed.wait_for(lambda: self.state.latest > newer_than), timeout
+                )
+            except asyncio.TimeoutError:
+                pass
+        return self.state.latest
+
+    async def wait_all_hold(self, version: int, expected: int, timeout: float) -> dict:
+        start = time.monotonic()
+        while not self.state.all_hold(version, expected, time.monotonic()):
+            if time.monotonic() - start > timeout:
+                return {"ok": False, "seconds": time.monotonic() - start, **self.snapshot_now()}
+            async with self.changed:
+                try:  # wake on any report; re-check liveness at least every 0.5 s
+                    await asyncio.wait_for(self.changed.wait(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
+        return {"ok": True, "seconds": time.monotonic() - start, **self.snapshot_now()}
+
+    def snapshot_now(self) -> dict:
+        return self.state.snapshot(time.monotonic())
+
+    async def snapshot(self) -> dict:
+        return self.snapshot_now()
+
+
+def get_or_create_registry(rollout_cfg: RolloutConfig, name: str = REGISTRY_NAME):
+    return AdapterRegistry.options(
+        name=name, namespace=NAMESPACE, get_if_exists=True
+    ).remote(keep=rollout_cfg.adapters_kept, liveness_s=rollout_cfg.replica_liveness_s)
+
+
+def publish_adapter(payload: AdapterPayload, registry=None, name: str = REGISTRY_NAME) -> int:
+    """Put the payload in the object store and register it as the latest version.
+
+    Callable from any Ray process (the learner's rank 0): the registry is found by name. The
+    caller owns the object; it must stay alive while replicas may still fetch it.
+    """
+    from rollout.adapters import validate_payload
+
+    validate_payload(payload)
+    registry = registry or ray.get_actor(name, namespace=NAMESPACE)
+    return ray.get(registry.publish.remote(payload.version, [ray.put(payload)]))
+
+
+# --------------------------------------------------------------------------- replicas
+
+
+class RolloutReplica:
+    """One engine behind Serve. Wrapped with `serve.deployment` in `rollout_app`."""
+
+    def __init__(self, model_cfg: dict, rollout_cfg: dict, kind: str, seed: int, registry):
+        from services.runtime_env import apply_defaults
+
+        apply_defaults()
+        logging.basicConfig(level=logging.INFO)
+        from rollout.engines import make_engine
+
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.actor_name = context.replica_id.to_full_id_str()
+        self.registry = registry
+        self.tokens = 0
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # Replicas must not share an RNG stream (unseeded requests would repeat each other's
+        # samples); seeded requests stay reproducible through their own per-request seeds.
+        engine_seed = (seed + zlib.crc32(self.replica_id.encode())) % 2**31
+        self.engine = self.pool.submit(
+            make_engine, ModelConfig(**model_cfg), RolloutConfig(**rollout_cfg), kind, engine_seed
+        ).result()
+        # Catch up before taking traffic: a replacement replica starts at the latest version.
+        self.pool.submit(self._load_latest_if_newer).result()
+        self._stop = threading.Event()
+        self._follower = threading.Thread(target=self._follow, name="adapter-follower", daemon=True)
+        self._follower.start()
+
+    # ---- engine thread only
+
+    def _fetch(self, version: int) -> AdapterPayload:
+        found = ray.get(self.registry.get.remote(version))
+        if "error" in found:
+            raise AdapterUnavailableError(f"replica {self.replica_id}: {found['error']}")
+        return ray.get(found["box"][0])
+
+    def _load(self, version: int) -> None:
+        self.engine.load_adapter(self._fetch(version))
+        log.info("replica %s now holds adapter v%d", self.replica_id, version)
+        self._report()
+
+    def _load_latest_if_newer(self) -> None:
+        latest = ray.get(self.registry.latest.remote())
+        if latest > self.engine.loaded_version():
+            self._load(latest)
+
+    def _generate(self, prompts: list[Prompt], params: SamplingParams, version: int) -> list[Sample]:
+        if version < 0:
+            raise ValueError(f"adapter version must be >= 0, got {version}")
+        if version != 0 and self.engine.loaded_version() != version:
+            self._load(version)
+        samples = self.engine.generate(prompts, params, version)
+        self.tokens += sum(len(s.token_ids) for s in samples)
+        self._report()
+        return samples
+
+    def _report(self) -> None:
+        # Waited for (a few ms), so that a snapshot taken after a call returns includes it.
+        ray.get(
+            self.registry.heartbeat.remote(
+                self.replica_id, self.actor_name, self.engine.loaded_version(), self.tokens
+            )
+        )
+
+    # ---- background thread: follow the registry (push-like latency, doubles as heartbeat)
+
+    def _follow(self) -> None:
+        # Never blocks on the engine thread (it may be generating for a while): loads are
+        # queued there, and heartbeats keep flowing meanwhile.
+        pending, requested = None, 0
+        while not self._stop.is_set():
+            try:
+                held = self.engine.loaded_version()
+                if pending is not None and pending.done():
+                    if pending.exception() is not None:
+                        log.error("replica %s: loading v%d failed: %s", self.replica_id, requested, pending.exception())
+                        requested = held  # try again on the next round
+                    pending = None
+                latest = ray.get(
+                    self.registry.wait_newer.remote(
+                        self.replica_id, self.actor_name, held, self.tokens,
+                        max(held, requested), HEARTBEAT_S,
+                    )
+                )
+                if latest > max(held, requested) and pending is None:
+                    pending, requested = self.pool.submit(self._load_latest_if_newer), latest
+            except Exception:  # keep following; the next request reports its own error
+                log.exception("replica %s: adapter follow loop", self.replica_id)
+                self._stop.wait(HEARTBEAT_S)
+
+    # ---- Serve methods
+
+    async def generate(self, prompts: list[Prompt], params: SamplingParams, version: int) -> list[Sample]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, self._generate, prompts, params, version)
+
+    async def loaded_version(self) -> int:
+        return self.engine.loaded_version()
+
+    async def info(self) -> dict:
+        return {
+            "replica_id": self.replica_id,
+            "actor_name": self.actor_name,
+            "engine": self.engine.kind,
+            "version": self.engine.loaded_version(),
+            "tokens": self.tokens,
+            "stop_tokens": self.engine.stop.as_dict(),
+        }
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+
+
+def rollout_app(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, registry, kind: str | None = None, seed: int = 0):
+    """The Serve application: `rollout_cfg.replicas` replicas of RolloutReplica."""
+    from services.runtime_env import apply_defaults
+
+    deployment = serve.deployment(RolloutReplica).options(
+        name="RolloutReplica",
+        num_replicas=rollout_cfg.replicas,
+        max_ongoing_requests=8,
+        ray_actor_options={
+            "num_cpus": rollout_cfg.num_cpus,
+            "num_gpus": rollout_cfg.num_gpus,
+            "runtime_env": {"env_vars": apply_defaults()},
+        },
+    )
+    return deployment.bind(
+        model_cfg.model_dump(), rollout_cfg.model_dump(), kind or rollout_cfg.engine, seed, registry
+    )
+
+
+# --------------------------------------------------------------------------- driver side
+
+
+def chunk_bounds(n_prompts: int, n_chunks: int) -> list[tuple[int, int]]:
+    """Split range(n_prompts) into at most n_chunks contiguous, near-equal [start, end) spans."""
+    n_chunks = max(1, min(n_chunks, n_prompts))
+    size, extra = divmod(n_prompts, n_chunks)
+    bounds, start = [], 0
+    for k in range(n_chunks):
+        end = start + size + (1 if k < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return [b for b in bounds if b[1] > b[0]]
+
+
+class RolloutClient:
+    """The driver's view of the rollout service: generate (data plane), publish/sync (control).
+
+    Picklable (handles only), so it can be passed to other Ray tasks.
+    """
+
+    def __init__(self, handle, registry, rollout_cfg: RolloutConfig):
+        self.handle = handle
+        self.registry = registry
+        self.rollout_cfg = rollout_cfg
+
+    def generate(
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        version: int,
+        chunks: int | None = None,
+    ) -> list[Sample]:
+        """All samples, ordered by (prompt_index, sample_index) over the whole prompt list."""
+        bounds = chunk_bounds(len(prompts), chunks or self.rollout_cfg.replicas)
+        responses = []
+        for start, end in bounds:
+            # Seeds as one engine would give them: prompt i gets seed + i * n.
+            chunk_params = params if params.seed is None else replace(params, seed=params.seed + start * params.n)
+            responses.append((start, self.handle.generate.remote(prompts[start:end], chunk_params, version)))
+        samples: list[Sample] = []
+        for start, response in responses:
+            for s in response.result():
+                s.prompt_index += start
+                samples.append(s)
+        return samples
+
+    def publish(self, payload: AdapterPayload) -> int:
+        return publish_adapter(payload, self.registry)
+
+    def sync(self, version: int, timeout: float | None = None, expected: int | None = None) -> float:
+        """Block until every live replica (at least `expected`) holds `version`; seconds taken."""
+        timeout = timeout or self.rollout_cfg.adapter_wait_timeout_s
+        expected = expected or self.rollout_cfg.replicas
+        result = ray.get(self.registry.wait_all_hold.remote(version, expected, timeout))
+        if not result["ok"]:
+            raise TimeoutError(
+                f"adapter v{version} not live on {expected} replicas after {timeout:.0f} s: "
+                f"replicas hold {result['replicas']}"
+            )
+        return result["seconds"]
+
+    def snapshot(self) -> dict:
+        return ray.get(self.registry.snapshot.remote())
+
+    def info(self) -> dict:
+        """One replica's engine kind, held version and stop-token report (for the receipt)."""
+        return self.handle.info.remote().result()
+
+    def metrics_collector(self):
+        from rollout.metrics import RolloutCollector
+
+        return RolloutCollector(self.snapshot)
+
+
+def start_rollout(
+    model_cfg: ModelConfig,
+    rollout_cfg: RolloutConfig,
+    kind: str | None = None,
+    seed: int = 0,
+    app_name: str = APP_NAME,
+    registry_name: str = REGISTRY_NAME,
+) -> RolloutClient:
+    """Deploy the replicas (Ray must be initialised) and wait until they all report in."""
+    from rollout.models import resolve_model
+
+    resolve_model(model_cfg)  # build/convert once here, not in N replicas at the same time
+    registry = get_or_create_registry(rollout_cfg, registry_name)
+    serve.start(proxy_location="Disabled")
+    handle = serve.run(
+        rollout_app(model_cfg, rollout_cfg, registry, kind, seed), name=app_name, route_prefix=None
+    )
+    client = RolloutClient(handle, registry, rollout_cfg)
+    latest = ray.get(registry.latest.remote())
+    client.sync(latest, timeout=rollout_cfg.adapter_wait_timeout_s)
+    return client
+
+
+def stop_rollout(app_name: str = APP_NAME, registry_name: str = REGISTRY_NAME) -> None:
+    serve.delete(app_name)
+    try:
+        ray.kill(ray.get_actor(registry_name, namespace=NAMESPACE))
+    except ValueError:
+        pass

