@@ -44,6 +44,19 @@ GRAFANA_VARIABLES = {
 }
 
 
+REPO = Path(__file__).resolve().parents[1]
+PROM_DIR = REPO / "deploy" / "prometheus"
+DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "counterpoint.json"
+ALERTS = PROM_DIR / "alerts.yml"
+
+
+def shipped_job_settings(job: str) -> dict:
+    """The relabelling of one job of deploy/prometheus/prometheus.yml (not its targets)."""
+    config = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
+    (shipped,) = [j for j in config["scrape_configs"] if j["job_name"] == job]
+    return {k: v for k, v in shipped.items() if k.endswith("relabel_configs")}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -142,9 +155,10 @@ class PromServer:
         path = Path(self._tmp.name) / "prometheus.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        """Instant query; the result vector (a scalar result becomes one unlabelled sample)."""
-        params = urllib.parse.urlencode({"query": expr})
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        """Instant query (now, or at unix time `at`); the result vector (a scalar result becomes
+        one unlabelled sample)."""
+        params = urllib.parse.urlencode({"query": expr, **({"time": f"{at:.3f}"} if at is not None else {})})
         try:
             with urllib.request.urlopen(f"{self.url}/api/v1/query?{params}", timeout=10) as resp:
                 body = json.load(resp)
@@ -307,12 +321,15 @@ def alert_series_exprs(path: Path) -> list[str]:
 
 
 def assert_all_queries_return_data(
-    prom: PromServer, exprs: Iterable[str], wait_s: float = 60.0, poll_s: float = 1.0
+    prom: PromServer, exprs: Iterable[str], wait_s: float = 60.0, poll_s: float = 1.0,
+    at: float | None = None,
 ) -> None:
     """Poll until every expr returns at least one sample with a number; else fail naming each.
 
     NaN counts as no data (a histogram_quantile over no observations); an error is reported with
     Prometheus's message. Waiting is only how long scraping may take to fill the windows.
+    `at` evaluates at a past instant (a run that has ended leaves stale series: instant queries
+    at "now" are empty by design, so a finished run is queried at a time it was alive).
     """
     pending = list(dict.fromkeys(exprs))
     failures: dict[str, str] = {}
@@ -321,7 +338,7 @@ def assert_all_queries_return_data(
         failures = {}
         for expr in pending:
             try:
-                result = prom.query(expr)
+                result = prom.query(expr, at)
             except PromQueryError as err:
                 failures[expr] = f"error: {err}"
                 continue

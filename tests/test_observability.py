@@ -18,19 +18,20 @@ import pytest
 import yaml
 
 from promharness import (
+    ALERTS,
+    DASHBOARD,
+    PROM_DIR,
     PromServer,
     alert_series_exprs,
     assert_all_queries_return_data,
     condition_series,
     dashboard_exprs,
     rule_exprs,
+    shipped_job_settings,
     substitute_grafana_variables,
 )
 
 REPO = Path(__file__).resolve().parents[1]
-PROM_DIR = REPO / "deploy" / "prometheus"
-DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "counterpoint.json"
-ALERTS = PROM_DIR / "alerts.yml"
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -111,13 +112,6 @@ def scrape_jobs(ports: dict[str, int]) -> dict[str, list[str]]:
         "counterpoint-graders": [f"127.0.0.1:{ports['graders']}"],
         "counterpoint-ray": [f"127.0.0.1:{ports['ray']}"],
     }
-
-
-def shipped_job_settings(job: str) -> dict:
-    """The relabelling of one job of deploy/prometheus/prometheus.yml (not its targets)."""
-    config = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
-    (shipped,) = [j for j in config["scrape_configs"] if j["job_name"] == job]
-    return {k: v for k, v in shipped.items() if k.endswith("relabel_configs")}
 
 
 @pytest.fixture(scope="module")
