@@ -41,7 +41,7 @@ def run_eval(opts: EvalOptions):
     from rollout.adapters import payload_from_dir
     from services.evalfile import GenerationSettings, ScoringSettings, header_for, summarize, write_eval
     from services.heldout import evaluate_heldout
-    from services.launch import start_grader, start_ray, start_rollout, stop_token_report
+    from services.launch import check_resources, start_grader, start_ray, start_rollout, stop_token_report
     from services.receipt import Receipt
 
     cfg = opts.config
@@ -51,6 +51,7 @@ def run_eval(opts: EvalOptions):
                   notes={"adapter": str(adapter_dir) if adapter_dir else "base model", "split": opts.split})
     with receipt.guard(), ExitStack() as stack:
         start_ray(cfg, stack)
+        check_resources(cfg, with_learner=False)
         grader = start_grader(cfg, stack)
         health = grader.health()
         receipt.set_grader_health(task=health.task, pool_size=health.pool_size, pool_source=health.pool_source,

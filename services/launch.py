@@ -39,6 +39,33 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
     return f"127.0.0.1:{metrics_port}"
 
 
+def required_resources(cfg: RunConfig, with_learner: bool = True) -> dict[str, float]:
+    """CPUs and GPUs the run's parts reserve in Ray (grader Serve replicas at their autoscaling
+    start, rollout replicas, learner workers)."""
+    grader_replicas = 0 if cfg.grader.address else max(cfg.grader.replicas, cfg.grader.min_replicas or 0)
+    cpu = grader_replicas * cfg.grader.num_cpus + cfg.rollout.replicas * cfg.rollout.num_cpus
+    gpu = cfg.rollout.replicas * cfg.rollout.num_gpus
+    if with_learner:
+        cpu += cfg.learner.workers * cfg.learner.num_cpus_per_worker
+        gpu += cfg.learner.workers if cfg.learner.use_gpu else 0
+    return {"CPU": cpu, "GPU": gpu}
+
+
+def check_resources(cfg: RunConfig, with_learner: bool = True) -> None:
+    """Fail before starting anything when the cluster cannot hold the run: otherwise Ray waits
+    forever for a worker that can never be placed."""
+    import ray
+
+    have = ray.cluster_resources()
+    need = required_resources(cfg, with_learner)
+    short = {k: (v, have.get(k, 0.0)) for k, v in need.items() if v > have.get(k, 0.0) + 1e-9}
+    if short:
+        detail = "; ".join(f"{k}: the run reserves {n:g}, the cluster has {h:g}" for k, (n, h) in short.items())
+        raise RuntimeError(
+            f"the Ray cluster cannot hold this run ({detail}). Lower grader.num_cpus/replicas, "
+            "rollout.num_cpus/replicas or learner.num_cpus_per_worker/workers, or add nodes.")
+
+
 def start_grader(cfg: RunConfig, stack: ExitStack):
     """A client of the configured grader address, or of a grader started here as a Serve app."""
     from graders.client import GraderClient

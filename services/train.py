@@ -16,7 +16,7 @@ from typing import Any
 from services.archive import RunDir, node_id, node_row
 from services.config import RunConfig, config_from_dict, apply_override, resolved
 from services.orchestrator import RunParts, StepRecord, for_rollout, run_steps, sampling_params
-from services.launch import start_grader, start_ray, start_rollout, stop_token_report
+from services.launch import check_resources, start_grader, start_ray, start_rollout, stop_token_report
 
 log = logging.getLogger("counterpoint.train")
 TASK = "voice-leading"
@@ -131,6 +131,7 @@ def train(opts: TrainOptions) -> RunDir:
     receipt.start(config=resolved(cfg), seeds={"seed": cfg.seed}, resumed_from_step=first_step - 1 if opts.resume else None)
     with receipt.guard(), ExitStack() as stack:
         ray_metrics = start_ray(cfg, stack)
+        check_resources(cfg)
         install_sigterm_handler()
         grader = start_grader(cfg, stack)
         health = grader.health()

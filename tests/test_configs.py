@@ -68,3 +68,13 @@ def test_malformed_override_and_missing_file(tmp_path: Path):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="not a section"):
         load_config(None, ["seed=1", "seed.x=1"])
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if "gpu" not in p.name and "qwen3" not in p.name],
+                         ids=lambda p: p.name)
+def test_cpu_configs_fit_a_two_cpu_local_ray(path: Path):
+    """A local Ray on our 2-core machines has 2 CPUs; a run reserving more waits forever."""
+    from services.launch import required_resources
+
+    need = required_resources(load_config(path))
+    assert need["CPU"] <= 2.0 and need["GPU"] == 0, need
