@@ -105,10 +105,11 @@ def serve(
     )
     sys.stdout.flush()
     try:
-        stop.wait()
+        while not stop.wait(0.5):  # a timed wait: the SIGTERM handler always gets to run
+            pass
     except KeyboardInterrupt:
         pass
-    server.stop()
+    server.stop(grace=2)
 
 
 def _serve_ray(cfg, stop) -> None:
@@ -134,7 +135,8 @@ def _serve_ray(cfg, stop) -> None:
     )
     sys.stdout.flush()
     try:
-        stop.wait()
+        while not stop.wait(0.5):
+            pass
     except KeyboardInterrupt:
         pass
     serve.shutdown()

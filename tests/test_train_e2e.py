@@ -179,7 +179,7 @@ def test_smoke_run_end_to_end_with_prometheus_and_replica_kills(tmp_path: Path):
     for m in metrics:
         assert abs(m["ppl_ratio"] - 1.0) <= 0.05, m
     for step in range(1, 9):
-        rows = [json.loads(line) for line in next((run_dir / f"round_{step}").glob("*__0.jsonl")).read_text().splitlines()]
+        rows = [json.loads(line) for line in next((run_dir / f"round_{step}").glob("voice-leading__[0-9]*.jsonl")).read_text().splitlines()]
         assert len(rows) == 2 * 4  # prompts_per_step x group_size (smoke.yaml)
         assert {r["adapter_version"] for r in rows} == {step}  # sync mode: sampled with adapter v = step
         assert all(r["reward"] in (0.0, 1.0) and r["verdict"] for r in rows)
