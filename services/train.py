@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
-import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timezone
