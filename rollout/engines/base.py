@@ -75,6 +75,17 @@ class Engine(ABC):
     def loaded_version(self) -> int:
         """The adapter version held (0 = none)."""
 
+    def prepare(
+        self, prompts: Sequence[Prompt], params: SamplingParams, adapter_version: int
+    ) -> tuple[list[list[int]], tuple[int, ...]]:
+        """What every engine checks and renders before sampling: (prompt token ids, stop ids)."""
+        if params.temperature <= 0:
+            raise ValueError("temperature must be > 0 (sampling; log-probs are of the sampling distribution)")
+        self.check_version(adapter_version)
+        prompt_ids = [render_prompt(self.tokenizer, p) for p in prompts]
+        check_lengths(prompt_ids, params.max_tokens, self.rollout_cfg.max_model_len)
+        return prompt_ids, self.stop_ids(params)
+
     def check_version(self, adapter_version: int) -> None:
         held = self.loaded_version()
         if adapter_version != 0 and adapter_version != held:

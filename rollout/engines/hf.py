@@ -17,7 +17,7 @@ from transformers.generation.logits_process import LogitsProcessor
 
 from rollout.adapters import validate_payload, write_payload
 from rollout.config import ModelConfig, RolloutConfig
-from rollout.engines.base import Engine, check_lengths, finish_reason, render_prompt
+from rollout.engines.base import Engine, finish_reason
 from rollout.models import stop_token_ids
 from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
 
@@ -80,12 +80,7 @@ class HFEngine(Engine):
 
         if not prompts:
             return []
-        if params.temperature <= 0:
-            raise ValueError("temperature must be > 0 (sampling; log-probs are of the sampling distribution)")
-        self.check_version(adapter_version)
-        prompt_ids = [render_prompt(self.tokenizer, p) for p in prompts]
-        check_lengths(prompt_ids, params.max_tokens, self.rollout_cfg.max_model_len)
-        stop_ids = self.stop_ids(params)
+        prompt_ids, stop_ids = self.prepare(prompts, params, adapter_version)
 
         width = max(len(p) for p in prompt_ids)
         ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
