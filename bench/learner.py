@@ -2,13 +2,19 @@
 
     flock /tmp/cp-heavy.lock .venv/bin/python bench/learner.py               # smollm2-135m, 8 x (64 + 128)
     .venv/bin/python bench/learner.py --model tiny-random --sequences 8 --steps 2
+    # the default run's shape: 2 groups of 8 x (456 prompt + 35 completion), with and without
+    # computing each group's prompt once (learner.share_prompt_prefix)
+    .venv/bin/python bench/learner.py --workers 1 --setups folded --sequences 16 --group-size 8 \
+        --prompt-len 456 --response-len 35 --micro-batch-size 8 --share on off
 
 Two objective set-ups per worker count:
 - ``full``: old_log_prob pass + ref pass (beta > 0) + update, every phase run separately;
 - ``folded``: the default objective (beta 0, epochs_per_step 1): old log-probs come from the
   update's own forward, no ref pass.
-The batch is random token ids (speed does not depend on their meaning). The first step of each
-job is a warm-up and is not counted; tokens/s = (prompt + response tokens) / (old + ref + update).
+The batch is random token ids (speed does not depend on their meaning); each run of
+``--group-size`` rows shares one prompt, as a GRPO group does. The first step of each job is a
+warm-up and is not counted; tokens/s = (prompt + response tokens of every row, i.e. the tokens
+the update is about, whether or not a shared prompt is computed once) / (old + ref + update).
 """
 
 from __future__ import annotations
@@ -26,19 +32,23 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 
-def make_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: int):
+def make_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: int, group_size: int = 1):
     import torch
 
     from learner.types import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1, vocab, (prompt_len,), generator=g).tolist() for _ in range(n)]
+    prompts = []
+    for i in range(n):
+        if i % group_size == 0:
+            prompt = torch.randint(1, vocab, (prompt_len,), generator=g).tolist()
+        prompts.append(prompt)
     responses = [torch.randint(1, vocab, (response_len,), generator=g).tolist() for _ in range(n)]
     adv = (torch.randn(n, generator=g)).tolist()
     return TrainBatch(prompts, responses, [[-10.0] * response_len for _ in range(n)], adv)
 
 
-def bench_one(args, workers: int, setup: str, run_dir: Path) -> dict:
+def bench_one(args, workers: int, setup: str, share: bool, run_dir: Path) -> dict:
     from learner.job import LearnerJob
     from services.config import RunConfig
 
@@ -46,6 +56,7 @@ def bench_one(args, workers: int, setup: str, run_dir: Path) -> dict:
         "workers": workers,
         "num_cpus_per_worker": args.cpus / workers,
         "micro_batch_size": args.micro_batch_size,
+        "share_prompt_prefix": share,
     }
     if setup == "full":
         learner.update(beta=0.04, fold_old_logprobs=False)
@@ -55,12 +66,12 @@ def bench_one(args, workers: int, setup: str, run_dir: Path) -> dict:
         "rollout": {"max_tokens": args.response_len},
         "trainer": {"steps": args.steps},
     })
-    job = LearnerJob(cfg, run_dir / f"{setup}_w{workers}")
+    job = LearnerJob(cfg, run_dir / f"{setup}_w{workers}_share{int(share)}")
     try:
         job.start()
         rows, walls = [], []
         for k in range(args.steps):
-            b = make_batch(args.sequences, args.prompt_len, args.response_len, args.vocab, k)
+            b = make_batch(args.sequences, args.prompt_len, args.response_len, args.vocab, k, args.group_size)
             t = time.perf_counter()
             rows.append(job.step(b))
             walls.append(time.perf_counter() - t)
@@ -71,7 +82,7 @@ def bench_one(args, workers: int, setup: str, run_dir: Path) -> dict:
     seconds = sum(phases.values())
     tokens = counted[0].metrics["total_tokens"]
     return {
-        "setup": setup, "workers": workers, "threads_per_worker": max(1, int(args.cpus / workers)),
+        "setup": setup, "shared_prefix": "on" if share else "off", "workers": workers, "threads_per_worker": max(1, int(args.cpus / workers)),
         "tokens": int(tokens), **{f"{p}_s": round(v, 2) for p, v in phases.items()},
         "step_s": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1),
         # driver-side wall time of job.step: phases + Ray round trips + adapter export/transfer
@@ -88,6 +99,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--response-len", type=int, default=128)
     ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=1, help="consecutive rows sharing one prompt")
+    ap.add_argument("--share", nargs="+", default=["on"], choices=["on", "off"],
+                    help="learner.share_prompt_prefix settings to time")
     ap.add_argument("--steps", type=int, default=2, help="steps per job; the first is a warm-up")
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--cpus", type=int, default=2, help="Ray CPUs shared by the workers")
@@ -104,8 +118,9 @@ def main() -> None:
     results = []
     try:
         for setup in args.setups:
-            for w in args.workers:
-                results.append(bench_one(args, w, setup, Path(args.run_dir)))
+            for share in args.share:
+                for w in args.workers:
+                    results.append(bench_one(args, w, setup, share == "on", Path(args.run_dir)))
                 print(json.dumps(results[-1]), flush=True)
     finally:
         ray.shutdown()
@@ -113,8 +128,9 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"learner update, {args.model}, {args.sequences} x ({args.prompt_len} + {args.response_len}) tokens")
-    cols = ["setup", "workers", "threads_per_worker", "tokens", "old_log_prob_s", "ref_s", "update_actor_s", "step_s", "tokens_per_s", "wall_s"]
+    table = Table(title=f"learner update, {args.model}, {args.sequences} x ({args.prompt_len} + {args.response_len}) "
+                  f"tokens, groups of {args.group_size}")
+    cols = ["setup", "shared_prefix", "workers", "threads_per_worker", "tokens", "old_log_prob_s", "ref_s", "update_actor_s", "step_s", "tokens_per_s", "wall_s"]
     for c in cols:
         table.add_column(c)
     for r in results:

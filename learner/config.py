@@ -25,7 +25,12 @@ class LearnerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     workers: int = Field(1, ge=1, description="Ray Train workers (DDP).")
-    num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per worker.")
+    num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per worker (Ray's accounting).")
+    torch_threads: int | None = Field(
+        None, ge=1, description="Intra-op threads of each worker; None = int(num_cpus_per_worker). "
+        "In synchronous mode generation and update never overlap, so a worker may use the cores "
+        "Ray books for the rollout replica while that replica waits."
+    )
     use_gpu: bool = Field(False, description="Place workers on GPUs (NCCL).")
     deepspeed: bool = Field(False, description="DeepSpeed ZeRO-2 instead of DDP (GPU only).")
     lora: LoraConfig = Field(default_factory=LoraConfig)
@@ -38,6 +43,11 @@ class LearnerConfig(BaseModel):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward.")
+    share_prompt_prefix: bool = Field(
+        True, description="Run the tokens all rows of a micro-batch share (a group's prompt) once "
+        "and reuse their KV cache with gradients, instead of once per row (learner/shared_prefix.py). "
+        "Same loss and gradients; with micro_batch_size = group_size, one prompt pass per group."
+    )
     epochs_per_step: int = Field(1, ge=1, description="Optimizer passes over each step's batch.")
     advantage: Literal[
         "grpo", "dr_grpo", "rank", "rloo",

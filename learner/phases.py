@@ -3,7 +3,9 @@
 Torch (and torch.distributed, through the DDP-wrapped model) only; no Ray. Tensors of a
 micro-batch cover only the positions that can hold response tokens: the model is asked for
 ``logits_to_keep`` = L - s logits, s = (shortest prompt) - 1, so the output head and the
-log-softmax over the 49k vocabulary never run on prompt positions the loss cannot see.
+log-softmax over the 49k vocabulary never run on prompt positions the loss cannot see; and the
+tokens every row of a micro-batch shares (a group's prompt) run once (learner.shared_prefix).
+The model passed in is a ``SharedPrefixLM`` (or DDP/DeepSpeed around one).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from learner.losses import LossInputs, LossNorm, ObjectiveParams, policy_loss
 from learner.rollout_metrics import merge_sums, rollout_mismatch_sums
+from learner.shared_prefix import shared_prefix_len
 from learner.types import TrainBatch
 
 
@@ -29,11 +32,14 @@ class MicroBatch:
     mask: torch.Tensor  # [B, W] float, 1 = response token in the loss
     rollout_logprobs: torch.Tensor  # [B, W] float
     advantages: torch.Tensor  # [B] float
+    shared_prefix: int = 0  # c <= s leading tokens every row has; computed once (0 = off)
 
 
 def make_micro_batches(
-    batch: TrainBatch, size: int, device: torch.device | str = "cpu", pad_id: int = 0
+    batch: TrainBatch, size: int, device: torch.device | str = "cpu", pad_id: int = 0, share_prefix: bool = True
 ) -> list[MicroBatch]:
+    """Consecutive rows in micro-batches of ``size``; the orchestrator orders rows by group, so
+    a micro-batch of G rows is one group and shares its whole prompt."""
     out = []
     for lo in range(0, len(batch), size):
         rows = range(lo, min(lo + size, len(batch)))
@@ -41,6 +47,7 @@ def make_micro_batches(
         resps = [batch.response_ids[i] for i in rows]
         width = max(len(p) + len(r) for p, r in zip(prompts, resps))
         start = min(len(p) for p in prompts) - 1
+        shared = shared_prefix_len([list(p) + list(r) for p, r in zip(prompts, resps)], start) if share_prefix else 0
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         attn = torch.zeros((len(rows), width), dtype=torch.long)
         mask = torch.zeros((len(rows), width - 1 - start))
@@ -61,6 +68,7 @@ def make_micro_batches(
                 mask=mask.to(device),
                 rollout_logprobs=rlp.to(device),
                 advantages=torch.tensor([batch.advantages[i] for i in rows], dtype=torch.float32).to(device),
+                shared_prefix=shared,
             )
         )
     return out
@@ -78,8 +86,8 @@ def forward_logprobs(
     """
     keep = mb.input_ids.shape[1] - mb.start
     logits = model(
-        input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=keep, use_cache=False
-    ).logits[:, :-1, :].float()
+        input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=keep, shared_prefix=mb.shared_prefix
+    )[:, :-1, :].float()
     if temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -109,10 +117,10 @@ def old_log_prob(
 
 
 @torch.no_grad()
-def ref_log_prob(peft_model, mbs: list[MicroBatch], temperature: float) -> list[torch.Tensor]:
-    """Reference log-probs: the same model with the adapter switched off."""
+def ref_log_prob(lm, peft_model, mbs: list[MicroBatch], temperature: float) -> list[torch.Tensor]:
+    """Reference log-probs: the same model (``lm`` wraps ``peft_model``) with the adapter off."""
     with peft_model.disable_adapter():
-        return [forward_logprobs(peft_model, mb, temperature)[0] for mb in mbs]
+        return [forward_logprobs(lm, mb, temperature)[0] for mb in mbs]
 
 
 @dataclass

@@ -25,6 +25,7 @@ from learner.lora import adapter_payload, attach_lora, load_base_model, save_ada
 from learner.optim import build_optimizer, build_scheduler, rebase_lr
 from learner.phases import GradSync, ddp_grad_sync, make_micro_batches, old_log_prob, ref_log_prob, update_actor
 from learner.rollout_metrics import finalize
+from learner.shared_prefix import SharedPrefixLM
 from learner.types import TrainBatch, shard_bounds
 from rollout.types import AdapterPayload
 
@@ -92,7 +93,8 @@ class PolicyLearner:
         self.peft_model = attach_lora(base, self.cfg.lora, run_cfg.seed, source).to(self.device)
         self.optimizer = build_optimizer(self.peft_model.parameters(), self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg, run_cfg.trainer.steps)
-        self.model, self.grad_sync = self._wrap(self.peft_model)
+        self.lm = SharedPrefixLM(self.peft_model)  # the forward every phase runs
+        self.model, self.grad_sync = self._wrap(self.lm)
         self.step_count = 0
         self.lr_rebase_note: str | None = None
         self.data_position: dict[str, Any] | None = None
@@ -124,7 +126,7 @@ class PolicyLearner:
         cfg, temp = self.cfg, self.run_cfg.rollout.temperature
         lo, hi = shard_bounds(len(batch), self.world_size, self.rank)
         shard = batch.rows(lo, hi)
-        mbs = make_micro_batches(shard, cfg.micro_batch_size, self.device)
+        mbs = make_micro_batches(shard, cfg.micro_batch_size, self.device, share_prefix=cfg.share_prompt_prefix)
         norm = LossNorm(
             loss_type=cfg.loss_type,
             global_tokens=float(batch.num_response_tokens()),
@@ -141,7 +143,7 @@ class PolicyLearner:
         old, rollout_sums, ent_sum = None, {}, 0.0
         if not fold:
             self.peft_model.eval()
-            old, rollout_sums, ent_sum = old_log_prob(self.peft_model, mbs, temp, gate_needs_entropy)
+            old, rollout_sums, ent_sum = old_log_prob(self.lm, mbs, temp, gate_needs_entropy)
             phases["old_log_prob"] = time.perf_counter() - t
         bonus = cfg.entropy_coef > 0
         if gate_needs_entropy:
@@ -152,7 +154,7 @@ class PolicyLearner:
         ref = None
         if cfg.beta > 0:
             self.peft_model.eval()
-            ref = ref_log_prob(self.peft_model, mbs, temp)
+            ref = ref_log_prob(self.lm, self.peft_model, mbs, temp)
             phases["ref"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -269,7 +271,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     coord = config["coordinator"]
     run_cfg = RunConfig.model_validate(config["run_cfg"])
     run_dir = Path(config["run_dir"])
-    torch.set_num_threads(max(1, int(run_cfg.learner.num_cpus_per_worker)))
+    torch.set_num_threads(run_cfg.learner.torch_threads or max(1, int(run_cfg.learner.num_cpus_per_worker)))
     index = 0
     try:
         device = ray.train.torch.get_device() if run_cfg.learner.use_gpu else torch.device("cpu")
