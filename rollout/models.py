@@ -201,18 +201,24 @@ def _build_tiny(out: Path, seed: int) -> None:
     tok.save_pretrained(out)
 
 
-def _build_qwen3_shape(out: Path, seed: int) -> None:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def qwen3_shape_config(vocab_size: int, bos: int | None = None, eos: int | None = None, pad: int | None = None):
+    """Qwen3-0.6B's architecture (28 layers, hidden 1024, GQA 16/8, head_dim 128, tied head)."""
+    from transformers import Qwen3Config
 
-    tok = _load_gguf_tokenizer()
-    config = Qwen3Config(
-        vocab_size=len(tok), hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    return Qwen3Config(
+        vocab_size=vocab_size, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        dtype="float32",
+        bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, dtype="float32",
     )
+
+
+def _build_qwen3_shape(out: Path, seed: int) -> None:
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    tok = _load_gguf_tokenizer()
+    config = qwen3_shape_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(torch.float32)
     _align_generation_config(model, tok)
