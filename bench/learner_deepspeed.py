@@ -13,7 +13,13 @@ over micro-batches of half the size (the same mathematics, another summation ord
 the noise floor of the dtype. LoRA's B starts at 0, so A's first gradients are tiny and Adam's
 m/sqrt(v) turns their rounding noise into full-size steps: in bf16 the floor is percents, not
 1e-6. DeepSpeed passes when its difference is within max(--tolerance, 2 x that floor).
-Exits 1 when it does not.
+
+Resume: the DeepSpeed learner saves a checkpoint after step --steps // 2 (its ZeRO optimizer
+partitions under deepspeed/); a new DeepSpeed learner resumed from it trains the remaining steps
+on the same batches and must end on the same adapter as the uninterrupted one: within 1e-5 of
+the adapter's movement in float32; in bfloat16, where GPU kernels (flash-attention's backward)
+are not bit-reproducible and Adam amplifies that, within the measured noise floor.
+Exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,14 +73,10 @@ def make_batch(n: int, group: int, prompt_len: int, response_len: int, vocab: in
                       group_ids=[i // group for i in range(n)])
 
 
-def run(args, model_dir: Path, deepspeed: bool, micro_batch_size: int, label: str) -> dict:
-    import torch
-
-    from learner.lora import adapter_state_dict
-    from learner.worker import PolicyLearner
+def run_config(args, model_dir: Path, deepspeed: bool, micro_batch_size: int):
     from services.config import RunConfig
 
-    cfg = RunConfig.model_validate({
+    return RunConfig.model_validate({
         "seed": args.seed,
         "model": {"name_or_path": str(model_dir), "dtype": args.dtype},
         "learner": {"use_gpu": True, "deepspeed": deepspeed, "lr": args.lr, "micro_batch_size": micro_batch_size,
@@ -81,11 +84,21 @@ def run(args, model_dir: Path, deepspeed: bool, micro_batch_size: int, label: st
         "rollout": {"max_tokens": args.response_len},
         "trainer": {"steps": args.steps},
     })
+
+
+def run(args, model_dir: Path, deepspeed: bool, micro_batch_size: int, label: str,
+        save_at: int | None = None, ckpt: Path | None = None, resume_from: Path | None = None) -> dict:
+    import torch
+
+    from learner.lora import adapter_state_dict
+    from learner.worker import PolicyLearner
+
+    cfg = run_config(args, model_dir, deepspeed, micro_batch_size)
     torch.cuda.reset_peak_memory_stats()
-    learner = PolicyLearner(cfg, device="cuda:0")
+    learner = PolicyLearner(cfg, device="cuda:0", resume_from=resume_from)
     init = {k: v.float().cpu() for k, v in adapter_state_dict(learner.peft_model).items()}
     rows, seconds = [], []
-    for k in range(args.steps):
+    for k in range(learner.step_count, args.steps):
         batch = make_batch(args.sequences, args.group_size, args.prompt_len, args.response_len, args.vocab, 100 + k)
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -94,9 +107,12 @@ def run(args, model_dir: Path, deepspeed: bool, micro_batch_size: int, label: st
         seconds.append(time.perf_counter() - t)
         rows.append({"step": k + 1, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                      "ppl_ratio": metrics["ppl_ratio"], "tokens": metrics["total_tokens"]})
+        if save_at is not None and k + 1 == save_at:
+            learner.save_checkpoint(ckpt, data_position={"bench": k + 1})
     final = {k: v.float().cpu() for k, v in adapter_state_dict(learner.peft_model).items()}
     out = {
         "mode": label,
+        "final": final,
         "delta": {k: final[k] - init[k] for k in final},
         "init": init,
         "rows": rows,
@@ -140,8 +156,15 @@ def main() -> int:
     mb = args.group_size
     plain = run(args, model_dir, False, mb, f"plain, micro-batch {mb}")
     noise = run(args, model_dir, False, max(1, mb // 2), f"plain, micro-batch {max(1, mb // 2)} (noise floor)")
-    ds = run(args, model_dir, True, mb, f"deepspeed zero-2, micro-batch {mb}")
+    half = max(1, args.steps // 2)
+    ckpt = Path(tempfile.mkdtemp(prefix="cp-ds-ckpt-")) / f"step_{half}"
+    ds = run(args, model_dir, True, mb, f"deepspeed zero-2, micro-batch {mb}", save_at=half, ckpt=ckpt)
+    resumed = run(args, model_dir, True, mb, "deepspeed zero-2, resumed", resume_from=ckpt)
     dist.destroy_process_group()
+    resume_num = sum(float((resumed["final"][k] - ds["final"][k]).pow(2).sum()) for k in ds["final"]) ** 0.5
+    resume_den = sum(float(ds["delta"][k].pow(2).sum()) for k in ds["delta"]) ** 0.5
+    resume_rel = resume_num / resume_den if resume_den > 0 else float("inf")
+    ckpt_files = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
 
     def rel_diff(other: dict) -> tuple[float, float]:
         """(||d_other - d_plain|| / ||d_plain||, cosine(d_other, d_plain)) over all adapter tensors."""
@@ -177,11 +200,16 @@ def main() -> int:
     for a, b in zip(plain["rows"], ds["rows"]):
         lines.append(f"| {a['step']} | {a['loss']:.6f} | {b['loss']:.6f} | {a['grad_norm']:.5f} | {b['grad_norm']:.5f} "
                      f"| {a['ppl_ratio']:.5f} | {b['ppl_ratio']:.5f} |")
-    ok = same_init and rel <= bound
+    resume_bound = 1e-5 if args.dtype == "float32" else max(1e-5, floor)
+    resume_ok = resume_rel <= resume_bound and [r["step"] for r in resumed["rows"]] == list(range(half + 1, args.steps + 1))
+    ok = same_init and rel <= bound and resume_ok
     lines += ["", f"- same init adapter in all three: {same_init}",
               f"- noise floor (plain, half micro-batch vs plain): relative {floor:.3e}, cosine {floor_cos:.6f}",
               f"- deepspeed vs plain: relative {rel:.3e}, cosine {cos:.6f}; bound max({args.tolerance}, 2 x floor) "
-              f"= {bound:.3e}: {'OK' if ok else 'FAIL'}"]
+              f"= {bound:.3e}: {'OK' if rel <= bound else 'FAIL'}",
+              f"- resume: checkpoint after step {half} ({', '.join(ckpt_files)}); resumed learner ran steps "
+              f"{[r['step'] for r in resumed['rows']]}; ||final_resumed - final_straight|| / ||delta|| = "
+              f"{resume_rel:.3e} (bound {resume_bound:.1e}): {'OK' if resume_ok else 'FAIL'}"]
     text = "\n".join(lines)
     print(text)
     if args.out:

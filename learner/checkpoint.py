@@ -3,7 +3,10 @@
 Layout: ``adapter/`` (peft dir), ``optimizer.pt``, ``scheduler.pt``, ``rng_rank<r>.pt`` (torch,
 python, numpy; one per worker), ``state.json`` (step, the scheduler's peak LR, the adapter's
 sha256, the orchestrator's opaque data position). Rank 0 writes everything but the other
-ranks' RNG files; DDP keeps the adapter and optimizer identical on every rank.
+ranks' RNG files; DDP keeps the adapter and optimizer identical on every rank. Under DeepSpeed
+ZeRO-2 each rank holds only its partition of the optimizer state: ``deepspeed/`` then replaces
+``optimizer.pt`` (DeepSpeed's own per-rank files, trainable parameters only), written and read
+by the engine on every rank (``save(optimizer=None)`` / ``restore(optimizer=None)``).
 
 The LR applied after a resume is the CONFIGURED one (``lr_decision``): a checkpoint whose peak
 LR disagrees is re-based on the config with a note for the receipt, or refused.
@@ -72,7 +75,8 @@ def save(
     if rank != 0:
         return None
     sha = save_adapter(peft_model, ckpt / "adapter")
-    torch.save(optimizer.state_dict(), ckpt / "optimizer.pt")
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), ckpt / "optimizer.pt")
     torch.save(scheduler.state_dict(), ckpt / "scheduler.pt")
     state = {
         "step": step,
@@ -85,11 +89,15 @@ def save(
 
 
 def restore(ckpt: Path, *, rank: int, optimizer, scheduler) -> dict[str, Any]:
-    """Load optimizer, scheduler and this rank's RNG (the adapter is loaded when the model is
-    built). Returns state.json. The caller re-bases the LR on the config afterwards."""
+    """Load optimizer (None: the caller's DeepSpeed engine loads its own), scheduler and this
+    rank's RNG (the adapter is loaded when the model is built). Returns state.json. The caller
+    re-bases the LR on the config afterwards."""
     ckpt = Path(ckpt)
     state = read_state(ckpt)
-    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=False))
+    if optimizer is not None:
+        if not (ckpt / "optimizer.pt").is_file():
+            raise FileNotFoundError(f"{ckpt} holds no optimizer.pt (a DeepSpeed checkpoint? set learner.deepspeed)")
+        optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=False))
     scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=False))
     rng = ckpt / f"rng_rank{rank}.pt"
     if not rng.is_file():  # resumed with more workers than saved: seed-derived fallback
