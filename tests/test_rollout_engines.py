@@ -201,3 +201,14 @@ def test_seeded_batch_larger_than_one_prefill_step(vllm_engine):
     samples = vllm_engine.generate(long_prompts, SamplingParams(n=1, max_tokens=2, seed=5), 0)
     assert sum(len(s.prompt_token_ids) for s in samples) > 4096
     assert len(samples) == 48 and all(len(s.token_ids) == len(s.logprobs) >= 1 for s in samples)
+
+
+def test_vllm_cpu_engine_runs_lora_through_the_grouped_ops(vllm_engine):
+    """rollout.cpu_lora_ops=grouped (the default): the adapter tests above ran through
+    rollout/engines/vllm_cpu_lora.py, not vLLM's per-token weight copies."""
+    import vllm.lora.punica_wrapper.punica_cpu as punica_cpu
+
+    from rollout.engines import vllm_cpu_lora
+
+    for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice", "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice"):
+        assert getattr(punica_cpu, name) is getattr(vllm_cpu_lora, name), name

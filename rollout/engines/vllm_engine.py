@@ -67,12 +67,25 @@ class VllmEngine(Engine):
             # Whole-prompt prefills avoid that path; a step then holds at most the budget.
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(rollout_cfg.max_model_len, 4096)
+            if rollout_cfg.cpu_lora_ops == "grouped":
+                self._install_grouped_lora_ops()
         self.llm = LLM(**kwargs)
         self._ids = itertools.count(1)
         self._version = 0
         self._lora = None  # the LoRARequest of the held version
         self._adapter_dir: Path | None = None
         self.log_stop_tokens()
+
+    @staticmethod
+    def _install_grouped_lora_ops() -> None:
+        # The ops are replaced in this process; the engine core must run here too.
+        from rollout.engines import vllm_cpu_lora
+
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+            log.warning("VLLM_ENABLE_V1_MULTIPROCESSING is not 0: the engine core runs in another "
+                        "process, so rollout.cpu_lora_ops=grouped cannot apply; using vLLM's LoRA ops")
+        elif vllm_cpu_lora.install():
+            log.info("vllm-cpu LoRA: grouped ops (one matmul per adapter in the batch)")
 
     # ----------------------------------------------------------------- control plane
 
