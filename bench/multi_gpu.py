@@ -7,6 +7,16 @@ per GPU (or per rollout replica on CPU), peak memory per GPU; write them with th
 On a multi-GPU host this runs `configs/multi-gpu.yaml` unchanged (rollout replicas and learner
 workers on distinct GPUs through Ray resources); on CPU hosts run the stand-in
 `configs/multi-gpu-cpu.yaml` (2 learner workers over gloo, 2 rollout replicas).
+
+Checks, written with the figures (exit 1 when one fails):
+- every sample of step k was generated with adapter version k (sync mode): each replica that
+  answered held the step's adapter (the step's `update_weights` waits for all of them);
+- ppl_ratio within 1 +- 0.05 on every step;
+- unless --no-ddp-check: the learner alone, with the config's model and placement, takes the
+  same update with N workers and with 1 worker on the same global batches (random tokens in
+  groups). The tolerance is measured, not assumed: 1 worker with half the micro-batch (same
+  mathematics, another summation order) gives the dtype's noise floor; N workers must be
+  within max(1e-4, 2 x floor) of 1 worker, relative to the adapter's movement.
 """
 
 from __future__ import annotations
@@ -22,6 +32,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# bench/ holds scripts named like our packages (learner.py, rollout.py): run as a script, this
+# folder would come first on sys.path and shadow them. Put the repo root there instead.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(REPO)
 PHASES = ("gen", "score", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "save_checkpoint")
 
 
@@ -39,6 +53,82 @@ def gpu_memory_sampler(stop: threading.Event, peaks: dict[int, float]) -> None:
         stop.wait(1.0)
 
 
+def version_check(run: Path) -> tuple[int, int]:
+    """(samples, samples whose adapter_version is not their step) over the run's round rows."""
+    total = bad = 0
+    for path in sorted(run.glob("round_*/*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            total += 1
+            bad += int(row["adapter_version"] != row["step"])
+    return total, bad
+
+
+def random_batch(n: int, group: int, prompt_len: int, response_len: int, seed: int):
+    import torch
+
+    from learner.types import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses = [], []
+    for i in range(n):
+        if i % group == 0:
+            prompt = torch.randint(1, 1000, (prompt_len,), generator=g).tolist()
+        prompts.append(prompt)
+        responses.append(torch.randint(1, 1000, (int(torch.randint(4, response_len + 1, (1,), generator=g)),),
+                                       generator=g).tolist())
+    adv = torch.randn(n, generator=g).tolist()
+    return TrainBatch(prompts, responses, [[-7.0] * len(r) for r in responses], adv,
+                      rewards=[float(a > 0) for a in adv], group_ids=[i // group for i in range(n)])
+
+
+def ddp_check(config: str, overrides: list[str], steps: int, work: Path) -> dict:
+    """Adapter movement of the learner with N workers vs 1 worker (and the 1-worker noise floor)."""
+    import ray
+    from safetensors.torch import load
+
+    from learner.job import LearnerJob
+    from services.config import load_config
+    from services.runtime_env import apply_defaults
+
+    cfg = load_config(config, overrides)
+    workers = cfg.learner.workers
+    mb = cfg.learner.micro_batch_size
+    n = cfg.trainer.prompts_per_step * cfg.trainer.group_size
+    arms = {"n_workers": (workers, mb), "one_worker": (1, mb), "noise_floor": (1, max(1, mb // 2))}
+    apply_defaults()
+    ray.init(address=cfg.trainer.ray_address, include_dashboard=False, log_to_driver=False,
+             **({} if cfg.trainer.ray_address else {"num_cpus": cfg.trainer.ray_num_cpus}))
+    out: dict = {"workers": workers, "steps": steps}
+    try:
+        finals, init = {}, None
+        for name, (w, m) in arms.items():
+            arm_cfg = cfg.model_copy(deep=True)
+            arm_cfg.learner.workers, arm_cfg.learner.micro_batch_size = w, m
+            job = LearnerJob(arm_cfg, work / name)
+            try:
+                info = job.start()
+                init = init or load(info.init_payload.safetensors)
+                for k in range(steps):
+                    result = job.step(random_batch(n, cfg.trainer.group_size, 64, cfg.rollout.max_tokens, 1000 + k))
+                finals[name] = load(result.adapter.safetensors)
+            finally:
+                job.stop()
+    finally:
+        ray.shutdown()
+
+    def rel(a: dict, b: dict) -> float:
+        num = sum(float((a[k].float() - b[k].float()).pow(2).sum()) for k in a) ** 0.5
+        den = sum(float((b[k].float() - init[k].float()).pow(2).sum()) for k in b) ** 0.5
+        return num / den if den > 0 else float("inf")
+
+    out["floor"] = rel(finals["noise_floor"], finals["one_worker"])
+    out["diff"] = rel(finals["n_workers"], finals["one_worker"])
+    out["bound"] = max(1e-4, 2 * out["floor"])
+    out["ok"] = out["diff"] <= out["bound"]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/multi-gpu.yaml")
@@ -46,6 +136,8 @@ def main() -> int:
     ap.add_argument("--run-name", default=f"bench-multi-{int(time.time())}")
     ap.add_argument("--out", default="bench/results/multi-gpu.md")
     ap.add_argument("--skip-first", type=int, default=1, help="Warm-up steps left out of the medians.")
+    ap.add_argument("--no-ddp-check", action="store_true", help="Skip the N-vs-1 learner worker check.")
+    ap.add_argument("--ddp-steps", type=int, default=2, help="Learner steps of each arm of the DDP check.")
     args = ap.parse_args()
 
     cmd = [sys.executable, "-m", "services.cli", "train", "--config", args.config, "--run-name", args.run_name,
@@ -82,10 +174,30 @@ def main() -> int:
         "| GPU | peak memory used (MiB) |", "|---|---|",
         *([f"| {i} | {peaks[i]:.0f} |" for i in sorted(peaks)] or ["| (no GPU) | - |"]),
     ]
+    samples, stale = version_check(run)
+    ppl = [m.get("ppl_ratio", float("nan")) for m in metrics]
+    checks = {
+        "adapter versions": samples > 0 and stale == 0,
+        "ppl_ratio within 1 +- 0.05": bool(ppl) and all(abs(p - 1.0) <= 0.05 for p in ppl),
+    }
+    lines += ["", "Checks:", "",
+              f"- adapter version of the step: {samples - stale} of {samples} samples were generated with their "
+              f"step's adapter version ({'OK' if checks['adapter versions'] else 'FAIL'})",
+              f"- ppl_ratio per step: {', '.join(f'{p:.4f}' for p in ppl)} "
+              f"({'OK' if checks['ppl_ratio within 1 +- 0.05'] else 'FAIL'})"]
+    if not args.no_ddp_check:
+        import tempfile
+
+        ddp = ddp_check(args.config, args.overrides, args.ddp_steps, Path(tempfile.mkdtemp(prefix="cp-ddp-check-")))
+        checks["ddp"] = ddp["ok"]
+        lines.append(
+            f"- learner, {ddp['workers']} workers vs 1 worker, same global batches, {ddp['steps']} steps: "
+            f"||delta_N - delta_1|| / ||delta_1|| = {ddp['diff']:.3e}; noise floor (1 worker, half micro-batch) "
+            f"{ddp['floor']:.3e}; bound {ddp['bound']:.3e} ({'OK' if ddp['ok'] else 'FAIL'})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return rc
+    return rc or int(not all(checks.values()))
 
 
 if __name__ == "__main__":

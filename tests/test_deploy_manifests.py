@@ -93,7 +93,7 @@ def test_ray_cluster_launcher():
     assert cluster["head_node_type"] in types
     workers = [name for name in types if name != cluster["head_node_type"]]
     assert workers and all(types[w]["max_workers"] >= types[w]["min_workers"] for w in workers)
-    assert any("counterpoint[train,vllm]" in cmd for cmd in cluster["setup_commands"])
+    assert any("counterpoint[train,vllm,deepspeed]" in cmd for cmd in cluster["setup_commands"])
     assert any("ray start --head" in cmd for cmd in cluster["head_start_ray_commands"])
 
 
@@ -103,7 +103,7 @@ def test_dockerfile():
         "FROM python:3.11"
     )
     text = "\n".join(lines)
-    assert 'pip install ".[train,vllm]"' in text
+    assert 'pip install ".[train,vllm,deepspeed]"' in text
     copied = {l.split()[1] for l in lines if l.startswith("COPY ")}
     for package in ("graders", "rollout", "learner", "services"):
         assert package in copied, f"Dockerfile does not COPY {package}/"
