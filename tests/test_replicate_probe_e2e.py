@@ -4,24 +4,14 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cliharness import cli
 from services.evalfile import read_eval
 
-REPO = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "services.cli"]
-
 pytestmark = pytest.mark.slow
-
-
-def cli(*args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
-    return subprocess.run(CLI + list(args), cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def test_replicate_pins_the_init_and_survives_a_failed_arm(tmp_path: Path):
@@ -32,7 +22,7 @@ def test_replicate_pins_the_init_and_survives_a_failed_arm(tmp_path: Path):
     (out / "runs" / "seed9").write_text("not a directory")
     done = cli("replicate", "--config", "configs/smoke.yaml", "--seeds", "7,8,9", "--pin-init", "--out", str(out),
                "--set", "trainer.steps=2", "--set", "trainer.eval_heldout=false",
-               "--generations", "2", "--max-new-tokens", "8")
+               "--generations", "2", "--max-new-tokens", "8", timeout=1200)
     log = done.stdout[-3000:] + done.stderr[-3000:]
     assert done.returncode == 1, log  # one arm failed: the command says so
     assert "1 of 3 arms failed (seeds [9])" in done.stderr, log
