@@ -73,6 +73,17 @@ def make_batch(n: int, group: int, prompt_len: int, response_len: int, vocab: in
                       group_ids=[i // group for i in range(n)])
 
 
+def l2(tensors: dict) -> float:
+    """Euclidean norm over all tensors of an adapter state (or of its movement)."""
+    return sum(float(t.pow(2).sum()) for t in tensors.values()) ** 0.5
+
+
+def relative_gap(a: dict, b: dict, scale: dict) -> float:
+    """||a - b|| / ||scale|| over all tensors (inf when scale is zero)."""
+    den = l2(scale)
+    return l2({k: a[k] - b[k] for k in b}) / den if den > 0 else float("inf")
+
+
 def run_config(args, model_dir: Path, deepspeed: bool, micro_batch_size: int):
     from services.config import RunConfig
 
@@ -161,18 +172,14 @@ def main() -> int:
     ds = run(args, model_dir, True, mb, f"deepspeed zero-2, micro-batch {mb}", save_at=half, ckpt=ckpt)
     resumed = run(args, model_dir, True, mb, "deepspeed zero-2, resumed", resume_from=ckpt)
     dist.destroy_process_group()
-    resume_num = sum(float((resumed["final"][k] - ds["final"][k]).pow(2).sum()) for k in ds["final"]) ** 0.5
-    resume_den = sum(float(ds["delta"][k].pow(2).sum()) for k in ds["delta"]) ** 0.5
-    resume_rel = resume_num / resume_den if resume_den > 0 else float("inf")
+    resume_rel = relative_gap(resumed["final"], ds["final"], ds["delta"])
     ckpt_files = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
 
     def rel_diff(other: dict) -> tuple[float, float]:
         """(||d_other - d_plain|| / ||d_plain||, cosine(d_other, d_plain)) over all adapter tensors."""
-        num = sum(float((other["delta"][k] - plain["delta"][k]).pow(2).sum()) for k in plain["delta"]) ** 0.5
-        den = sum(float(plain["delta"][k].pow(2).sum()) for k in plain["delta"]) ** 0.5
+        norms = l2(plain["delta"]) * l2(other["delta"])
         dot = sum(float((other["delta"][k] * plain["delta"][k]).sum()) for k in plain["delta"])
-        norm = sum(float(other["delta"][k].pow(2).sum()) for k in plain["delta"]) ** 0.5
-        return (num / den if den > 0 else float("inf")), (dot / (den * norm) if den * norm > 0 else float("nan"))
+        return relative_gap(other["delta"], plain["delta"], plain["delta"]), (dot / norms if norms > 0 else float("nan"))
 
     same_init = all(torch.equal(plain["init"][k], r["init"][k]) for r in (noise, ds) for k in plain["init"])
     rel, cos = rel_diff(ds)
