@@ -17,6 +17,7 @@ from graders.voice_leading.jsnum import (
     parse_json,
     to_number,
 )
+from graders.voice_leading.prompt import template_string
 
 
 @pytest.mark.parametrize(
@@ -173,3 +174,23 @@ def test_javascript_key_order():
 def test_duplicate_keys_last_value_first_position():
     obj = parse_json('{"a": 1, "b": 2, "a": 3}')
     assert list(obj.items()) == [("a", 3), ("b", 2)]
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (MISSING, "undefined"),
+        (None, "null"),
+        (True, "true"),
+        (False, "false"),
+        (7, "7"),
+        (2**70, "1.1805916207174113e+21"),
+        (-0.0, "0"),
+        (1.5, "1.5"),
+        ("I", "I"),
+        ([1, None, [2, MISSING], "x"], "1,,2,,x"),  # Array.prototype.join: null/undefined inside print empty
+        ({"a": 1}, "[object Object]"),
+    ],
+)
+def test_template_string_prints_as_a_javascript_template_literal(value, text):
+    assert template_string(value) == text

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from graders.voice_leading.jsnum import MISSING, int_to_number, number_to_string, value_to_string
+from graders.voice_leading.jsnum import MISSING, value_to_string
 
 
 def template_string(value: Any) -> str:
@@ -16,17 +16,8 @@ def template_string(value: Any) -> str:
         return "undefined"
     if value is None:
         return "null"
-    if value is True:
-        return "true"
-    if value is False:
-        return "false"
-    if isinstance(value, int):
-        return number_to_string(int_to_number(value))
-    if isinstance(value, float):
-        return number_to_string(value)
-    if isinstance(value, str):
-        return value
-    return value_to_string(value)  # arrays join with ",", objects print [object Object]
+    # Otherwise String(value); top-level null/undefined are the only values join() prints differently.
+    return value_to_string(value)
 
 
 def system_message(voices: int) -> str:
