@@ -247,10 +247,9 @@ def write_comparison_json(comparison: Comparison, path: str | Path) -> Path:
 def write_comparison_png(comparison: Comparison, path: str | Path) -> Path:
     """Per metric: each arm run's difference to the base mean (points), the mean difference and
     its 95 % bootstrap interval, and a zero line."""
-    import matplotlib
+    from services.figures import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(comparison.metrics), figsize=(5 * len(comparison.metrics), 4))
     for ax, m in zip(np.atleast_1d(axes), comparison.metrics.values()):
@@ -271,8 +270,4 @@ def write_comparison_png(comparison: Comparison, path: str | Path) -> Path:
         f"arm vs base, {comparison.n_items} items, paired={comparison.paired}", fontsize=10
     )
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

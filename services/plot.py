@@ -29,10 +29,9 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def plot_run(run_dir: str | Path) -> Path:
     """Write ``<run_dir>/curves.png`` (reward mean, pass rate, ppl_ratio vs step)."""
-    import matplotlib
+    from services.figures import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     run = RunDir(run_dir)
     if not run.metrics_path.is_file():
@@ -54,10 +53,7 @@ def plot_run(run_dir: str | Path) -> Path:
         if key == "ppl_ratio" and steps:
             ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     fig.suptitle(run.root.name)
-    out = run.curves_path
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return save_figure(fig, run.curves_path)
 
 
 def plot_command(

@@ -239,11 +239,11 @@ def write_prior_shape_json(shape: PriorShape, path: str | Path) -> Path:
 
 def write_prior_shape_png(shape: PriorShape, path: str | Path) -> Path:
     """Left: histogram of support per item. Right: share of the alphabet each item uses."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
+
+    from services.figures import pyplot, save_figure
+
+    plt = pyplot()
 
     supports = [s.support for s in shape.items]
     top = max([shape.alphabet_size, *supports, 1])
@@ -270,8 +270,4 @@ def write_prior_shape_png(shape: PriorShape, path: str | Path) -> Path:
     ax2.set_title("share of the alphabet each item uses")
     fig.suptitle(Path(shape.source).name)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
