@@ -6,7 +6,8 @@ sha256, the orchestrator's opaque data position). Rank 0 writes everything but t
 ranks' RNG files; DDP keeps the adapter and optimizer identical on every rank. Under DeepSpeed
 ZeRO-2 each rank holds only its partition of the optimizer state: ``deepspeed/`` then replaces
 ``optimizer.pt`` (DeepSpeed's own per-rank files, trainable parameters only), written and read
-by the engine on every rank (``save(optimizer=None)`` / ``restore(optimizer=None)``).
+by the engine on every rank (``save``/``restore`` with ``deepspeed_engine``). Resuming with the
+other learner than the one that saved is refused with a message naming what is missing.
 
 The LR applied after a resume is the CONFIGURED one (``lr_decision``): a checkpoint whose peak
 LR disagrees is re-based on the config with a note for the receipt, or refused.
@@ -26,6 +27,8 @@ from learner.lora import save_adapter
 from learner.optim import lr_mismatch_note, lr_mismatch_refusal, scheduler_base_lr
 
 STATE_FILE = "state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "zero"
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -67,16 +70,20 @@ def save(
     scheduler,
     step: int,
     data_position: dict[str, Any] | None,
+    deepspeed_engine=None,
 ) -> str | None:
-    """Write this rank's part; rank 0 returns the adapter sha256."""
+    """Write this rank's part; rank 0 returns the adapter sha256. With `deepspeed_engine` (a
+    collective call: every rank must make it) the engine writes the optimizer partitions."""
     ckpt = Path(ckpt)
     ckpt.mkdir(parents=True, exist_ok=True)
+    if deepspeed_engine is not None:
+        deepspeed_engine.save_checkpoint(str(ckpt / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, exclude_frozen_parameters=True)
     torch.save(_rng_state(), ckpt / f"rng_rank{rank}.pt")
     if rank != 0:
         return None
     sha = save_adapter(peft_model, ckpt / "adapter")
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), ckpt / "optimizer.pt")
+    if deepspeed_engine is None:
+        torch.save(optimizer.state_dict(), ckpt / OPTIMIZER_FILE)
     torch.save(scheduler.state_dict(), ckpt / "scheduler.pt")
     state = {
         "step": step,
@@ -88,16 +95,25 @@ def save(
     return sha
 
 
-def restore(ckpt: Path, *, rank: int, optimizer, scheduler) -> dict[str, Any]:
-    """Load optimizer (None: the caller's DeepSpeed engine loads its own), scheduler and this
-    rank's RNG (the adapter is loaded when the model is built). Returns state.json. The caller
-    re-bases the LR on the config afterwards."""
+def restore(ckpt: Path, *, rank: int, optimizer, scheduler, deepspeed_engine=None) -> dict[str, Any]:
+    """Load optimizer (with `deepspeed_engine`: the engine loads its partitions), scheduler and
+    this rank's RNG (the adapter is loaded when the model is built). Returns state.json. The
+    caller re-bases the LR on the config afterwards."""
     ckpt = Path(ckpt)
     state = read_state(ckpt)
-    if optimizer is not None:
-        if not (ckpt / "optimizer.pt").is_file():
-            raise FileNotFoundError(f"{ckpt} holds no optimizer.pt (a DeepSpeed checkpoint? set learner.deepspeed)")
-        optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=False))
+    if deepspeed_engine is not None:
+        if not (ckpt / DEEPSPEED_DIR / DEEPSPEED_TAG).is_dir():
+            raise FileNotFoundError(f"{ckpt} holds no {DEEPSPEED_DIR}/{DEEPSPEED_TAG}/ optimizer partitions "
+                                    "(a checkpoint of the plain learner? unset learner.deepspeed)")
+        loaded, _ = deepspeed_engine.load_checkpoint(str(ckpt / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
+                                                     load_module_strict=False, load_optimizer_states=True,
+                                                     load_lr_scheduler_states=False)
+        if loaded is None:  # DeepSpeed only warns when it loads nothing
+            raise RuntimeError(f"DeepSpeed loaded nothing from {ckpt / DEEPSPEED_DIR} (tag {DEEPSPEED_TAG})")
+    elif not (ckpt / OPTIMIZER_FILE).is_file():
+        raise FileNotFoundError(f"{ckpt} holds no {OPTIMIZER_FILE} (a DeepSpeed checkpoint? set learner.deepspeed)")
+    else:
+        optimizer.load_state_dict(torch.load(ckpt / OPTIMIZER_FILE, weights_only=False))
     scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=False))
     rng = ckpt / f"rng_rank{rank}.pt"
     if not rng.is_file():  # resumed with more workers than saved: seed-derived fallback

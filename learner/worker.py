@@ -73,9 +73,6 @@ def deepspeed_engine(peft_model, optimizer, cfg) -> tuple[Any, GradSync]:
     return engine, GradSync(backward=backward, step=step)
 
 
-DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "zero"
-
-
 class PolicyLearner:
     """The policy, its optimizer and schedule on one worker; ``step`` runs the three phases."""
 
@@ -104,17 +101,18 @@ class PolicyLearner:
         self.data_position: dict[str, Any] | None = None
         self.resumed_sha256: str | None = None
         if resume_from is not None:
-            if self.cfg.deepspeed:  # ZeRO keeps its optimizer partitions in its own files
-                self.model.load_checkpoint(str(Path(resume_from) / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
-                                           load_module_strict=False, load_optimizer_states=True,
-                                           load_lr_scheduler_states=False)
-            state = checkpoint.restore(resume_from, rank=rank, scheduler=self.scheduler,
-                                       optimizer=None if self.cfg.deepspeed else self.optimizer)
+            state = checkpoint.restore(resume_from, rank=rank, optimizer=self.optimizer, scheduler=self.scheduler,
+                                       deepspeed_engine=self._deepspeed_engine)
             self.lr_rebase_note = checkpoint.lr_decision(state["lr"], self.cfg.lr, self.cfg.on_lr_mismatch)
             rebase_lr(self.optimizer, self.scheduler, self.cfg.lr)  # the configured LR, always
             self.step_count = int(state["step"])
             self.data_position = state.get("data_position")
             self.resumed_sha256 = state.get("adapter_sha256")
+
+    @property
+    def _deepspeed_engine(self):
+        """The DeepSpeed engine (it owns the optimizer state under ZeRO), or None."""
+        return self.model if self.cfg.deepspeed else None
 
     def _wrap(self, model):
         """The module the update runs through, and how its gradients are synchronised."""
@@ -209,13 +207,10 @@ class PolicyLearner:
         return save_adapter(self.peft_model, out_dir)
 
     def save_checkpoint(self, ckpt: Path, data_position: dict[str, Any] | None) -> str | None:
-        if self.cfg.deepspeed:  # collective: every rank writes its optimizer partition
-            self.model.save_checkpoint(str(Path(ckpt) / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
-                                       exclude_frozen_parameters=True)
         sha = checkpoint.save(
-            ckpt, rank=self.rank, peft_model=self.peft_model,
-            optimizer=None if self.cfg.deepspeed else self.optimizer,
+            ckpt, rank=self.rank, peft_model=self.peft_model, optimizer=self.optimizer,
             scheduler=self.scheduler, step=self.step_count, data_position=data_position,
+            deepspeed_engine=self._deepspeed_engine,
         )
         if dist.is_available() and dist.is_initialized():
             dist.barrier()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from learner import checkpoint
 from learner.checkpoint import checkpoint_dir, read_state
 from learner.job import LearnerJob
 from learner.lora import adapter_state_dict
@@ -78,3 +79,19 @@ def test_lr_mismatch_rebases_on_config_or_refuses(tmp_path):
     with pytest.raises(ValueError, match=r"checkpoint lr 0\.001 differs from config lr 0\.0002"):
         job.start()
 
+
+
+def test_resuming_with_the_other_learner_is_refused_by_name(tmp_path):
+    """A plain checkpoint has optimizer.pt, a DeepSpeed one deepspeed/zero/: resuming one with
+    the other learner would silently restart Adam, so restore names what is missing instead."""
+    learner = PolicyLearner(cfg())
+    learner.step(batch(0))
+    plain = checkpoint_dir(tmp_path, 1)
+    learner.save_checkpoint(plain, None)
+    never_called = object()  # the check comes before any engine call
+    with pytest.raises(FileNotFoundError, match=r"holds no deepspeed/zero/ optimizer partitions .*unset learner.deepspeed"):
+        checkpoint.restore(plain, rank=0, optimizer=None, scheduler=learner.scheduler, deepspeed_engine=never_called)
+
+    (plain / "optimizer.pt").unlink()  # what a DeepSpeed checkpoint lacks
+    with pytest.raises(FileNotFoundError, match=r"holds no optimizer.pt \(a DeepSpeed checkpoint\? set learner.deepspeed\)"):
+        PolicyLearner(cfg(), resume_from=plain)
