@@ -32,23 +32,8 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 
-def make_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: int, group_size: int = 1):
-    import torch
-
-    from learner.types import TrainBatch
-
-    g = torch.Generator().manual_seed(seed)
-    prompts = []
-    for i in range(n):
-        if i % group_size == 0:
-            prompt = torch.randint(1, vocab, (prompt_len,), generator=g).tolist()
-        prompts.append(prompt)
-    responses = [torch.randint(1, vocab, (response_len,), generator=g).tolist() for _ in range(n)]
-    adv = (torch.randn(n, generator=g)).tolist()
-    return TrainBatch(prompts, responses, [[-10.0] * response_len for _ in range(n)], adv)
-
-
 def bench_one(args, workers: int, setup: str, share: bool, run_dir: Path) -> dict:
+    from bench.synthetic import grouped_batch
     from learner.job import LearnerJob
     from services.config import RunConfig
 
@@ -71,7 +56,8 @@ def bench_one(args, workers: int, setup: str, share: bool, run_dir: Path) -> dic
         job.start()
         rows, walls = [], []
         for k in range(args.steps):
-            b = make_batch(args.sequences, args.prompt_len, args.response_len, args.vocab, k, args.group_size)
+            b = grouped_batch(args.sequences, args.group_size, args.prompt_len, (args.response_len, args.response_len),
+                              args.vocab, k, rollout_logprob=-10.0)
             t = time.perf_counter()
             rows.append(job.step(b))
             walls.append(time.perf_counter() - t)

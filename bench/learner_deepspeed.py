@@ -36,6 +36,8 @@ from pathlib import Path
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from bench.synthetic import grouped_batch, l2, relative_gap  # noqa: E402
+
 for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
     os.environ.setdefault(_k, _v)
 
@@ -51,37 +53,6 @@ def build_model(out: Path, vocab: int, seed: int) -> Path:
     torch.manual_seed(seed)
     Qwen3ForCausalLM(qwen3_shape_config(vocab, pad=0)).save_pretrained(out, safe_serialization=True)
     return out
-
-
-def make_batch(n: int, group: int, prompt_len: int, response_len: int, vocab: int, seed: int):
-    import torch
-
-    from learner.types import TrainBatch
-
-    g = torch.Generator().manual_seed(seed)
-    prompts, responses = [], []
-    for i in range(n):
-        if i % group == 0:
-            prompt = torch.randint(1, vocab, (prompt_len,), generator=g).tolist()
-        prompts.append(prompt)
-        length = int(torch.randint(response_len // 4, response_len + 1, (1,), generator=g))
-        responses.append(torch.randint(1, vocab, (length,), generator=g).tolist())
-    adv = torch.randn(n, generator=g).tolist()
-    # rollout log-probs near the model's own (a random model: ~ -log(vocab)) keep TIS weights sane
-    lps = [[-10.8] * len(r) for r in responses]
-    return TrainBatch(prompts, responses, lps, adv, rewards=[float(a > 0) for a in adv],
-                      group_ids=[i // group for i in range(n)])
-
-
-def l2(tensors: dict) -> float:
-    """Euclidean norm over all tensors of an adapter state (or of its movement)."""
-    return sum(float(t.pow(2).sum()) for t in tensors.values()) ** 0.5
-
-
-def relative_gap(a: dict, b: dict, scale: dict) -> float:
-    """||a - b|| / ||scale|| over all tensors (inf when scale is zero)."""
-    den = l2(scale)
-    return l2({k: a[k] - b[k] for k in b}) / den if den > 0 else float("inf")
 
 
 def run_config(args, model_dir: Path, deepspeed: bool, micro_batch_size: int):
@@ -110,7 +81,8 @@ def run(args, model_dir: Path, deepspeed: bool, micro_batch_size: int, label: st
     init = {k: v.float().cpu() for k, v in adapter_state_dict(learner.peft_model).items()}
     rows, seconds = [], []
     for k in range(learner.step_count, args.steps):
-        batch = make_batch(args.sequences, args.group_size, args.prompt_len, args.response_len, args.vocab, 100 + k)
+        batch = grouped_batch(args.sequences, args.group_size, args.prompt_len, (args.response_len // 4, args.response_len),
+                              args.vocab, 100 + k, rollout_logprob=-10.8)
         torch.cuda.synchronize()
         t = time.perf_counter()
         metrics, phases = learner.step(batch)

@@ -64,29 +64,12 @@ def version_check(run: Path) -> tuple[int, int]:
     return total, bad
 
 
-def random_batch(n: int, group: int, prompt_len: int, response_len: int, seed: int):
-    import torch
-
-    from learner.types import TrainBatch
-
-    g = torch.Generator().manual_seed(seed)
-    prompts, responses = [], []
-    for i in range(n):
-        if i % group == 0:
-            prompt = torch.randint(1, 1000, (prompt_len,), generator=g).tolist()
-        prompts.append(prompt)
-        responses.append(torch.randint(1, 1000, (int(torch.randint(4, response_len + 1, (1,), generator=g)),),
-                                       generator=g).tolist())
-    adv = torch.randn(n, generator=g).tolist()
-    return TrainBatch(prompts, responses, [[-7.0] * len(r) for r in responses], adv,
-                      rewards=[float(a > 0) for a in adv], group_ids=[i // group for i in range(n)])
-
-
 def ddp_check(config: str, overrides: list[str], steps: int, work: Path) -> dict:
     """Adapter movement of the learner with N workers vs 1 worker (and the 1-worker noise floor)."""
     import ray
     from safetensors.torch import load
 
+    from bench.synthetic import grouped_batch, relative_gap
     from learner.job import LearnerJob
     from services.config import load_config
     from services.runtime_env import apply_defaults
@@ -110,20 +93,19 @@ def ddp_check(config: str, overrides: list[str], steps: int, work: Path) -> dict
                 info = job.start()
                 init = init or load(info.init_payload.safetensors)
                 for k in range(steps):
-                    result = job.step(random_batch(n, cfg.trainer.group_size, 64, cfg.rollout.max_tokens, 1000 + k))
+                    batch = grouped_batch(n, cfg.trainer.group_size, 64, (4, cfg.rollout.max_tokens), 1000, 1000 + k,
+                                          rollout_logprob=-7.0)
+                    result = job.step(batch)
                 finals[name] = load(result.adapter.safetensors)
             finally:
                 job.stop()
     finally:
         ray.shutdown()
 
-    def rel(a: dict, b: dict) -> float:
-        num = sum(float((a[k].float() - b[k].float()).pow(2).sum()) for k in a) ** 0.5
-        den = sum(float((b[k].float() - init[k].float()).pow(2).sum()) for k in b) ** 0.5
-        return num / den if den > 0 else float("inf")
-
-    out["floor"] = rel(finals["noise_floor"], finals["one_worker"])
-    out["diff"] = rel(finals["n_workers"], finals["one_worker"])
+    one = finals["one_worker"]
+    moved = {k: one[k].float() - init[k].float() for k in one}  # the 1-worker adapter's movement
+    out["floor"] = relative_gap(finals["noise_floor"], one, moved)
+    out["diff"] = relative_gap(finals["n_workers"], one, moved)
     out["bound"] = max(1e-4, 2 * out["floor"])
     out["ok"] = out["diff"] <= out["bound"]
     return out
