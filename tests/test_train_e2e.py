@@ -19,7 +19,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -27,11 +26,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from cliharness import CLI, REPO
 from promharness import (ALERTS, DASHBOARD, PromServer, alert_series_exprs, assert_all_queries_return_data,
                          dashboard_exprs, describe_failures, queries_without_data, shipped_job_settings)
 
-REPO = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "services.cli"]
 PHASES = {"gen", "score", "old_log_prob", "ref", "adv", "update_actor", "update_weights"}
 DESIGN_NAMES = [
     "counterpoint_ppl_ratio", "counterpoint_rollout_kl", "counterpoint_rollout_k3_kl", "counterpoint_phase_seconds",

@@ -9,9 +9,9 @@ took 31-50 s against 9 s for the same batch without one.
 Here each op computes ``inputs[rows] @ W[slot].T`` once per distinct slot in the batch (one slot
 in a training step: every request names the same adapter). Everything else is kept as vLLM
 wrote it: the same index semantics (a negative index picks a slot as torch indexing does), the
-same dtype casts, output slicing and add/overwrite behaviour. tests/test_rollout_engines.py
-checks these functions against vLLM's own on random inputs, and the engines' parity tests run
-through them.
+same dtype casts, output slicing and add/overwrite behaviour. tests/test_vllm_cpu_lora.py
+checks these functions against vLLM's own on random inputs, and the engine tests
+(tests/test_rollout_engines.py) run through them.
 
 ``install()`` replaces the names ``vllm.lora.punica_wrapper.punica_cpu`` imported; it is called
 by the vLLM engine on CPU platforms before the engine is built, and refuses (returns False,
