@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import re
-import socket
 import subprocess
 import time
 import urllib.request
@@ -28,7 +27,7 @@ import pytest
 
 from cliharness import CLI, REPO
 from promharness import (ALERTS, DASHBOARD, PromServer, alert_series_exprs, assert_all_queries_return_data,
-                         dashboard_exprs, describe_failures, queries_without_data, shipped_job_settings)
+                         dashboard_exprs, describe_failures, free_port, queries_without_data, shipped_job_settings)
 
 PHASES = {"gen", "score", "old_log_prob", "ref", "adv", "update_actor", "update_weights"}
 DESIGN_NAMES = [
@@ -42,12 +41,6 @@ DESIGN_NAMES = [
 GRADER_NAMES = ["counterpoint_grader_requests_total", "counterpoint_grader_latency_seconds_bucket"]
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_train(run_dir: Path, *extra: str, resume: bool = False) -> subprocess.Popen:
