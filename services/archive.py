@@ -8,6 +8,8 @@ runs/<run>/round_<step>/       <task>__<epoch>.jsonl             one row per com
                                <task>__<epoch>__transcript.md    readable prompts + completions
                                <task>__<epoch>__tree.txt         group -> node tree with rewards
                                <task>__summary_<epoch>.json      counts, rates, histograms
+runs/<run>/heldout_before.jsonl, heldout_after.jsonl   EVAL.jsonl of the held-out eval before and
+                               after training (services/evalfile.py), with per-item results
 runs/<run>/adapters/init/, adapters/step_<N>/, checkpoints/step_<N>/
 ```
 
@@ -45,6 +47,8 @@ NODE_FIELDS = (
     "sibling_group",
     "mode",
     "prompt_messages",
+    "assistant_prefix",
+    "prompt_token_ids",
     "raw_completion",
     "response_token_ids",
     "response_logprobs",
@@ -141,6 +145,8 @@ def node_row(
     exp_id: str,
     sibling_group: int,
     prompt_messages: Sequence[Mapping[str, str]],
+    assistant_prefix: str,
+    prompt_token_ids: Sequence[int],
     raw_completion: str,
     response_token_ids: Sequence[int],
     response_logprobs: Sequence[float],
@@ -160,6 +166,12 @@ def node_row(
 ) -> dict[str, Any]:
     """One archived completion/node with exactly the DESIGN.md node-row fields.
 
+    What the model saw and wrote: ``prompt_token_ids`` are the tokens the engine was conditioned
+    on (``prompt_messages`` through the chat template with the generation prompt, then the forced
+    ``assistant_prefix``; rollout.engines.base.render_prompt), ``response_token_ids`` the sampled
+    tokens after them with their rollout log-probs, and ``raw_completion`` the decoded sampled
+    text only. The grader scored ``assistant_prefix + raw_completion``.
+
     Flat GRPO: mode "sample", round 0, parent_id None, sibling_group = the prompt's group index
     in the step, n_children 0. ``status`` says what happened to the completion ("ok",
     "truncated", "grader_error", ...); ``is_buggy`` is True when the completion failed to be
@@ -167,6 +179,8 @@ def node_row(
     """
     if mode not in ("sample", "draft", "improve", "debug"):
         raise ArchiveError(f"node mode must be sample|draft|improve|debug, got {mode!r}")
+    if not prompt_token_ids:
+        raise ArchiveError(f"node {id}: no prompt_token_ids (what the model was conditioned on)")
     if len(response_logprobs) != len(response_token_ids):
         raise ArchiveError(
             f"node {id}: {len(response_token_ids)} response tokens but "
@@ -181,6 +195,8 @@ def node_row(
         "sibling_group": sibling_group,
         "mode": mode,
         "prompt_messages": [dict(m) for m in prompt_messages],
+        "assistant_prefix": assistant_prefix,
+        "prompt_token_ids": [int(t) for t in prompt_token_ids],
         "raw_completion": raw_completion,
         "response_token_ids": [int(t) for t in response_token_ids],
         "response_logprobs": [float(x) for x in response_logprobs],
@@ -268,13 +284,17 @@ def render_transcript(step: int, task: str, epoch: int, rows: Sequence[Mapping[s
         out += [f"## Group {group}", "", _message_text(members[0]["prompt_messages"]), ""]
         for row in members:
             rules = ", ".join(row["failing_rules"]) or "none"
+            prefix = row["assistant_prefix"]
+            forced = ["forced assistant prefix (not sampled):", "", *_fenced(prefix), ""] if prefix else []
             out += [
                 f"### {row['id']} — reward {_fmt(row['reward'])}, verdict `{row['verdict']}`, "
                 f"advantage {_fmt(row['advantage'], signed=True)}",
                 "",
                 f"status {row['status']}, adapter v{row['adapter_version']}, "
-                f"mode {row['mode']}, failing rules: {rules}",
+                f"mode {row['mode']}, failing rules: {rules}, "
+                f"{len(row['prompt_token_ids'])} prompt + {len(row['response_token_ids'])} response tokens",
                 "",
+                *forced,
                 *_fenced(row["raw_completion"]),
                 "",
             ]
@@ -349,6 +369,12 @@ class RunDir:
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.root / "checkpoints" / f"step_{step}"
+
+    def heldout_path(self, when: Literal["before", "after"]) -> Path:
+        """EVAL.jsonl of the held-out eval ``before`` or ``after`` training."""
+        if when not in ("before", "after"):
+            raise ArchiveError(f"held-out eval is 'before' or 'after', got {when!r}")
+        return self.root / f"heldout_{when}.jsonl"
 
     def round_dir(self, step: int) -> Path:
         return self.root / f"round_{step}"

@@ -37,6 +37,8 @@ def flat_rows(step: int, rewards: list[list[float]], adapter_version: int = 3) -
             rows.append(node_row(
                 id=node_id(step, group, i), step=step, exp_id="run-a", sibling_group=group,
                 prompt_messages=[{"role": "user", "content": f"harmonise progression {group}"}],
+                assistant_prefix='[{"measure": 1, "degrees": [' if i == 0 else "",
+                prompt_token_ids=[1, 20 + group, 30 + i, 2],
                 raw_completion=f"m1: C4 E4\n```sneaky```\nanswer {i}",
                 response_token_ids=[5, 6, 7], response_logprobs=[-0.1, -0.2, -0.3],
                 adapter_version=adapter_version, status="ok",
@@ -159,6 +161,10 @@ def test_paths_follow_design(tmp_path: Path) -> None:
     assert rd.init_adapter_dir.relative_to(rd.root).as_posix() == "adapters/init"
     assert rd.adapter_dir(4).relative_to(rd.root).as_posix() == "adapters/step_4"
     assert rd.checkpoint_dir(4).relative_to(rd.root).as_posix() == "checkpoints/step_4"
+    assert rd.heldout_path("before").relative_to(rd.root).as_posix() == "heldout_before.jsonl"
+    assert rd.heldout_path("after").relative_to(rd.root).as_posix() == "heldout_after.jsonl"
+    with pytest.raises(ArchiveError, match="'before' or 'after'"):
+        rd.heldout_path("during")  # type: ignore[arg-type]
     paths = rd.round_paths(7, "voice-leading", 1)
     names = {k: p.relative_to(rd.root).as_posix() for k, p in paths.items()}
     assert names == {
@@ -175,7 +181,13 @@ def test_paths_follow_design(tmp_path: Path) -> None:
 def test_node_row_has_exactly_the_design_fields() -> None:
     row = flat_rows(1, [[1.0, 0.0]])[0]
     assert list(row) == list(NODE_FIELDS)
-    assert len(NODE_FIELDS) == 21
+    assert len(NODE_FIELDS) == 23
+    # What the model saw, beside what it wrote: prompt tokens and the forced prefix apart from the
+    # sampled completion.
+    assert row["assistant_prefix"] == '[{"measure": 1, "degrees": [' and row["prompt_token_ids"] == [1, 20, 30, 2]
+    assert row["raw_completion"].startswith("m1: C4 E4")
+    with pytest.raises(ArchiveError, match="no prompt_token_ids"):
+        node_row(**{**row, "prompt_token_ids": []})
     assert row["mode"] == "sample" and row["parent_id"] is None and row["n_children"] == 0
     assert row["round"] == 0 and row["sibling_group"] == 0
     with pytest.raises(ArchiveError, match="3 response tokens but 2 log-probs"):
@@ -208,6 +220,11 @@ def test_write_round_files(tmp_path: Path) -> None:
     assert "s5-r0-g0-0 — reward 1.000, verdict `admitted`, advantage +0.333" in transcript
     # Shown verbatim inside a longer fence, so a completion cannot close the fence early.
     assert "````\nm1: C4 E4\n```sneaky```\nanswer 0\n````" in transcript
+    # The forced prefix is shown apart from the sampled text, and the token counts with it.
+    assert ('forced assistant prefix (not sampled):\n\n```\n[{"measure": 1, "degrees": [\n```\n\n'
+            "````\nm1: C4 E4\n```sneaky```\nanswer 0") in transcript
+    assert transcript.count("forced assistant prefix") == 2  # only the rows that had one
+    assert "4 prompt + 3 response tokens" in transcript
 
     tree = paths["tree"].read_text().splitlines()
     assert tree[0] == "step 5  task voice-leading  epoch 1"
