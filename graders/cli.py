@@ -74,8 +74,9 @@ def serve(
     from graders.fixtures import FixtureError, PoolTooSmall, load_pool, require_pool as check
 
     cfg = _config(
-        task=task, host=host, port=port, fixture=str(fixture) if fixture else None,
-        heldout_fixture=str(heldout_fixture) if heldout_fixture else None,
+        # Absolute: with --ray the pool is loaded by Serve replicas in other directories.
+        task=task, host=host, port=port, fixture=str(fixture.resolve()) if fixture else None,
+        heldout_fixture=str(heldout_fixture.resolve()) if heldout_fixture else None,
         require_pool=require_pool, voices=voices, style=style, checker=checker, bars=bars,
         replicas=replicas, app_name=app_name, metrics_port=metrics_port,
     )

@@ -70,9 +70,10 @@ class LearnerJob:
 
     def __init__(self, run_cfg, run_dir: Path, init_adapter: Path | None = None, resume_from: Path | None = None):
         self.run_cfg = run_cfg
-        self.run_dir = Path(run_dir)
-        self.init_adapter = Path(init_adapter) if init_adapter else None
-        self.resume_from = Path(resume_from) if resume_from else None
+        # Absolute: the Train workers run in their own working directory (Ray's session dir).
+        self.run_dir = Path(run_dir).resolve()
+        self.init_adapter = Path(init_adapter).resolve() if init_adapter else None
+        self.resume_from = Path(resume_from).resolve() if resume_from else None
         self.step_count = 0
         self._coord = None
         self._thread: threading.Thread | None = None
@@ -113,7 +114,7 @@ class LearnerJob:
             ),
             run_config=TrainRunConfig(
                 name=f"learner-{uuid.uuid4().hex[:8]}",
-                storage_path=str((self.run_dir / ".ray_train").resolve()),
+                storage_path=str(self.run_dir / ".ray_train"),
                 worker_runtime_env={"env_vars": apply_defaults()},
             ),
         )

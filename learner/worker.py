@@ -276,6 +276,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     torch.set_num_threads(run_cfg.learner.torch_threads or max(1, int(run_cfg.learner.num_cpus_per_worker)))
     index = 0
     try:
+        for key in ("run_dir", "init_adapter", "resume_from"):
+            if config.get(key) and not Path(config[key]).is_absolute():
+                # A relative path here resolves against Ray's session directory: the run's
+                # adapters and checkpoints would vanish into /tmp. Fail loudly instead.
+                raise ValueError(f"learner worker got a relative {key} {config[key]!r}; the driver must pass "
+                                 f"absolute paths (this worker runs in {os.getcwd()})")
         device = ray.train.torch.get_device() if run_cfg.learner.use_gpu else torch.device("cpu")
         learner = PolicyLearner(
             run_cfg, rank=rank, world_size=world, device=device,

@@ -48,6 +48,9 @@ def _configs(config: Path | None, model: dict, rollout: dict):
     from rollout.config import ModelConfig, RolloutConfig
 
     base_model, base_rollout = {}, {}
+    name = model.get("name_or_path")
+    if name and Path(name).expanduser().exists():  # a local dir: replicas run in other directories
+        model = {**model, "name_or_path": str(Path(name).expanduser().resolve())}
     if config is not None:
         from services.config import load_config
 

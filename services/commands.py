@@ -27,6 +27,23 @@ def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
+def _say_run_state(run_dir: Path) -> None:
+    """A run read while it is still training, or one that died without recording its end."""
+    from services.receipt import liveness
+
+    receipt = run_dir / "run.json"
+    if not receipt.is_file():
+        return
+    data = json.loads(receipt.read_text())
+    state = liveness(data)
+    if state == "alive":
+        typer.echo(f"note: run {run_dir} is still training (pid {data.get('pid')}); its last saved adapter is used",
+                   err=True)
+    elif state == "dead":
+        typer.echo(f"note: run {run_dir} died without recording its end (pid {data.get('pid')} is gone); "
+                   f"resume it with: counterpoint train --resume {run_dir}", err=True)
+
+
 @app.command("train")
 def train_command(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (configs/*.yaml)."),
@@ -51,21 +68,26 @@ def train_command(
         overrides.append(f"run_name={run_name}")
     if address is not None:
         overrides.append(f"trainer.ray_address={address}")
+    from services.preflight import PreflightError, check_adapter_dir, preflight
+    from services.train import RunInUse
+
     try:
         if resume is not None:
-            cfg = resume_config(resume, overrides)
-            run_dir = resume
+            run_dir = resume.resolve()
+            cfg = resume_config(run_dir, overrides)
         else:
             if config is None:
                 raise typer.BadParameter("give --config (or --resume RUN_DIR)")
             cfg = load_config(config, overrides)
             run_dir = new_run_dir(cfg)
-    except (ConfigError, FileNotFoundError, FileExistsError) as err:
+        if init_adapter is not None:
+            init_adapter = init_adapter.resolve()
+            check_adapter_dir(init_adapter, "--init-adapter")
+        if not dry_run:
+            preflight(cfg)
+    except (ConfigError, FileNotFoundError, FileExistsError, PreflightError, RunInUse) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
-    if init_adapter is not None and not (init_adapter / "adapter_config.json").is_file():
-        typer.echo(f"error: --init-adapter {init_adapter} holds no adapter_config.json", err=True)
-        raise typer.Exit(2)
     if dry_run:
         from services.config import resolved
         from services.receipt import dry_run_preview
@@ -105,10 +127,20 @@ def eval_command(
     if adapter is not None and run is not None:
         typer.echo("error: give --adapter or --run, not both", err=True)
         raise typer.Exit(2)
+    from services.evaluate import last_adapter_of
+    from services.preflight import check_adapter_dir, preflight
+
     try:
         cfg = load_config(config, set_)
         eos = [int(t) for t in eos_token_ids.split(",") if t.strip()] if eos_token_ids else None
-    except (ConfigError, ValueError) as err:
+        adapter, run, out = (p.resolve() if p is not None else None for p in (adapter, run, out))
+        if run is not None:
+            check_adapter_dir(last_adapter_of(run), "--run")
+            _say_run_state(run)
+        if adapter is not None:
+            check_adapter_dir(adapter, "--adapter")
+        preflight(cfg, ports=False)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     summary, path = run_eval(EvalOptions(cfg, out, split, generations, max_new_tokens, temperature, top_p, top_k,

@@ -124,13 +124,58 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {source} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {source}: {_yaml_problem(err)}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {source} must hold a mapping at top level")
         tree = loaded
     for assignment in overrides:
         apply_override(tree, assignment)
-    return config_from_dict(tree, source)
+    return with_absolute_paths(config_from_dict(tree, source))
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """One line: what YAML disliked and where (1-based line and column)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"YAML syntax error{where}: {problem}"
+
+
+# Fields naming local files or directories. Ray actors, Train workers and Serve replicas do
+# not share the driver's working directory, so every such path is made absolute where the
+# config is read (the driver), never where it is used.
+PATH_FIELDS = (
+    ("trainer", "runs_dir"),
+    ("grader", "fixture"),
+    ("grader", "heldout_fixture"),
+    ("model", "cache_dir"),
+)
+
+
+def with_absolute_paths(cfg: RunConfig, base: Path | None = None) -> RunConfig:
+    """A copy of ``cfg`` whose path fields are absolute (relative ones are taken from ``base``,
+    default the current directory). ``model.name_or_path`` is made absolute only when it names
+    an existing local path: otherwise it is a built-in model name or a hub id."""
+    base = Path.cwd() if base is None else Path(base)
+
+    def absolute(value: str) -> str:
+        path = Path(value).expanduser()
+        return str(path if path.is_absolute() else (base / path).resolve())
+
+    updates: dict[str, Any] = {}
+    for section, field in PATH_FIELDS:
+        part = getattr(cfg, section)
+        value = getattr(part, field)
+        if value is not None:
+            updates.setdefault(section, {})[field] = absolute(value)
+    name = cfg.model.name_or_path
+    if (base / Path(name).expanduser()).exists() and not Path(name).is_absolute():
+        updates.setdefault("model", {})["name_or_path"] = absolute(name)
+    sections = {sec: getattr(cfg, sec).model_copy(update=fields) for sec, fields in updates.items()}
+    return cfg.model_copy(update=sections)
 
 
 def resolved(cfg: RunConfig) -> dict[str, Any]:

@@ -65,6 +65,45 @@ UPDATABLE_FIELDS = (
 )
 
 ExitStatus = Literal["completed", "interrupted", "failed"]
+Liveness = Literal["ended", "alive", "dead", "elsewhere"]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def liveness(receipt: Mapping[str, Any], hostname: str | None = None,
+             pid_alive: Any = _pid_alive) -> Liveness:
+    """Whether the process a receipt names is still running it.
+
+    "ended": the receipt has an exit status. "alive": it says running and its pid lives on this
+    host. "dead": it says running but its pid is gone (the driver was killed with SIGKILL or the
+    machine went down: nothing could write "failed"). "elsewhere": it says running on another
+    host, which cannot be checked from here."""
+    if receipt.get("status") != "running":
+        return "ended"
+    host = receipt.get("environment", {}).get("platform", {}).get("hostname")
+    if host is not None and host != (hostname or platform.node()):
+        return "elsewhere"
+    pid = receipt.get("pid")
+    if not isinstance(pid, int):
+        return "dead"
+    return "alive" if pid != os.getpid() and pid_alive(pid) else "dead"
+
+
+def read_receipt(path: str | Path) -> dict[str, Any]:
+    """run.json as a dict, status "running" replaced by "died" when its process is gone."""
+    data = json.loads(Path(path).read_text())
+    if liveness(data) == "dead":
+        data["status"] = "died"
+        data["error"] = data.get("error") or f"process {data.get('pid')} is gone; the run never recorded its end"
+    return data
 
 
 def _now() -> str:
@@ -233,7 +272,7 @@ class Receipt:
         if not self.path.exists():
             return []
         try:
-            old = json.loads(self.path.read_text())
+            old = read_receipt(self.path)
         except (OSError, json.JSONDecodeError):
             return [{"status": "unreadable receipt"}]
         attempt = {k: old.get(k) for k in ("start_time", "end_time", "status", "error")}

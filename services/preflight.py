@@ -1,0 +1,98 @@
+"""Checks that need no service: run before Ray starts, so bad input costs a second and one line.
+
+Each check raises ``PreflightError`` with a message naming the config key (or option) and what
+is wrong with it. What can only fail inside a service (a replica running out of memory, a
+worker's NCCL set-up) is not guessed at here.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from pathlib import Path
+
+from services.config import RunConfig
+
+
+class PreflightError(ValueError):
+    """Input that would make a run fail after its services started."""
+
+
+def check_model(cfg: RunConfig) -> None:
+    """model.name_or_path is a built-in name, a local model directory, or a hub id this host can
+    load (offline hosts: only one already in the local hub cache)."""
+    from rollout.models import EMBEDDED_NAME, QWEN3_SHAPE_NAME, TINY_NAME, gguf_path
+
+    name = cfg.model.name_or_path
+    if name in (TINY_NAME, QWEN3_SHAPE_NAME):
+        return
+    if name == EMBEDDED_NAME:
+        try:
+            gguf_path()
+        except FileNotFoundError as err:
+            raise PreflightError(f"model.name_or_path={name}: {err}") from None
+        return
+    local = Path(name).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise PreflightError(f"model.name_or_path={name}: the directory holds no config.json")
+        return
+    looks_local = local.is_absolute() or name.startswith((".", "~")) or name.count("/") != 1
+    if looks_local:
+        raise PreflightError(f"model.name_or_path={name}: no such directory (built-in names: "
+                             f"{EMBEDDED_NAME}, {TINY_NAME}, {QWEN3_SHAPE_NAME})")
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+            raise PreflightError(f"model.name_or_path={name}: not a local directory, and this host is offline "
+                                 "(HF_HUB_OFFLINE=1) with no cached copy of that hub id")
+
+
+def check_grader_pool(cfg: RunConfig) -> None:
+    """The pool a grader started by this run would serve loads (fixtures exist, parse, fit)."""
+    if cfg.grader.address is not None:
+        return  # an external grader validated its own pool when it started
+    from graders.fixtures import FixtureError, load_pool
+
+    try:
+        load_pool(cfg.grader.fixture, cfg.grader.heldout_fixture, cfg.grader.voices, cfg.grader.style,
+                  cfg.grader.bars)
+    except (FixtureError, OSError, ValueError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise PreflightError(f"grader pool: {first}") from None
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when host:port cannot be bound (without SO_REUSEPORT: another server holds it)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            if err.errno in (errno.EADDRINUSE, errno.EACCES):
+                return True
+            raise
+    return False
+
+
+def check_ports(cfg: RunConfig) -> None:
+    t = cfg.trainer
+    if t.metrics_port and port_in_use(t.metrics_host, t.metrics_port):
+        raise PreflightError(f"trainer.metrics_port={t.metrics_port}: {t.metrics_host}:{t.metrics_port} is in use "
+                             "(another run?); pick another with --metrics-port or 0 for a free one")
+    if t.ray_metrics_port and not t.ray_address and port_in_use("127.0.0.1", t.ray_metrics_port):
+        raise PreflightError(f"trainer.ray_metrics_port={t.ray_metrics_port}: the port is in use")
+
+
+def check_adapter_dir(path: Path, option: str) -> None:
+    if not (path / "adapter_config.json").is_file():
+        raise PreflightError(f"{option} {path}: not an adapter directory (no adapter_config.json)")
+
+
+def preflight(cfg: RunConfig, *, ports: bool = True) -> None:
+    """Every check that needs no service, cheapest first."""
+    check_model(cfg)
+    check_grader_pool(cfg)
+    if ports:
+        check_ports(cfg)
