@@ -171,6 +171,13 @@ def test_javascript_key_order():
                                       "4294967295"]
 
 
+def test_keys_beyond_the_int_string_limit_are_ordinary_keys():
+    # A key of more than 4300 digits once made int() raise inside js_property_order (issue 11).
+    huge, index = "1" * 5000, "4294967294"
+    obj = parse_json(f'{{"b": 1, "{huge}": [2], "{index}": 3, "{"9" * 11}": 4, "0": 5}}')
+    assert js_property_order(obj) == ["0", index, "b", huge, "9" * 11]
+
+
 def test_duplicate_keys_last_value_first_position():
     obj = parse_json('{"a": 1, "b": 2, "a": 3}')
     assert list(obj.items()) == [("a", 3), ("b", 2)]

@@ -181,7 +181,9 @@ def _is_array_index(key: str) -> bool:
         return False
     if len(key) > 1 and key[0] == "0":
         return False
-    return int(key) < 4294967295
+    # 2**32 - 2 has 10 digits: a longer key is no index, and int() of one over 4300 digits
+    # would raise (Python's int-string conversion limit).
+    return len(key) <= 10 and int(key) < 4294967295
 
 
 def js_property_order(obj: dict[str, Any]) -> list[str]:
