@@ -58,7 +58,8 @@ def test_prometheus_config_scrapes_every_component():
 def test_alerts_cover_ppl_band_and_stalled_steps():
     _, alerts = rule_exprs(ALERTS)
     assert "counterpoint_ppl_ratio < 0.9 or counterpoint_ppl_ratio > 1.1" in alerts
-    assert "time() - counterpoint_last_step_timestamp_seconds > 600" in alerts
+    assert ("time() - counterpoint_last_step_timestamp_seconds > 600"
+            " and counterpoint_last_step_timestamp_seconds > 0") in alerts
 
 
 @pytest.mark.parametrize(
