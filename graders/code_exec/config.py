@@ -1,0 +1,97 @@
+"""Code-execution grader section. Pydantic only: this module must stay import-light.
+
+Not wired into services/config.py yet (the config is being restructured); the registry that
+serves `code-exec` composes it when it lands.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Isolation = Literal["none", "namespaces"]
+Split = Literal["val", "test"]
+
+
+class CodeExecConfig(BaseModel):
+    """How scripts run (sandbox limits, concurrency), how they are rewarded, and which tasks."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    timeout_s: float = Field(
+        30.0, gt=0, description="Wall-clock limit of one script, enforced by the parent: SIGINT "
+        "to its process group, then `grace_s`, then SIGKILL of the group and the namespace."
+    )
+    grace_s: float = Field(
+        1.0, ge=0, description="Seconds between SIGINT and SIGKILL when a script times out."
+    )
+    cpu_s: int = Field(
+        60, ge=1, description="RLIMIT_CPU of the script (CPU seconds over all its threads); "
+        "exceeding it is reported as `timeout`."
+    )
+    memory_mb: int = Field(
+        2048, ge=64, description="Address-space budget (RLIMIT_AS) above the interpreter's "
+        "measured baseline (python with numpy, pandas and scikit-learn imported)."
+    )
+    file_size_mb: int = Field(
+        64, ge=1, description="RLIMIT_FSIZE: largest file the script may write."
+    )
+    open_files: int = Field(256, ge=16, description="RLIMIT_NOFILE of the script.")
+    nproc: int = Field(
+        32, ge=2, description="RLIMIT_NPROC (processes and threads) of the script; only "
+        "enforceable for a non-root uid, i.e. with isolation `namespaces` (a dedicated uid when "
+        "the grader runs as root, a user namespace otherwise)."
+    )
+    tmp_mb: int = Field(
+        64, ge=1, description="Size of the private /tmp and /dev/shm tmpfs under `namespaces`."
+    )
+    output_tail_bytes: int = Field(
+        4096, ge=256, description="Tail of the script's stdout+stderr kept in a result (term_tail)."
+    )
+    output_limit_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Total stdout+stderr after which the script is "
+        "killed (status `crashed`, exc_type OutputLimitExceeded); the parent never holds more "
+        "than the tail."
+    )
+    max_concurrent: int = Field(
+        2, ge=1, description="Simultaneous executions per grader process; more requests queue."
+    )
+    queue_wait_s: float = Field(
+        60.0, ge=0, description="Longest a request waits for a free execution slot before "
+        "failing with ResourceExhausted (RESOURCE_EXHAUSTED over gRPC)."
+    )
+    sentinel: float = Field(
+        -0.5, description="Reward of every failed node (no_code, crashed, timeout, "
+        "invalid_submission), whatever the task."
+    )
+    reward_split: Split = Field(
+        "val", description="Which held-out split the reward (and a search's selection) uses: "
+        "`val` keeps the reported `test` metric out of training; `test` is the reference's "
+        "original behaviour. Tasks without a validation split fall back to `test`."
+    )
+    min_isolation: Isolation = Field(
+        "namespaces", description="Refuse to start when the host offers less: `namespaces` = "
+        "user/mount/net/pid namespaces + chroot onto the workspace (no network, no task files "
+        "visible); `none` = process group, rlimits and a scrubbed environment only."
+    )
+    isolation: Isolation | None = Field(
+        None, description="Force an isolation level (None = the best the host offers). "
+        "`none` is for benchmarking the bare subprocess."
+    )
+    uid_base: int = Field(
+        61000, ge=1000, description="When the grader runs as root, scripts run as a dedicated "
+        "unprivileged uid from [uid_base, uid_base + uid_count), locked per execution across "
+        "processes so RLIMIT_NPROC counts one script only."
+    )
+    uid_count: int = Field(256, ge=1, description="Size of the dedicated uid range.")
+    work_root: str | None = Field(
+        None, description="Absolute directory for per-execution workspaces (None = the system "
+        "temp directory)."
+    )
+    tasks_dir: str | None = Field(
+        None, description="Absolute directory of tasks in the MLE-bench layout (one folder per "
+        "task with task.json, public/, private/). None = the bundled tasks, built once into "
+        "$COUNTERPOINT_CACHE (or ~/.cache/counterpoint)/code-exec/tasks-seed<seed>."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the bundled tasks' data and splits.")
