@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from services.archive import RunDir, node_id, node_row
-from services.config import RunConfig, config_from_dict, apply_override, resolved
+from services.config import RunConfig, apply_override, config_from_dict, resolved, with_absolute_paths
 from services.orchestrator import RunParts, StepRecord, for_rollout, run_steps, sampling_params
 from services.launch import check_resources, start_grader, start_ray, start_rollout, stop_token_report
 
@@ -29,19 +30,38 @@ class TrainOptions:
 
 
 def resume_config(run_dir: Path, overrides: list[str]) -> RunConfig:
-    """The config a run was started with (its receipt), plus overrides given at resume."""
+    """The config a run was started with (its receipt), plus overrides given at resume.
+    Refuses a run whose driver is still alive: two drivers would write one run directory."""
+    from services.receipt import liveness
+
     receipt = run_dir / "run.json"
     if not receipt.is_file():
         raise FileNotFoundError(f"--resume {run_dir}: no run.json there; is it a run directory?")
-    tree = json.loads(receipt.read_text())["config"]
+    data = json.loads(receipt.read_text())
+    state = liveness(data)
+    if state == "alive":
+        raise RunInUse(f"--resume {run_dir}: the run is still running (pid {data.get('pid')} on this host); "
+                       "stop it first")
+    if state == "dead":
+        log.warning("run.json of %s says running, but its process %s is gone (killed): resuming it",
+                    run_dir, data.get("pid"))
+    elif state == "elsewhere":
+        log.warning("run.json of %s says running on host %s; make sure that driver is gone", run_dir,
+                    data.get("environment", {}).get("platform", {}).get("hostname"))
+    tree = data["config"]
     for assignment in overrides:
         apply_override(tree, assignment)
-    return config_from_dict(tree, f"{receipt} (+ --set)")
+    return with_absolute_paths(config_from_dict(tree, f"{receipt} (+ --set)"))
+
+
+class RunInUse(RuntimeError):
+    """--resume of a run whose driver process is still alive."""
 
 
 def new_run_dir(cfg: RunConfig) -> Path:
     name = cfg.run_name or datetime.now(timezone.utc).strftime("run-%Y%m%d-%H%M%S")
-    path = Path(cfg.trainer.runs_dir) / name
+    # Absolute: Train workers and Serve replicas write and read under it from other directories.
+    path = (Path(cfg.trainer.runs_dir) / name).resolve()
     if (path / "run.json").exists():
         raise FileExistsError(f"run directory {path} already holds a run; use --resume {path} or another --run-name")
     return path
@@ -50,17 +70,31 @@ def new_run_dir(cfg: RunConfig) -> Path:
 def resume_point(run: RunDir) -> tuple[int, Path | None]:
     """(first step to train, checkpoint to resume from). Steps after the newest checkpoint
     that is also recorded in timing.jsonl are re-run; their records are dropped first so the
-    archive never holds a step twice."""
+    archive never holds a step twice. Without such a checkpoint the run restarts at step 1
+    from its init adapter (the seed, or adapters/init when one was given)."""
     run.recover()
     trained = set(run.trained_steps())
     ckpts = sorted(int(p.name.split("_")[1]) for p in (run.root / "checkpoints").glob("step_*")
                    if (p / "state.json").exists() or any(p.iterdir()))
     usable = [s for s in ckpts if s in trained]
-    if not usable:
-        return 1, None
-    step = usable[-1]
-    run.truncate_after(step)
-    return step + 1, run.checkpoint_dir(step)
+    step = usable[-1] if usable else 0
+    dropped = run.truncate_after(step)
+    for stale in [*(run.root / "checkpoints").glob("step_*"), *(run.root / "adapters").glob("step_*")]:
+        if int(stale.name.split("_")[1]) > step:  # written by the attempt that died; redone below
+            shutil.rmtree(stale)
+    if dropped:
+        log.warning("resume: steps %s of %s were trained after its last checkpoint (step %d): they are "
+                    "trained again", dropped, run.root, step)
+    return step + 1, run.checkpoint_dir(step) if usable else None
+
+
+def _had_given_init(run: RunDir) -> bool:
+    """Whether the run started from an --init-adapter (its receipt names it) rather than the seed."""
+    try:
+        recorded = json.loads(run.receipt_path.read_text()).get("init_adapter") or ""
+    except (OSError, ValueError):
+        return False
+    return bool(recorded) and not recorded.startswith("seeded")
 
 
 # ---------------------------------------------------------------- recording a step
@@ -125,6 +159,9 @@ def train(opts: TrainOptions) -> RunDir:
     cfg = opts.config
     run = RunDir(opts.run_dir).create()
     first_step, ckpt = resume_point(run) if opts.resume else (1, None)
+    init_adapter = opts.init_adapter
+    if opts.resume and ckpt is None and init_adapter is None and _had_given_init(run):
+        init_adapter = run.init_adapter_dir  # restarting from step 1: the copy of the init it was given
     receipt = Receipt(run.receipt_path, kind="train", run_name=run.root.name)
     receipt.start(config=resolved(cfg), seeds={"seed": cfg.seed}, resumed_from_step=first_step - 1 if opts.resume else None)
     with receipt.guard(), ExitStack() as stack:
@@ -144,11 +181,11 @@ def train(opts: TrainOptions) -> RunDir:
 
         from learner.job import LearnerJob
 
-        learner = LearnerJob(cfg, run.root, init_adapter=opts.init_adapter, resume_from=ckpt)
+        learner = LearnerJob(cfg, run.root, init_adapter=init_adapter, resume_from=ckpt)
         stack.callback(learner.stop)
         init = learner.start()
         receipt.update(init_adapter_sha256=init.adapter_sha256, lr_rebase=init.lr_rebase_note,
-                       init_adapter=str(opts.init_adapter) if opts.init_adapter else "seeded (adapters/init)")
+                       init_adapter=str(init_adapter) if init_adapter else "seeded (adapters/init)")
         adapter = for_rollout(init.init_payload)
         rollout.publish(adapter)
         rollout.sync(adapter.version)
