@@ -154,7 +154,7 @@ def grade(task, sub: pd.DataFrame, answers: pd.DataFrame) -> Grade:
         if task.metric == "log_loss":
             idx = pd.Index(task.classes).get_indexer(a[task.answer_columns[0]].astype(str))
             return log_loss(idx, p)
-        return rmsle(a[task.answer_columns].to_numpy(dtype=float), p)
+        return rmsle(a[list(task.answer_columns)].to_numpy(dtype=float), p)
 
     if split is None:
         return Grade(test=on(np.ones(len(answers), bool)), val=None)

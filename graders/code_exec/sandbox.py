@@ -13,7 +13,7 @@ Design (issue 13):
   --map-root-user` when the grader is not root). Inside, a small sh (pid 1 until it execs the
   script) builds a read-only tmpfs root holding only the interpreter, system libraries, a few
   /etc files, private /tmp and /dev/shm tmpfs, /proc of the new pid namespace and the workspace
-  at /workspace; then chroot, drop every capability (bounding set too, no_new_privs) and, when
+  at /workspace; then runs (as its child) chroot, drop every capability (bounding set too, no_new_privs) and, when
   root, switch to a dedicated unprivileged uid (locked per execution, so RLIMIT_NPROC counts this
   script only; leftover processes of that uid are killed after the run). The task directory is
   simply not in that tree: private/ is unreachable by any path; the network namespace has only a
@@ -212,7 +212,10 @@ def setup_script(tmp_bytes: int) -> str:
         f'mkdir -p "$R{_WORKSPACE}" && mount --bind -o nosuid,nodev "$W" "$R{_WORKSPACE}" '
         "|| fail workspace",
         'mount -o remount,ro,nosuid,nodev "$R" || fail remount',
-        f'exec chroot "$R" /usr/bin/env -C {_WORKSPACE} "$@"',
+        # not exec: the script must not be the namespace's pid 1, which the kernel shields from
+        # default-action signals (SIGXCPU of RLIMIT_CPU would be dropped); sh waits as pid 1.
+        f'chroot "$R" /usr/bin/env -C {_WORKSPACE} "$@"',
+        'exit $?',
     ]
     return "\n".join(lines) + "\n"
 
@@ -262,7 +265,7 @@ def detect_isolation() -> tuple[str, str]:
                 os.chown(ws, 65534, 65534)
                 inner[1:1] = ["--reuid=65534", "--regid=65534", "--clear-groups"]
             code = ("import socket,os;print(sorted(n for _,n in socket.if_nameindex()),"
-                    "os.getpid(),os.path.exists(%r))" % run_dir)
+                    "os.getppid(),os.path.exists(%r))" % run_dir)
             cmd = [*_ns_prefix(as_root), "sh", "-c", setup_script(1 << 20), "sh", root, ws,
                    *inner, sys.executable, "-s", "-c", code]
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=60,

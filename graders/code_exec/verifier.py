@@ -1,0 +1,160 @@
+"""The code-exec verifier: cases (one per task) and score(case, completion) -> ScoreResult.
+
+A plain object for the grader registry: no Ray, no gRPC. The service layer maps
+`ResourceExhausted` to RESOURCE_EXHAUSTED, `KeyError` of an unknown case to NOT_FOUND and
+`IsolationUnavailable` to a refusal to start.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import pandas as pd
+
+from graders.code_exec.config import CodeExecConfig
+from graders.code_exec.extract import extract_code
+from graders.code_exec.grading import InvalidSubmission, grade, oriented, reward_of
+from graders.code_exec.sandbox import ResourceExhausted, Sandbox  # noqa: F401 (re-export)
+from graders.code_exec.task import TaskSpec, load_tasks, resolve_tasks_dir
+
+SYSTEM_PROMPT = (
+    "You are an expert machine-learning engineer. Write ONE complete Python script that solves "
+    "the task below. It runs with the task's files in its working directory and must write "
+    "`submission.csv` there. Available: Python 3 standard library, numpy, pandas, scipy, "
+    "scikit-learn. No network, no GPU, one CPU thread, a time limit of {timeout:g} s. Answer "
+    "with the script in a single ```python fenced block."
+)
+PREVIEW_LINES = 5
+PREVIEW_CHARS = 240
+
+
+@dataclass
+class ScoreResult:
+    """One graded node. `test_metric`/`val_metric`/`oriented` are None unless status is ok."""
+
+    task_id: str
+    status: str
+    reward: float
+    test_metric: float | None
+    val_metric: float | None
+    oriented: float | None
+    exec_time: float
+    term_tail: str
+    exc_type: str | None
+    message: str | None
+    isolation: str
+    limits: dict
+    code: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _preview(path, lines: int = PREVIEW_LINES) -> str:
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if i >= lines:
+                break
+            line = line.rstrip("\n")
+            out.append(line if len(line) <= PREVIEW_CHARS else line[:PREVIEW_CHARS] + " ...")
+    return "\n".join(out)
+
+
+def _row_count(path) -> int:
+    return len(pd.read_csv(path))
+
+
+class CodeExecTask:
+    """Bundled (or user) ML-engineering tasks graded by running the extracted script."""
+
+    name = "code-exec"
+
+    def __init__(self, cfg: CodeExecConfig | None = None):
+        self.cfg = cfg or CodeExecConfig()
+        self.tasks_dir = resolve_tasks_dir(self.cfg.tasks_dir, self.cfg.seed)
+        self.tasks: dict[str, TaskSpec] = load_tasks(self.tasks_dir)
+        self.sandbox = Sandbox(self.cfg)
+        self._answers = {tid: pd.read_csv(t.answers_path) for tid, t in self.tasks.items()}
+
+    @property
+    def isolation(self) -> str:
+        return self.sandbox.isolation
+
+    def cases(self, split: str = "train") -> list[dict]:
+        """One case per task (the task is the case; `split` is accepted for the registry's
+        signature: every split gets the same tasks, the held-out split lives inside each)."""
+        out = []
+        for tid, t in sorted(self.tasks.items()):
+            pub = t.public
+            desc = (pub / t.description).read_text(encoding="utf-8")
+            files = []
+            for p in sorted(pub.iterdir()):
+                if p.suffix == ".csv":
+                    files.append(f"- {p.name}: {_row_count(p)} rows; first lines:\n"
+                                 f"```\n{_preview(p)}\n```")
+            user = f"{desc}\n\n## Data preview\n\n" + "\n".join(files)
+            out.append({
+                "id": tid,
+                "prompt_messages": [
+                    {"role": "system", "content": SYSTEM_PROMPT.format(timeout=self.cfg.timeout_s)},
+                    {"role": "user", "content": user},
+                ],
+                "task": t.summary(),
+            })
+        return out
+
+    def _failed(self, tid, status, code, message=None, res=None) -> ScoreResult:
+        return ScoreResult(
+            task_id=tid, status=status, reward=self.cfg.sentinel, test_metric=None,
+            val_metric=None, oriented=None, exec_time=res.exec_time if res else 0.0,
+            term_tail=res.tail if res else "", exc_type=res.exc_type if res else None,
+            message=message, isolation=self.isolation,
+            limits=res.limits if res else asdict(self.sandbox.limits), code=code or "",
+        )
+
+    def score(self, case_id: str, completion: str) -> ScoreResult:
+        """Extract, run in the sandbox, check and grade. Raises KeyError for an unknown task
+        and ResourceExhausted when no execution slot frees up in time; never for the script."""
+        t = self.tasks[case_id]
+        code = extract_code(completion)
+        if code is None:
+            return self._failed(case_id, "no_code", None, "no fenced python block in the completion")
+        res, data, why = self.sandbox.run(code, t.public)
+        if res.outcome == "timeout":
+            return self._failed(case_id, "timeout", code, f"killed: {res.exc_type}", res)
+        if res.outcome == "output_limit":
+            return self._failed(case_id, "crashed", code, "output limit exceeded", res)
+        if res.outcome == "error":
+            return self._failed(case_id, "crashed", code, f"exit status {res.returncode}", res)
+        try:
+            if data is None:
+                raise InvalidSubmission(why)
+            try:
+                sub = pd.read_csv(io.BytesIO(data))
+            except Exception as e:  # any parse failure is the submission's
+                raise InvalidSubmission(f"submission.csv is not a readable CSV: "
+                                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            g = grade(t, sub, self._answers[case_id])
+        except InvalidSubmission as e:
+            return self._failed(case_id, "invalid_submission", code, str(e), res)
+        use_val = self.cfg.reward_split == "val" and g.val is not None
+        m = g.val if use_val else g.test
+        if not math.isfinite(m):
+            return self._failed(case_id, "invalid_submission", code, "metric is not finite", res)
+        return ScoreResult(
+            task_id=case_id, status="ok", reward=reward_of(t.metric, m), test_metric=g.test,
+            val_metric=g.val, oriented=oriented(t.metric, m), exec_time=res.exec_time,
+            term_tail=res.tail, exc_type=None, message=None, isolation=self.isolation,
+            limits=res.limits, code=code,
+        )
+
+    def score_many(self, items: list[tuple[str, str]]) -> list[ScoreResult]:
+        """Score (case_id, completion) pairs, at most `max_concurrent` at once, in input order."""
+        if not items:
+            return []
+        with ThreadPoolExecutor(max_workers=min(len(items), self.cfg.max_concurrent)) as pool:
+            return list(pool.map(lambda it: self.score(*it), items))

@@ -1,0 +1,307 @@
+"""The code-exec sandbox against hostile scripts: real processes, no mocks, each contained.
+
+Every test runs real interpreters under the real namespaces of this host (the Sandbox refuses to
+start below `min_isolation="namespaces"`), with a few seconds of wall clock per script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+
+import pytest
+
+from graders.code_exec import sandbox as sb
+from graders.code_exec.config import CodeExecConfig
+
+
+def _cfg(**kw) -> CodeExecConfig:
+    base = dict(timeout_s=3.0, grace_s=0.5, cpu_s=20, memory_mb=512, nproc=16,
+                output_limit_bytes=1 << 20, output_tail_bytes=2048, max_concurrent=2,
+                queue_wait_s=5.0)
+    base.update(kw)
+    return CodeExecConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def box() -> sb.Sandbox:
+    return sb.Sandbox(_cfg())
+
+
+@pytest.fixture()
+def secret_task(tmp_path):
+    """A task dir whose private/ answer holds a unique secret."""
+    secret = f"SECRET-{uuid.uuid4().hex}"
+    pub, priv = tmp_path / "task" / "public", tmp_path / "task" / "private"
+    pub.mkdir(parents=True)
+    priv.mkdir()
+    (pub / "train.csv").write_text("id,x\n1,2\n")
+    (priv / "answers.csv").write_text(f"id,y\n1,{secret}\n")
+    os.chmod(tmp_path, 0o755)
+    return tmp_path / "task", secret
+
+
+def _no_children_left() -> bool:
+    try:
+        return os.waitpid(-1, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return True
+
+
+def _host_pids_with(marker: str) -> list[int]:
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(d))
+            except OSError:
+                pass
+    return found
+
+
+def test_isolation_detected_and_reported(box):
+    assert box.isolation == "namespaces"
+    res, _, _ = box.run("print('hello')", None)
+    assert (res.outcome, res.isolation, res.tail) == ("ok", "namespaces", "hello\n")
+    assert res.limits["nproc"] == 16 and res.limits["address_space_bytes"] > res.limits["baseline_bytes"]
+    assert _no_children_left()
+
+
+def test_below_min_isolation_refuses_to_start():
+    with pytest.raises(sb.IsolationUnavailable, match="below min_isolation='namespaces'"):
+        sb.Sandbox(_cfg(isolation="none", min_isolation="namespaces"))
+
+
+def test_environment_scrubbed_and_limits_applied(box, monkeypatch):
+    monkeypatch.setenv("COUNTERPOINT_LEAK_CHECK", "leaked")
+    code = (
+        "import os, resource, json\n"
+        "print(json.dumps({'env': dict(os.environ), 'uid': os.getuid(), 'cwd': os.getcwd(),\n"
+        " 'as': resource.getrlimit(resource.RLIMIT_AS)[0],\n"
+        " 'nproc': resource.getrlimit(resource.RLIMIT_NPROC)[0],\n"
+        " 'fsize': resource.getrlimit(resource.RLIMIT_FSIZE)[0],\n"
+        " 'nofile': resource.getrlimit(resource.RLIMIT_NOFILE)[0],\n"
+        " 'cpu': resource.getrlimit(resource.RLIMIT_CPU)[0],\n"
+        " 'pgid_is_sid': os.getpgid(0) == os.getsid(0) or os.getpid() == 1,\n"
+        " 'caps': [l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1]}))\n"
+    )
+    res, _, _ = box.run(code, None)
+    info = json.loads(res.tail)
+    assert "COUNTERPOINT_LEAK_CHECK" not in info["env"]
+    assert info["env"]["OMP_NUM_THREADS"] == info["env"]["OPENBLAS_NUM_THREADS"] == "1"
+    assert info["cwd"] == "/workspace"
+    assert info["uid"] != 0 and int(info["caps"], 16) == 0
+    lim = box.limits
+    assert (info["as"], info["nproc"], info["fsize"], info["nofile"], info["cpu"]) == (
+        lim.address_space_bytes, lim.nproc, lim.file_size_bytes, lim.open_files, lim.cpu_s)
+
+
+def test_fork_bomb_contained(box):
+    code = (
+        "import os\n"
+        "while True:\n"
+        "    try:\n"
+        "        os.fork()\n"
+        "    except OSError:\n"
+        "        pass\n"
+    )
+    res, _, _ = box.run(code, None)
+    assert res.outcome == "timeout"
+    assert res.uid is not None and sb._pids_of_uid(res.uid) == []
+    assert _no_children_left()
+    assert box.run("print(1)", None)[0].outcome == "ok"  # the sandbox still works
+
+
+def test_memory_bomb_is_a_memory_error(box):
+    res, _, _ = box.run("x = bytearray(64 * 2**30)", None)
+    assert (res.outcome, res.exc_type) == ("error", "MemoryError")
+    res, _, _ = box.run("chunks = []\nwhile True:\n    chunks.append(bytearray(32 * 2**20))\n", None)
+    assert (res.outcome, res.exc_type) == ("error", "MemoryError")
+
+
+def test_infinite_loop_times_out(box):
+    res, _, _ = box.run("while True:\n    pass\n", None)
+    assert (res.outcome, res.exc_type) == ("timeout", "WallTimeout")
+    assert res.exec_time >= box.limits.wall_s
+
+
+def test_cpu_limit_is_a_timeout():
+    box = sb.Sandbox(_cfg(cpu_s=1, timeout_s=8.0))
+    res, _, _ = box.run("while True:\n    pass\n", None)
+    assert (res.outcome, res.exc_type) == ("timeout", "CPUTimeLimit")
+
+
+def test_sleep_past_timeout_ignoring_sigint(box):
+    code = ("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "time.sleep(60)\n")
+    res, _, _ = box.run(code, None)
+    assert res.outcome == "timeout"
+    assert _no_children_left()
+
+
+def test_child_escaping_the_process_group_dies_with_the_run(box):
+    marker = f"cp-escapee-{uuid.uuid4().hex}"
+    code = (
+        "import os, sys\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(300)', '{marker}'])\n"
+        "    os._exit(0)\n"
+        "import time; time.sleep(0.5)\n"
+        "print('parent done')\n"
+    )
+    res, _, _ = box.run(code, None)
+    assert res.outcome == "ok" and "parent done" in res.tail
+    time.sleep(0.2)
+    assert _host_pids_with(marker) == []
+
+
+def test_no_network_outside_or_to_a_local_listener(box):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    srv.setblocking(False)
+    port = srv.getsockname()[1]
+    code = (
+        "import socket\n"
+        "print('ifaces', sorted(n for _, n in socket.if_nameindex()))\n"
+        f"for addr in [('127.0.0.1', {port}), ('192.0.2.1', 9)]:\n"
+        "    try:\n"
+        "        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM if addr[1] == 9 else socket.SOCK_STREAM)\n"
+        "        s.settimeout(1); s.connect(addr)\n"
+        "        if addr[1] != 9: s.sendall(b'x')\n"
+        "        print('CONNECTED', addr)\n"
+        "    except OSError as e:\n"
+        "        print('refused', addr, e.errno)\n"
+    )
+    try:
+        res, _, _ = box.run(code, None)
+        assert "ifaces ['lo']" in res.tail
+        assert "CONNECTED" not in res.tail and res.tail.count("refused") == 2
+        with pytest.raises(BlockingIOError):
+            srv.accept()
+    finally:
+        srv.close()
+
+
+def test_private_answers_unreachable_by_any_path(box, secret_task):
+    task, secret = secret_task
+    code = f"""
+import os, glob
+TASK = {str(task)!r}
+paths = ['../private/answers.csv', '../../private/answers.csv', '../task/private/answers.csv',
+         TASK + '/private/answers.csv', '/proc/1/cwd/../private/answers.csv',
+         '/proc/self/root' + TASK + '/private/answers.csv', '/proc/1/root' + TASK + '/private/answers.csv']
+paths += ['/proc/%s/cwd/../private/answers.csv' % p for p in os.listdir('/proc') if p.isdigit()]
+paths += ['/proc/%d/cwd/../private/answers.csv' % os.getppid()]
+try:
+    os.symlink(TASK + '/private/answers.csv', 'link.csv'); paths.append('link.csv')
+    os.symlink(TASK, 'tasklink'); paths.append('tasklink/private/answers.csv')
+except OSError as e:
+    print('symlink', e)
+import sys
+skip = ('/proc', '/sys', '/usr', sys.prefix, sys.base_prefix)  # kernel views, the interpreter
+for root, dirs, files in os.walk('/'):
+    if root.startswith(skip):
+        dirs[:] = []; continue
+    paths += [os.path.join(root, f) for f in files if f == 'answers.csv']
+tried = 0
+for p in paths:
+    tried += 1
+    try:
+        data = open(p).read()
+        print('READ', p, data[:200])
+    except OSError:
+        pass
+print('TRIED', tried)
+"""
+    res, _, _ = box.run(code, task / "public")
+    assert res.outcome == "ok", res.tail
+    assert "TRIED" in res.tail and int(res.tail.split("TRIED")[1].split()[0]) >= 9
+    assert "READ" not in res.tail and secret not in res.tail
+
+
+def test_writes_outside_the_workspace_never_reach_the_host(box, secret_task, tmp_path):
+    task, _ = secret_task
+    marker = f"cp-write-{uuid.uuid4().hex}"
+    targets = [str(task / "public" / marker), str(task / marker), f"/tmp/{marker}",
+               f"/work/{marker}", f"/{marker}", f"/etc/{marker}", f"../{marker}"]
+    code = "import os\n" + "".join(
+        f"try:\n    open({t!r}, 'w').write('x'); print('WROTE', {t!r})\nexcept OSError as e:\n    pass\n"
+        for t in targets) + "print('end')\n"
+    res, _, _ = box.run(code, task / "public")
+    assert res.outcome == "ok" and "end" in res.tail
+    for t in targets:
+        host = t if t.startswith("/") else str(task / t)
+        assert not os.path.exists(host), host
+    assert _host_pids_with(marker) == []
+
+
+def test_huge_stdout_is_cut_and_killed(box):
+    res, _, _ = box.run("import sys\nwhile True:\n    sys.stdout.write('y' * 65536)\n", None)
+    assert (res.outcome, res.exc_type) == ("output_limit", "OutputLimitExceeded")
+    assert len(res.tail) <= box.limits.output_tail_bytes
+    assert res.output_bytes > box.limits.output_limit_bytes
+
+
+def test_script_deleting_its_own_workspace(box, secret_task):
+    task, _ = secret_task
+    code = ("import os, shutil\nfor e in os.listdir('.'):\n    os.remove(e)\n"
+            "try:\n    shutil.rmtree(os.getcwd())\nexcept OSError as e:\n    print('rmtree', e.errno)\n"
+            "print('left', os.listdir('/workspace'))\n")
+    res, data, why = box.run(code, task / "public")
+    assert res.outcome == "ok" and "left []" in res.tail
+    assert data is None and why == "no submission.csv written"
+    assert (task / "public" / "train.csv").is_file()  # the task's own copy is untouched
+
+
+def test_symlinked_or_special_submission_is_not_followed(box, secret_task):
+    task, secret = secret_task
+    res, data, why = box.run(
+        f"import os\nos.symlink({str(task / 'private' / 'answers.csv')!r}, 'submission.csv')\n",
+        task / "public")
+    assert res.outcome == "ok" and data is None and "cannot be opened safely" in why
+    res, data, why = box.run("import os\nos.mkfifo('submission.csv')\n", task / "public")
+    assert data is None and why == "submission.csv is not a regular file"
+
+
+def test_slots_queue_then_resource_exhausted():
+    box = sb.Sandbox(_cfg(max_concurrent=1, queue_wait_s=0.3))
+    started = threading.Event()
+    out = {}
+
+    def long_run():
+        started.set()
+        out["first"] = box.run("import time; time.sleep(2)", None)[0].outcome
+
+    t = threading.Thread(target=long_run)
+    t.start()
+    started.wait()
+    time.sleep(0.3)
+    with pytest.raises(sb.ResourceExhausted, match="1 execution slots busy"):
+        box.run("print(1)", None)
+    t.join()
+    assert out["first"] == "ok"
+    assert box.run("print(1)", None)[0].outcome == "ok"
+
+
+def test_bare_level_still_limits_and_times_out():
+    box = sb.Sandbox(_cfg(isolation="none", min_isolation="none", timeout_s=2.0))
+    res, _, _ = box.run("import os\nprint(os.getcwd() != '/workspace')\nwhile True: pass\n", None)
+    assert (res.outcome, res.isolation) == ("timeout", "none") and "True" in res.tail
+    assert _no_children_left()
+
+
+def test_exc_type_parsing():
+    tail = 'Traceback (most recent call last):\n  File "x", line 1\nValueError: bad\n'
+    assert sb.exc_type_of(tail, 1) == "ValueError"
+    assert sb.exc_type_of("  File \"x\"\n    (\n    ^\nSyntaxError: '(' was never closed\n", 1) == "SyntaxError"
+    assert sb.exc_type_of("", -9) == "SIGKILL"
+    assert sb.exc_type_of("nothing", 3) is None
