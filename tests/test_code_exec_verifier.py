@@ -1,0 +1,103 @@
+"""CodeExecTask end to end: completion -> extraction -> sandbox -> checks -> metric -> reward."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+
+from graders.code_exec.build import build_tasks
+from graders.code_exec.config import CodeExecConfig
+from graders.code_exec.grading import reward_of
+from graders.code_exec.ladder import RUNGS, run_ladder
+from graders.code_exec.verifier import CodeExecTask
+
+
+def _py(code: str) -> str:
+    return f"Here is my solution.\n```python\n{code}\n```\n"
+
+
+@pytest.fixture(scope="module")
+def tasks_dir(tmp_path_factory):
+    return build_tasks(tmp_path_factory.mktemp("ce") / "tasks", seed=0)
+
+
+@pytest.fixture(scope="module")
+def verifier(tasks_dir):
+    return CodeExecTask(CodeExecConfig(tasks_dir=str(tasks_dir), timeout_s=20.0, grace_s=0.5,
+                                       sentinel=-0.25))
+
+
+def test_cases_carry_description_preview_and_metadata(verifier):
+    cases = verifier.cases("train")
+    assert [c["id"] for c in cases] == ["docs-topic", "positive-regression", "tabular-binary"]
+    for c in cases:
+        sys_msg, user = c["prompt_messages"]
+        assert sys_msg["role"] == "system" and "submission.csv" in sys_msg["content"]
+        assert "## Evaluation" in user["content"] and "train.csv: " in user["content"]
+        assert c["task"]["metric"] in ("roc_auc", "log_loss", "rmsle")
+    assert "answers" not in json.dumps(cases)
+
+
+def test_failed_statuses_get_the_sentinel(verifier):
+    r = verifier.score("tabular-binary", "I would train a model.")
+    assert (r.status, r.reward, r.test_metric, r.code) == ("no_code", -0.25, None, "")
+    r = verifier.score("tabular-binary", _py("import pandas as pd\npd.read_csv('nope.csv')"))
+    assert (r.status, r.reward, r.exc_type) == ("crashed", -0.25, "FileNotFoundError")
+    assert "FileNotFoundError" in r.term_tail and r.limits["cpu_s"] == verifier.cfg.cpu_s
+    r = verifier.score("tabular-binary", _py("x = (1,"))
+    assert (r.status, r.exc_type) == ("crashed", "SyntaxError")
+    r = verifier.score("tabular-binary", _py(
+        "import pandas as pd\npd.read_csv('sample_submission.csv').iloc[:10].to_csv('submission.csv', index=False)"))
+    assert (r.status, r.reward, r.oriented) == ("invalid_submission", -0.25, None)
+    assert "rows, expected" in r.message
+    assert r.isolation == "namespaces"
+
+
+def test_constant_submission_without_reading_train_is_ok(verifier, tasks_dir):
+    r = verifier.score("docs-topic", _py(
+        "import shutil\nshutil.copy('sample_submission.csv', 'submission.csv')"))
+    assert r.status == "ok" and r.exc_type is None
+    assert r.test_metric == pytest.approx(math.log(3)) and r.val_metric == pytest.approx(math.log(3))
+    assert r.reward == pytest.approx(reward_of("log_loss", r.val_metric))
+    assert r.oriented == -r.val_metric
+
+
+def test_submission_linked_to_the_answers_is_invalid(verifier, tasks_dir):
+    ans = tasks_dir / "tabular-binary" / "private" / "answers.csv"
+    r = verifier.score("tabular-binary", _py(
+        f"import os\nos.symlink({str(ans)!r}, 'submission.csv')"))
+    assert (r.status, r.reward) == ("invalid_submission", -0.25)
+
+
+def test_reward_split_test_and_score_many_order(tasks_dir):
+    v = CodeExecTask(CodeExecConfig(tasks_dir=str(tasks_dir), reward_split="test",
+                                    timeout_s=2.0, grace_s=0.2, max_concurrent=2))
+    score = ("import pandas as pd\ns = pd.read_csv('sample_submission.csv')\n"
+             "t = pd.read_csv('test.csv')\ns['target'] = t['f00'].fillna(0)\n"
+             "s.to_csv('submission.csv', index=False)")
+    items = [("tabular-binary", _py(score)), ("tabular-binary", "none"),
+             ("tabular-binary", _py("while True: pass")), ("docs-topic", _py("raise SystemExit(3)"))]
+    rs = v.score_many(items)
+    assert [r.status for r in rs] == ["ok", "no_code", "timeout", "crashed"]
+    assert rs[0].reward == pytest.approx(max(0.0, 2 * rs[0].test_metric - 1))
+    assert rs[0].val_metric != rs[0].test_metric
+    assert rs[2].exc_type == "WallTimeout" and rs[2].reward == -0.5
+
+
+def test_unknown_task_is_a_key_error(verifier):
+    with pytest.raises(KeyError):
+        verifier.score("no-such-task", _py("pass"))
+
+
+def test_ladder_orders_constant_below_gbm_and_is_written(verifier, tasks_dir):
+    out = run_ladder(verifier, tasks_dir / "ladder.json")
+    assert json.loads((tasks_dir / "ladder.json").read_text()) == out
+    for tid, rungs in out.items():
+        assert all(rungs[r]["status"] == "ok" for r in RUNGS), (tid, rungs)
+        best = max(rungs["linear"]["reward"], rungs["gbm"]["reward"])
+        assert best > rungs["constant"]["reward"], (tid, rungs)
+    assert out["tabular-binary"]["constant"]["test_metric"] == 0.5
+    assert pd.read_csv(tasks_dir / "tabular-binary" / "public" / "train.csv").shape[0] == 960
