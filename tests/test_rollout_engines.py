@@ -82,11 +82,26 @@ def _check_shape(samples, params, version):
 
 
 def test_both_engines_render_identical_prompt_tokens(vllm_engine, hf_engine):
-    a = vllm_engine.generate(PROMPTS, SamplingParams(n=1, max_tokens=2), 0)
-    b = hf_engine.generate(PROMPTS, SamplingParams(n=1, max_tokens=2), 0)
+    a = vllm_engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=2), 0)
+    b = hf_engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=2), 0)
     assert [s.prompt_token_ids for s in a] == [s.prompt_token_ids for s in b]
     prefix_ids = hf_engine.tokenizer('{"voices": [', add_special_tokens=False)["input_ids"]
-    assert a[1].prompt_token_ids[-len(prefix_ids):] == prefix_ids
+    assert a[2].prompt_token_ids[-len(prefix_ids):] == prefix_ids
+
+
+def test_sample_prompt_ids_are_the_chat_template_then_the_forced_prefix(vllm_engine, hf_engine):
+    """What the round rows archive as prompt_token_ids: every sample of a prompt carries the
+    chat template (with the generation prompt) followed by the assistant prefix, token for
+    token, from either engine."""
+    tok = hf_engine.tokenizer
+    for engine in (vllm_engine, hf_engine):
+        samples = engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=2, seed=3), 0)
+        for s in samples:
+            prompt = PROMPTS[s.prompt_index]
+            template = tok.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=False)
+            assert s.prompt_token_ids == tok(template + prompt.assistant_prefix, add_special_tokens=False)["input_ids"]
+            assert tok.decode(s.prompt_token_ids) == template + prompt.assistant_prefix, engine.kind
+            assert template.rstrip().endswith("assistant")  # the turn the prefix continues
 
 
 def test_vllm_base_generation_and_parity_with_transformers(vllm_engine):
