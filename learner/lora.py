@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from rollout.adapters import CONFIG_FILE, canonical_config
 from rollout.types import AdapterPayload
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -97,9 +98,17 @@ def sha256_file(path: Path) -> str:
 
 
 def save_adapter(peft_model, out_dir: Path) -> str:
-    """peft save_pretrained (safetensors) into out_dir; returns the sha256 of the weights file."""
+    """peft save_pretrained (safetensors) into out_dir; returns the sha256 of the weights file.
+
+    adapter_config.json is rewritten with its module-name sets sorted (peft writes them in set
+    order, which changes with PYTHONHASHSEED), in peft's own layout: the same adapter gives the
+    same bytes in every process.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     peft_model.save_pretrained(str(out_dir), safe_serialization=True)
+    config_file = out_dir / CONFIG_FILE
+    config = canonical_config(json.loads(config_file.read_text()))
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
     return sha256_file(out_dir / ADAPTER_FILE)
 

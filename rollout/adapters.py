@@ -15,8 +15,20 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 
 
+# peft holds these as sets and writes them in set order, which changes with PYTHONHASHSEED:
+# identical adapters would get different adapter_config.json bytes. Their order means nothing
+# (peft turns a list into a set), so they are written sorted.
+SET_VALUED_KEYS = ("target_modules", "exclude_modules")
+
+
 class AdapterError(ValueError):
     """A payload or adapter directory that cannot be served."""
+
+
+def canonical_config(config: dict) -> dict:
+    """adapter_config with the module-name sets as sorted lists (same adapter, same bytes)."""
+    return {k: sorted(v) if k in SET_VALUED_KEYS and isinstance(v, (list, set, tuple)) else v
+            for k, v in config.items()}
 
 
 def payload_from_dir(adapter_dir: Path | str, version: int) -> AdapterPayload:
@@ -27,7 +39,8 @@ def payload_from_dir(adapter_dir: Path | str, version: int) -> AdapterPayload:
         if not f.is_file():
             raise AdapterError(f"adapter directory {adapter_dir} has no {f.name}")
     return AdapterPayload(
-        version=version, safetensors=weights.read_bytes(), config=json.loads(config.read_text())
+        version=version, safetensors=weights.read_bytes(),
+        config=canonical_config(json.loads(config.read_text())),
     )
 
 
@@ -37,7 +50,7 @@ def write_payload(payload: AdapterPayload, adapter_dir: Path | str) -> Path:
     adapter_dir = Path(adapter_dir)
     adapter_dir.mkdir(parents=True, exist_ok=True)
     (adapter_dir / WEIGHTS_FILE).write_bytes(payload.safetensors)
-    (adapter_dir / CONFIG_FILE).write_text(json.dumps(payload.config, indent=1))
+    (adapter_dir / CONFIG_FILE).write_text(json.dumps(canonical_config(payload.config), indent=1))
     return adapter_dir
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -45,6 +47,10 @@ def test_resume_continues_the_run_exactly(tmp_path):
     sha = first.save_checkpoint(ckpt, data_position={"epoch": 0, "cursor": 8})
     state = read_state(ckpt)
     assert state["step"] == 2 and state["adapter_sha256"] == sha and state["lr"] == 1e-3
+    # peft's target_modules set is written sorted, so identical checkpoints are identical bytes
+    # (tests/test_learner_lora.py compares two processes with different hash seeds).
+    targets = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    assert len(targets) > 2 and targets == sorted(targets)
 
     resumed = PolicyLearner(cfg(), resume_from=ckpt)
     assert resumed.step_count == 2

@@ -90,3 +90,45 @@ def test_disabled_adapter_is_the_base_model():
         adapted = model(input_ids=ids).logits
     assert torch.allclose(ref, want, atol=1e-6)
     assert not torch.allclose(adapted, want, atol=1e-3)
+
+
+SAVE_IN_A_FRESH_PROCESS = """
+import json, sys
+from pathlib import Path
+from learner.config import LoraConfig
+from learner.lora import adapter_payload, attach_lora, load_base_model, save_adapter
+from rollout.adapters import write_payload
+from rollout.config import ModelConfig
+
+out = Path(sys.argv[1])
+model = attach_lora(load_base_model(ModelConfig(name_or_path="tiny-random")), LoraConfig(r=4, alpha=8), 7)
+save_adapter(model, out / "saved")
+write_payload(adapter_payload(model, 1), out / "published")
+print(json.dumps(list(model.peft_config["default"].target_modules)))  # peft's own (set) order
+"""
+
+
+def test_same_adapter_same_bytes_whatever_the_hash_seed(tmp_path):
+    """peft keeps target_modules as a set, whose order follows PYTHONHASHSEED: the saved and the
+    published adapter directories must not."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    orders = {}
+    for seed in ("1", "2"):
+        done = subprocess.run([sys.executable, "-c", SAVE_IN_A_FRESH_PROCESS, str(tmp_path / seed)], cwd=repo,
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONHASHSEED": seed})
+        assert done.returncode == 0, done.stderr[-3000:]
+        orders[seed] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert orders["1"] != orders["2"], "the two hash seeds gave one set order: the check below would prove nothing"
+    for kind in ("saved", "published"):
+        one, two = tmp_path / "1" / kind, tmp_path / "2" / kind
+        files = sorted(p.name for p in one.iterdir())
+        assert files == sorted(p.name for p in two.iterdir()) and "adapter_config.json" in files
+        for name in files:
+            assert (one / name).read_bytes() == (two / name).read_bytes(), f"{kind}/{name} differs"
+        config = json.loads((one / "adapter_config.json").read_text())
+        assert config["target_modules"] == sorted(orders["1"])
