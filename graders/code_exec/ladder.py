@@ -129,3 +129,30 @@ def run_ladder(verifier, out_path: str | os.PathLike | None = None) -> dict:
     if out_path is not None:
         Path(out_path).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def main() -> None:
+    """`python -m graders.code_exec.ladder [--seed S]`: build the bundled tasks (once) and write
+    ladder.json beside them; prints the table."""
+    import argparse
+
+    from graders.code_exec.config import CodeExecConfig
+    from graders.code_exec.verifier import CodeExecTask
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--seed", type=int, default=None, help="task seed (default: the config's)")
+    ap.add_argument("--tasks-dir", default=None, help="absolute tasks dir (default: bundled)")
+    args = ap.parse_args()
+    kw = {k: v for k, v in (("seed", args.seed), ("tasks_dir", args.tasks_dir)) if v is not None}
+    v = CodeExecTask(CodeExecConfig(**kw))
+    out = run_ladder(v, v.tasks_dir / "ladder.json")
+    print(f"# {v.tasks_dir / 'ladder.json'} (isolation {v.isolation})")
+    for tid, rungs in out.items():
+        for rung in RUNGS:
+            r = rungs[rung]
+            print(f"{tid:22s} {rung:9s} {r['status']:18s} test={r['test_metric']} "
+                  f"val={r['val_metric']} reward={r['reward']:.4f} {r['exec_time']:.2f}s")
+
+
+if __name__ == "__main__":
+    main()
