@@ -82,7 +82,8 @@ class CodeExecConfig(BaseModel):
     uid_base: int = Field(
         61000, ge=1000, description="When the grader runs as root, scripts run as a dedicated "
         "unprivileged uid from [uid_base, uid_base + uid_count), locked per execution across "
-        "processes so RLIMIT_NPROC counts one script only."
+        "processes so RLIMIT_NPROC counts one script only. The range must belong to no real "
+        "account: every process of a leased uid is killed before and after each run."
     )
     uid_count: int = Field(256, ge=1, description="Size of the dedicated uid range.")
     work_root: str | None = Field(

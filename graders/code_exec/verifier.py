@@ -33,7 +33,11 @@ PREVIEW_CHARS = 240
 
 @dataclass
 class ScoreResult:
-    """One graded node. `test_metric`/`val_metric`/`oriented` are None unless status is ok."""
+    """One graded node. `test_metric`/`val_metric`/`oriented` are None unless status is ok.
+
+    `reward` and `oriented` (higher is better across tasks) come from the selection split
+    (`reward_split`, val by default); `test_metric` is the reported one and never feeds them
+    unless reward_split="test" or the task has no val rows."""
 
     task_id: str
     status: str
