@@ -86,7 +86,7 @@ class ObjectiveParams:
 @dataclass
 class LossOutputs:
     loss: torch.Tensor  # scalar: this micro-batch's share of the step loss (call backward on it)
-    sums: dict[str, float]  # detached token sums for metrics; reduce with rollout_metrics.finalize
+    sums: dict[str, float]  # detached token sums for metrics; reduce with rollout_correction.finalize
 
 
 def _agg_grpo(x: torch.Tensor, m: torch.Tensor, n: LossNorm) -> torch.Tensor:

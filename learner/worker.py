@@ -23,8 +23,8 @@ from learner.advantages import frac_reward_zero_std
 from learner.losses import LossNorm, ObjectiveParams, entropy_bonus_active
 from learner.lora import adapter_payload, attach_lora, load_base_model, save_adapter
 from learner.optim import build_optimizer, build_scheduler, rebase_lr
-from learner.phases import GradSync, ddp_grad_sync, make_micro_batches, old_log_prob, ref_log_prob, update_actor
-from learner.rollout_metrics import finalize
+from learner.passes import GradSync, ddp_grad_sync, make_micro_batches, old_log_prob, ref_log_prob, update_actor
+from learner.rollout_correction import finalize
 from learner.shared_prefix import SharedPrefixLM
 from learner.types import TrainBatch, shard_bounds
 from rollout.types import AdapterPayload

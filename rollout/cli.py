@@ -260,9 +260,9 @@ def logprobs(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from learner.logprobs import response_logprobs
+    from learner.passes import response_logprobs
     from rollout.models import resolve_model
-    from rollout.parity import parity_stats
+    from learner.rollout_correction import parity_stats
 
     model_dir = resolve_model(model_cfg)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from learner.advantages import compute_advantages, group_ids_for
-from learner.logprobs import response_logprobs
+from learner.passes import response_logprobs
 from learner.types import TrainBatch
 from learner.worker import PolicyLearner
 from services.config import RunConfig
@@ -64,13 +64,28 @@ def sample(model, prompts: list[list[int]], n: int, length: int, gen: torch.Gene
     return ids, lps
 
 
+@torch.no_grad()
+def plain_forward_logprobs(model, prompts, responses) -> list[list[float]]:
+    """One sequence at a time, no padding, every logit: the reference the learner must match."""
+    out = []
+    for p, r in zip(prompts, responses):
+        logits = model(input_ids=torch.tensor([list(p) + list(r)])).logits[0, len(p) - 1 : -1].float()
+        out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(r).unsqueeze(-1)).squeeze(-1).tolist())
+    return out
+
+
 def test_learner_logprobs_match_a_plain_forward(small_vocab_model):
     """Varying prompt lengths, micro-batches and logits_to_keep: the trainer's log-probs of the
-    sampled tokens equal those of learner.logprobs.response_logprobs (ppl_ratio 1)."""
+    sampled tokens equal a plain one-sequence forward's (ppl_ratio 1), and so do those of
+    learner.passes.response_logprobs (what `rollout logprobs` reports)."""
     learner = PolicyLearner(run_cfg(small_vocab_model, micro_batch_size=3, fold_old_logprobs=False))
     prompts = [[1, 2], [3, 4, 5, 6], [7], [2, 3, 4], [1, 1, 1, 1, 1]]
     responses = [[3, 4, 5], [6], [1, 2, 3, 4], [5, 5], [0, 1]]
-    ref = response_logprobs(learner.peft_model, prompts, responses, pad_id=0)
+    ref = plain_forward_logprobs(learner.peft_model, prompts, responses)
+    listed = response_logprobs(learner.peft_model, prompts, responses, pad_id=0, micro_batch_size=2)
+    assert [len(x) for x in listed] == [len(r) for r in responses]
+    for got, want in zip(listed, ref):
+        assert got == pytest.approx(want, abs=1e-5)
     batch = TrainBatch(prompts, responses, ref, advantages=[0.0] * 5)
     metrics, phases = learner.step(batch)
     assert metrics["ppl_ratio"] == pytest.approx(1.0, abs=1e-5)

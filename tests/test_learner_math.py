@@ -27,7 +27,7 @@ from learner.losses import (
     policy_loss,
 )
 from learner.optim import lr_factor, rebase_lr
-from learner.rollout_metrics import finalize, merge_sums, rollout_mismatch, rollout_mismatch_sums
+from learner.rollout_correction import finalize, merge_sums, rollout_mismatch, rollout_mismatch_sums
 
 REWARDS = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0])
 GROUPS = group_ids_for(8, 4)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.logprobs import response_logprobs
+from learner.passes import response_logprobs
 from rollout.adapters import make_lora_payload
 from rollout.config import ModelConfig, RolloutConfig
 from rollout.engines import AdapterVersionError, make_engine
-from rollout.parity import parity_stats
+from learner.rollout_correction import parity_stats
 from rollout.types import Prompt, SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rollout.parity import parity_stats, ppl_ratio
+from learner.rollout_correction import parity_stats, ppl_ratio
 
 
 def test_identical_logprobs_agree_exactly():

@@ -9,7 +9,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from learner.lora import adapter_state_dict
-from learner.phases import make_micro_batches
+from learner.passes import make_micro_batches
 from learner.shared_prefix import SharedPrefixLM, shared_prefix_len
 from learner.types import TrainBatch
 from learner.worker import PolicyLearner

@@ -1,4 +1,6 @@
-"""The three learner phases of a step on one worker's shard: old_log_prob, ref, update_actor.
+"""The learner's passes over one worker's shard: old_log_prob, ref, update_actor, and the one
+teacher-forced log-prob computation they share (``forward_logprobs``; ``response_logprobs`` runs
+it on plain lists for the `rollout logprobs` CLI and the parity tests).
 
 Torch (and torch.distributed, through the DDP-wrapped model) only; no Ray. Tensors of a
 micro-batch cover only the positions that can hold response tokens: the model is asked for
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from learner.losses import LossInputs, LossNorm, ObjectiveParams, policy_loss
-from learner.rollout_metrics import merge_sums, rollout_mismatch_sums
+from learner.rollout_correction import merge_sums, rollout_mismatch_sums
 from learner.shared_prefix import shared_prefix_len
 from learner.types import TrainBatch
 
@@ -80,9 +82,9 @@ def forward_logprobs(
     """Log-probs [B, W] of the scored tokens, and entropies [B, W]: ``entropy`` = "none" (not
     computed), "detached" (for the metric only) or "grad" (the bonus is in the loss).
 
-    Same numbers as learner.logprobs.token_logprobs / entropy_from_logits (log_softmax of
-    logits / T), but one log-softmax over the [B, W, V] logits serves both, and T = 1 skips the
-    division: each full pass over a 49k vocabulary costs as much as a transformer layer here.
+    log_softmax(logits / T) at the positions that produced each scored token; one log-softmax
+    over the [B, W, V] logits serves log-probs and entropy, and T = 1 skips the division: each
+    full pass over a 49k vocabulary costs as much as a transformer layer here.
     """
     keep = mb.input_ids.shape[1] - mb.start
     logits = model(
@@ -99,6 +101,31 @@ def forward_logprobs(
     with torch.no_grad():
         detached = logp_all.detach()
         return logp, -(detached.exp() * detached).sum(-1)
+
+
+@torch.no_grad()
+def response_logprobs(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    pad_id: int,
+    temperature: float = 1.0,
+    micro_batch_size: int = 8,
+) -> list[list[float]]:
+    """Per-token log-probs of each response given its prompt, as plain lists (the trainer's side
+    of ppl_ratio for anyone holding sampled rows). ``model``: a causal LM or a SharedPrefixLM."""
+    from learner.shared_prefix import SharedPrefixLM
+
+    lm = model if isinstance(model, SharedPrefixLM) else SharedPrefixLM(model)
+    device = next(lm.parameters()).device
+    batch = TrainBatch(prompt_ids=[list(p) for p in prompts], response_ids=[list(r) for r in responses],
+                       rollout_logprobs=[[0.0] * len(r) for r in responses], advantages=[0.0] * len(prompts))
+    out: list[list[float]] = []
+    for mb in make_micro_batches(batch, micro_batch_size, device, pad_id, share_prefix=False):
+        logp, _ = forward_logprobs(lm, mb, temperature)
+        for b in range(logp.shape[0]):
+            out.append(logp[b][mb.mask[b] > 0].tolist())
+    return out
 
 
 @torch.no_grad()

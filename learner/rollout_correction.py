@@ -1,4 +1,5 @@
-"""Rollout-vs-trainer agreement (ppl_ratio, rollout_kl, rollout_k3_kl) and metric reduction.
+"""Rollout correction: does the sampling engine describe the trainer's distribution? (ppl_ratio,
+rollout_kl, rollout_k3_kl), and the sum-then-finalize reduction of per-token metrics.
 
 For sequence i with response mask m, rollout log-probs r (the engine that sampled) and trainer
 log-probs o (recomputed before the update), DESIGN.md fixes:
@@ -8,7 +9,9 @@ log-probs o (recomputed before the update), DESIGN.md fixes:
     rollout_kl     = token-mean(r - o)
     rollout_k3_kl  = token-mean(exp(o - r) - (o - r) - 1)
 
-1.0 / 0 / 0 mean both sides describe the same distribution; a drift is a bug or a stale adapter.
+1.0 / 0 / 0 mean both sides describe the same distribution; a drift is a bug (different dtype,
+temperature, template) or a stale adapter. This module is the one implementation: the learner
+calls it on tensors every step, ``parity_stats`` on plain lists (the `rollout logprobs` CLI, tests).
 
 Metrics cross workers as SUMS so that an all-reduce(sum) then ``finalize`` gives the value of
 the whole step batch whatever the sharding: keys ``<name>/tok_sum`` are divided by ``tokens``,
@@ -16,6 +19,9 @@ the whole step batch whatever the sharding: keys ``<name>/tok_sum`` are divided 
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -25,7 +31,8 @@ def rollout_mismatch_sums(
 ) -> dict[str, float]:
     """Sums over a micro-batch: r, o, mask are [B, T]. Sequences with no response token are
     skipped (they have no mean)."""
-    r, o, m = rollout_logprobs.float(), trainer_logprobs.float(), mask.float()
+    dtype = torch.promote_types(rollout_logprobs.dtype, torch.float32)  # float64 lists stay float64
+    r, o, m = (t.to(dtype) for t in (rollout_logprobs, trainer_logprobs, mask))
     n_tok = m.sum(-1)  # [B]
     has = n_tok > 0
     d = ((r - o) * m).sum(-1) / n_tok.clamp(min=1)
@@ -70,3 +77,47 @@ def merge_sums(*parts: dict[str, float]) -> dict[str, float]:
         for key, value in part.items():
             out[key] = out.get(key, 0.0) + value
     return out
+
+
+@dataclass(frozen=True)
+class ParityStats:
+    ppl_ratio: float
+    rollout_kl: float
+    rollout_k3_kl: float
+    max_abs_diff: float
+    sequences: int
+    tokens: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _padded(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
+    out = torch.zeros((len(rows), width), dtype=torch.float64)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(list(row), dtype=torch.float64)
+    return out
+
+
+def parity_stats(rollout: Sequence[Sequence[float]], trainer: Sequence[Sequence[float]]) -> ParityStats:
+    """The same statistics on plain per-sequence lists (rollout engine vs trainer recompute).
+    Sequences with no tokens are skipped; lengths must match pairwise."""
+    if len(rollout) != len(trainer):
+        raise ValueError(f"{len(rollout)} rollout sequences vs {len(trainer)} trainer sequences")
+    for i, (r, o) in enumerate(zip(rollout, trainer)):
+        if len(r) != len(o):
+            raise ValueError(f"sequence {i}: {len(r)} rollout log-probs vs {len(o)} trainer log-probs")
+    width = max((len(r) for r in rollout), default=0)
+    if width == 0:
+        raise ValueError("no response tokens to compare")
+    mask = _padded([[1.0] * len(r) for r in rollout], width)
+    r, o = _padded(rollout, width), _padded(trainer, width)
+    stats = rollout_mismatch(r, o, mask)
+    return ParityStats(
+        ppl_ratio=stats["ppl_ratio"], rollout_kl=stats["rollout_kl"], rollout_k3_kl=stats["rollout_k3_kl"],
+        max_abs_diff=float(((o - r).abs() * mask).max()), sequences=int(stats["sequences"]), tokens=int(stats["tokens"]),
+    )
+
+
+def ppl_ratio(rollout: Sequence[Sequence[float]], trainer: Sequence[Sequence[float]]) -> float:
+    return parity_stats(rollout, trainer).ppl_ratio
