@@ -99,6 +99,7 @@ def plot_run(run_dir: str | Path) -> Path:
         steps, values = _series(records, key)
         ax.set_title(title)
         ax.set_xlabel("step")
+        ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
         ax.grid(alpha=0.3)
         if steps:
             ax.plot(steps, values, marker="o", markersize=3)
