@@ -97,5 +97,6 @@ class RegistryState:
             "kept_versions": self.versions(),
             "replicas": {r.replica_id: r.version for r in self.live(now)},
             "actor_names": {r.replica_id: r.actor_name for r in self.live(now)},
+            "tokens": {r.replica_id: r.tokens for r in self.live(now)},  # per live replica
             "tokens_total": self.tokens_total(),
         }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.adapters import make_lora_payload
+from bench.synthetic import make_lora_payload
 from rollout.config import ModelConfig, RolloutConfig
 from rollout.models import resolve_model
 from rollout.types import Prompt, SamplingParams
@@ -52,12 +52,25 @@ def _versions(samples):
 
 
 def test_base_generation_spreads_over_replicas(client):
-    samples = client.generate(PROMPTS, PARAMS, version=0)
-    assert [(s.prompt_index, s.sample_index) for s in samples] == [(i, j) for i in range(4) for j in range(2)]
-    assert _versions(samples) == {0}
-    snapshot = client.snapshot()
+    """generate() sends one chunk per replica; Serve's router sends each to the less loaded of
+    two replicas (ties broken at random), so within a few calls every replica has generated.
+    The registry's per-replica token counts (what the replicas report) say which did."""
+    tokens_before = client.snapshot()["tokens"]
+    generated = 0
+    for calls in range(1, 11):
+        samples = client.generate(PROMPTS, PARAMS, version=0)
+        assert [(s.prompt_index, s.sample_index) for s in samples] == [(i, j) for i in range(4) for j in range(2)]
+        assert _versions(samples) == {0}
+        generated += sum(len(s.token_ids) for s in samples)
+        snapshot = client.snapshot()
+        served = {r for r, n in snapshot["tokens"].items() if n > tokens_before.get(r, 0)}
+        if len(served) == 2:
+            break
     assert len(snapshot["replicas"]) == 2
-    assert snapshot["tokens_total"] >= sum(len(s.token_ids) for s in samples)
+    assert served == set(snapshot["replicas"]), f"after {calls} calls only {served} of {set(snapshot['replicas'])} generated"
+    # Every token generated is counted once, by the replica that generated it.
+    assert sum(snapshot["tokens"].values()) - sum(tokens_before.values()) == generated
+    assert snapshot["tokens_total"] >= sum(snapshot["tokens"].values())
 
 
 def test_publish_then_sync_makes_each_version_live_everywhere(client, model_dir):
