@@ -66,26 +66,52 @@ def serve(
     app_name: Annotated[
         Optional[str], typer.Option(help="Serve application name (with --ray).")
     ] = None,
+    ingress: Annotated[
+        Optional[str],
+        typer.Option(help="With --ray: front (grpcio on --host, default) | proxy (Serve's, [::])."),
+    ] = None,
+    max_message_bytes: Annotated[
+        Optional[int], typer.Option(help="Largest request accepted (bytes).")
+    ] = None,
+    token_env: Annotated[
+        Optional[str], typer.Option(help="Require the shared token held by this env variable.")
+    ] = None,
+    token_file: Annotated[
+        Optional[Path], typer.Option(help="Require the shared token held by this file.")
+    ] = None,
 ) -> None:
-    """Serve the grader over gRPC (plain grpcio server, or --ray for Serve's gRPC ingress)."""
+    """Serve the grader over gRPC (plain grpcio server, or --ray for a Ray Serve app)."""
     import signal
     import threading
 
+    from graders.auth import TokenError, resolve_token
     from graders.fixtures import FixtureError, PoolTooSmall, load_pool, require_pool as check
+    from graders.serve_app import port_taken
 
     cfg = _config(
         # Absolute: with --ray the pool is loaded by Serve replicas in other directories.
         task=task, host=host, port=port, fixture=str(fixture.resolve()) if fixture else None,
         heldout_fixture=str(heldout_fixture.resolve()) if heldout_fixture else None,
         require_pool=require_pool, voices=voices, style=style, checker=checker, bars=bars,
-        replicas=replicas, app_name=app_name, metrics_port=metrics_port,
+        replicas=replicas, app_name=app_name, metrics_port=metrics_port, serve_ingress=ingress,
+        max_message_bytes=max_message_bytes, token_env=token_env,
+        token_file=str(token_file.resolve()) if token_file else None,
     )
     try:
         pool = load_pool(cfg.fixture, cfg.heldout_fixture, cfg.voices, cfg.style, cfg.bars)
         check(pool, cfg.require_pool)
-    except (FixtureError, PoolTooSmall) as exc:
+        token = resolve_token(cfg.token_env, cfg.token_file)
+    except (FixtureError, PoolTooSmall, TokenError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    # Before anything starts (Ray above all): a second server on a held port would share it.
+    proxy = ray and cfg.serve_ingress == "proxy"
+    if cfg.port and port_taken("::" if proxy else cfg.host, cfg.port):
+        where = f"[::]:{cfg.port} (Serve's gRPC proxy binds every interface)" if proxy else (
+            f"{cfg.host}:{cfg.port}")
+        typer.echo(f"error: --port {cfg.port}: {where} is in use (another grader?); "
+                   "pick another, or 0 for a free one", err=True)
+        raise typer.Exit(2)
     if cfg.metrics_port is not None:
         from graders.metrics import start_metrics_server
 
@@ -99,7 +125,12 @@ def serve(
     from graders.service import GraderCore, start_server
 
     core = GraderCore(pool, cfg.voices, cfg.style, cfg.checker, cfg.task)
-    server = start_server(core, cfg.host, cfg.port)
+    try:
+        server = start_server(core, cfg.host, cfg.port, max_message_bytes=cfg.max_message_bytes,
+                              token=token)
+    except OSError as exc:  # PortInUse: taken between the check above and now
+        typer.echo(f"error: --port {cfg.port}: {exc}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(
         f"grader {cfg.task} serving on {server.address} "
         f"(pool {pool.size()} {pool.source}, voices {cfg.voices}, {cfg.style}, {cfg.checker})",
@@ -114,6 +145,8 @@ def serve(
 
 
 def _serve_ray(cfg, stop) -> None:
+    import signal
+
     import ray
     from ray import serve
 
@@ -121,17 +154,24 @@ def _serve_ray(cfg, stop) -> None:
 
     from services.runtime_env import apply_defaults
 
-    if cfg.port == 0:  # Serve's proxy cannot report a port it picked: choose one here
-        import socket
+    from graders.service import PortInUse
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            cfg = cfg.model_copy(update={"port": sock.getsockname()[1]})
+    if cfg.port == 0:  # Serve's proxy cannot report a port it picked: choose one here
+        cfg = cfg.model_copy(update={"port": serve_app.free_port()})
     if not ray.is_initialized():
         ray.init(include_dashboard=False, runtime_env={"env_vars": apply_defaults()})
-    serve_app.start(cfg, grpc_port=cfg.port)
+        # ray.init replaces the SIGTERM handler with sys.exit(15): stop Serve cleanly instead.
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:  # Serve's HTTP proxy (proxy ingress only) gets a free port, never a taken 8000
+        serve_app.start(cfg, grpc_port=cfg.port, http_port=serve_app.free_port())
+    except PortInUse as exc:  # taken while Ray started
+        typer.echo(f"error: --port {cfg.port}: {exc}", err=True)
+        serve.shutdown()
+        raise typer.Exit(2) from None
+    where = (f"{cfg.host}:{cfg.port}" if cfg.serve_ingress == "front"
+             else f"Ray Serve gRPC proxy [::]:{cfg.port}")
     typer.echo(
-        f"grader {cfg.task} serving on Ray Serve gRPC ingress [::]:{cfg.port} "
+        f"grader {cfg.task} serving on {where} "
         f"(application {cfg.app_name!r}, {cfg.replicas} replica(s))"
     )
     sys.stdout.flush()
@@ -140,6 +180,7 @@ def _serve_ray(cfg, stop) -> None:
             pass
     except KeyboardInterrupt:
         pass
+    serve_app.stop_front(cfg.app_name)
     serve.shutdown()
 
 

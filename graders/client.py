@@ -1,9 +1,13 @@
 """A small typed client for the Grader service (plain server or Serve's gRPC ingress).
 
-Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED) are retried with exponential backoff
-(`GraderConfig.max_retries`, `retry_backoff_s`); when retries run out a `GraderUnavailable`
-is raised — a training step must never silently run on missing rewards. Request errors
-(INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION) are raised at once as `GraderRequestError`.
+Every RPC is idempotent (scoring is a pure function of the request; only the Health counters
+move), so every failure that may be the server's rather than the request's is retried with
+exponential backoff (`GraderConfig.max_retries`, `retry_backoff_s`): UNAVAILABLE,
+DEADLINE_EXCEEDED, and INTERNAL, UNKNOWN and ABORTED — what Serve's gRPC proxy answers when the
+replica holding the call dies ("actor died unexpectedly"). When retries run out a
+`GraderUnavailable` is raised — a training step must never silently run on missing rewards.
+Request errors (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, UNAUTHENTICATED,
+RESOURCE_EXHAUSTED for an oversized request, ...) are raised at once as `GraderRequestError`.
 """
 
 from __future__ import annotations
@@ -18,7 +22,18 @@ import grpc
 from graders.proto import grader_pb2 as pb
 from graders.proto import grader_pb2_grpc as pb_grpc
 
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+RETRYABLE = frozenset({
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.ABORTED,
+})
+
+
+def retryable(code: grpc.StatusCode) -> bool:
+    """Whether a call that failed with ``code`` may succeed when sent again unchanged."""
+    return code in RETRYABLE
 
 
 class GraderError(RuntimeError):
@@ -49,6 +64,7 @@ class Health:
     heldout_pool_size: int
     openings_histogram: dict[int, int]
     version: str
+    replica: str = ""  # which server or Serve replica answered (its counters are its own)
 
 
 @dataclass(frozen=True)
@@ -99,6 +115,7 @@ def _health(r: pb.HealthReply) -> Health:
         heldout_pool_size=r.heldout_pool_size,
         openings_histogram=dict(sorted(r.openings_histogram.items())),
         version=r.version,
+        replica=r.replica,
     )
 
 
@@ -160,11 +177,17 @@ class GraderClient:
         max_retries: int = 4,
         retry_backoff_s: float = 0.5,
         timeout_s: float = 60.0,
+        token: str | None = None,
     ) -> None:
         if max_retries < 0 or retry_backoff_s <= 0:
             raise ValueError("max_retries must be >= 0 and retry_backoff_s > 0")
+        from graders.auth import TOKEN_METADATA
+
         self.address = address
-        self.metadata = (("application", application),) if application else ()
+        self.metadata = ((("application", application),) if application else ()) + (
+            ((TOKEN_METADATA, token),) if token else ()
+        )
+        self.retries = 0  # retried attempts over this client's life (failures it absorbed)
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         self.timeout_s = timeout_s
@@ -175,14 +198,18 @@ class GraderClient:
     def from_config(
         cls, config, address: str | None = None, application: str | None = None
     ) -> GraderClient:
-        """From a `GraderConfig` (address or host:port, retries, backoff, timeout). Pass
-        ``application=config.app_name`` when the address is a Serve gRPC ingress."""
+        """From a `GraderConfig` (address or host:port, retries, backoff, timeout, the shared
+        token from token_env/token_file). Pass ``application=config.app_name`` when the address
+        is Serve's gRPC proxy."""
+        from graders.auth import resolve_token
+
         return cls(
             address or config.address or f"{config.host}:{config.port}",
             application=application,
             max_retries=config.max_retries,
             retry_backoff_s=config.retry_backoff_s,
             timeout_s=config.timeout_s,
+            token=resolve_token(config.token_env, config.token_file),
         )
 
     def _call(self, rpc: str, request):
@@ -191,11 +218,12 @@ class GraderClient:
         for attempt in range(self.max_retries + 1):
             if attempt:
                 time.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+                self.retries += 1
             try:
                 return method(request, timeout=self.timeout_s, metadata=self.metadata)
             except grpc.RpcError as exc:
                 code = exc.code()
-                if code not in RETRYABLE:
+                if not retryable(code):
                     raise GraderRequestError(
                         f"grader {self.address} {rpc}: {code.name}: {exc.details()}", code
                     ) from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Style = Literal["common-practice", "lead-sheet", "film-ambient"]
 Checker = Literal["reference", "strict"]
@@ -66,3 +66,37 @@ class GraderConfig(BaseModel):
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Prometheus /metrics port of a grader server (None = off)."
     )
+    max_message_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        description="Largest gRPC message a grader server takes in (the plain server and Serve's "
+        "gRPC proxy); a bigger request gets RESOURCE_EXHAUSTED before it is read into memory.",
+    )
+    token_env: str | None = Field(
+        None,
+        min_length=1,
+        description="Name of an environment variable holding a shared token. When set (or "
+        "token_file), servers refuse Grader calls without it as `x-counterpoint-token` metadata "
+        "(UNAUTHENTICATED) and clients send it. The token itself is never logged.",
+    )
+    token_file: str | None = Field(
+        None,
+        min_length=1,
+        description="Path of a file holding the shared token (surrounding whitespace stripped); "
+        "the alternative to token_env. Serve replicas read it on their node: give an absolute "
+        "path.",
+    )
+    serve_ingress: Literal["front", "proxy"] = Field(
+        "front",
+        description="How a grader started as a Serve app is reached over gRPC: 'front' = a "
+        "grpcio server in the starting process on host:port that calls the replicas through a "
+        "DeploymentHandle (binds `host`, caps messages, checks the token); 'proxy' = Ray "
+        "Serve's own gRPC proxy on [::]:port (all interfaces: Ray 2.60 has no host option), "
+        "as the cluster manifests use.",
+    )
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> GraderConfig:
+        if self.token_env is not None and self.token_file is not None:
+            raise ValueError("set grader.token_env or grader.token_file, not both")
+        return self

@@ -1,18 +1,33 @@
-"""The grader as a Ray Serve application: gRPC ingress + autoscaling replicas.
+"""The grader as a Ray Serve application: autoscaling replicas behind a gRPC ingress.
 
-Each replica holds a `GraderCore` (pool + verifier) and answers the `Grader` RPCs through
-Serve's gRPC proxy (`gRPCOptions(grpc_servicer_functions=[GRPC_SERVICER_FN])`). Callers pass
-the metadata `application: <app name>` (`GraderClient(..., application=...)`).
+Each replica holds a `GraderCore` (pool + verifier). Two ways in over gRPC
+(`GraderConfig.serve_ingress`):
+
+- ``front`` (default; `counterpoint grader serve --ray`, a trainer's own grader): the plain
+  grpcio server of `graders.service` runs in the starting process on `host:port` (127.0.0.1
+  unless told otherwise; no SO_REUSEPORT; `max_message_bytes`; the shared token) and calls the
+  replicas through a DeploymentHandle (`HandleCore`). Serve starts no proxy at all. A replica
+  that dies under a call answers UNAVAILABLE, which clients retry.
+- ``proxy`` (the cluster manifests: deploy/serve/grader.yaml, the KubeRay RayService): Serve's
+  own gRPC proxy. Ray 2.60 binds it to ``[::]:<port>``, every interface, with no host option
+  (`ray/serve/_private/grpc_util.py`, `start_grpc_server`): keep the port firewalled or
+  require the token. Its message cap is Ray's `RAY_SERVE_GRPC_MAX_MESSAGE_SIZE` environment
+  variable in the proxy's process (`start` passes it through the controller's runtime_env; a
+  cluster sets it in the pods' environment); it caps replies as well. The proxy decodes
+  requests with the deserializers of `GRPC_SERVICER_FN` (`add_grader_to_proxy`): they never
+  raise, so an undecodable request reaches a replica and gets INVALID_ARGUMENT (the generated
+  `add_GraderServicer_to_server` would make grpc.aio answer UNKNOWN from inside the proxy).
+  Replicas check the token on every gRPC method. Callers pass the metadata
+  `application: <app name>` (`GraderClient(..., application=...)`).
 
 What Serve's gRPC proxy (Ray 2.60) serves: the `Grader` methods, its own
-`ray.serve.RayServeAPIService` (`Healthz`, `ListApplications`) and server reflection
-(`gRPCOptions.enable_reflection`, default on). It does NOT serve `grpc.health.v1.Health`
-(probe `RayServeAPIService/Healthz` or call `Grader/Health`), and it binds `[::]:<port>`
-(all interfaces; Ray 2.60 has no host option for gRPC): keep the port firewalled.
+`ray.serve.RayServeAPIService` (`Healthz`, `ListApplications`) and server reflection. It does
+NOT serve `grpc.health.v1.Health` (probe `RayServeAPIService/Healthz` or call `Grader/Health`);
+the front serves grpc.health.v1 and reflection like the plain server.
 
-Per-replica state: `Health` counters are those of the replica that answered. The
-`counterpoint_grader_*` series are recorded through `ray.util.metrics` and exported by Ray's
-metrics agent on each node (`ray.init(_metrics_export_port=...)`; the trainer records the
+Per-replica state: `Health` counters are those of the replica that answered (`replica` names
+it). The `counterpoint_grader_*` series are recorded through `ray.util.metrics` and exported by
+Ray's metrics agent on each node (`ray.init(_metrics_export_port=...)`; the trainer records the
 endpoint in its receipt); the plain server exposes them on its own `--metrics-port`.
 
 The orchestrator may skip gRPC altogether: a `DeploymentHandle` to this app exposes
@@ -28,13 +43,23 @@ from ray import serve
 
 from graders.config import GraderConfig
 
-GRPC_SERVICER_FN = "graders.proto.grader_pb2_grpc.add_GraderServicer_to_server"
+GRPC_SERVICER_FN = "graders.serve_app.add_grader_to_proxy"
 DEPLOYMENT_NAME = "Grader"
+MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"  # read by Serve's proxy at import
+
+
+def add_grader_to_proxy(servicer, server) -> None:
+    """For `grpc_options.grpc_servicer_functions` of Serve's gRPC proxy: the Grader service
+    with request deserializers that never raise (`graders.service.add_grader_servicer`)."""
+    from graders.service import add_grader_servicer
+
+    add_grader_servicer(servicer, server)
 
 
 @serve.deployment(name=DEPLOYMENT_NAME)
 class GraderDeployment:
     def __init__(self, config: dict) -> None:
+        from graders.auth import resolve_token
         from graders.fixtures import load_pool
         from graders.metrics import use_ray_metrics
         from graders.service import GraderCore
@@ -44,12 +69,18 @@ class GraderDeployment:
         use_ray_metrics()  # exported by Ray's metrics agent of this node
         cfg = GraderConfig(**config)
         pool = load_pool(cfg.fixture, cfg.heldout_fixture, cfg.voices, cfg.style, cfg.bars)
-        self.core = GraderCore(pool, cfg.voices, cfg.style, cfg.checker, cfg.task)
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.core = GraderCore(pool, cfg.voices, cfg.style, cfg.checker, cfg.task, replica)
+        self.token = resolve_token(cfg.token_env, cfg.token_file)  # checked on gRPC calls
 
     def _grpc(self, rpc: str, request, grpc_context):
-        from graders.service import status_of
+        from graders.auth import UNAUTHENTICATED_DETAILS, token_ok
+        from graders.service import StatusError, check_decoded, status_of
 
         try:
+            if not token_ok(self.token, grpc_context.invocation_metadata()):
+                raise StatusError("UNAUTHENTICATED", UNAUTHENTICATED_DETAILS)
+            check_decoded(request)
             return self.core.handle(rpc, request)
         except Exception as exc:
             # Serve keeps a status set on the context before the raise (gRPCStatusError).
@@ -70,6 +101,18 @@ class GraderDeployment:
 
     def ScoreBatch(self, request, grpc_context):
         return self._grpc("ScoreBatch", request, grpc_context)
+
+    # The front's path: serialized request in, (status name, details, serialized reply) out.
+    def call(self, rpc: str, request: bytes) -> tuple[str, str, bytes]:
+        from graders.proto import grader_pb2 as pb
+        from graders.service import status_of
+
+        try:
+            reply = self.core.handle(rpc, getattr(pb, f"{rpc}Request").FromString(request))
+        except Exception as exc:
+            code, details = status_of(exc)
+            return code.name, details, b""
+        return "", "", reply.SerializeToString()
 
     # Handle path (Python callers inside the cluster).
     def score_batch(self, pairs: list[tuple[str, str]]):
@@ -107,11 +150,44 @@ def deployment_options(cfg: GraderConfig) -> dict[str, Any]:
     }
 
 
-def build_app(cfg: GraderConfig):
-    """The bound Serve application for a grader config."""
-    fields = cfg.model_dump(
-        include={"task", "fixture", "heldout_fixture", "voices", "style", "checker", "bars"}
-    )
+class HandleCore:
+    """GraderCore's ``handle(rpc, request)`` over a DeploymentHandle, for the front server.
+
+    Statuses the replica names come back as they are; a replica or the app that cannot take
+    the call (a replica died under it, none is running yet) is UNAVAILABLE, so clients retry.
+    """
+
+    def __init__(self, handle, timeout_s: float) -> None:
+        self._handle, self._timeout_s = handle, timeout_s
+
+    def handle(self, rpc: str, request):
+        from ray.exceptions import RayActorError, RayTaskError
+        from ray.serve.exceptions import DeploymentUnavailableError
+
+        from graders.proto import grader_pb2 as pb
+        from graders.service import REPLY_TYPES, StatusError
+
+        try:
+            code, details, reply = self._handle.call.remote(
+                rpc, request.SerializeToString()).result(timeout_s=self._timeout_s)
+        except (RayActorError, DeploymentUnavailableError, TimeoutError) as exc:
+            raise StatusError("UNAVAILABLE", f"grader replica unavailable: {exc}") from None
+        except RayTaskError as exc:  # the replica raised outside `call`'s own handling
+            raise StatusError("INTERNAL", str(exc).splitlines()[0]) from None
+        if code:
+            raise StatusError(code, details)
+        return getattr(pb, REPLY_TYPES[rpc]).FromString(reply)
+
+
+def build_app(cfg: GraderConfig | dict[str, Any]):
+    """The bound Serve application for a grader config (or a dict of its fields: `serve run`
+    and RayService call this with their YAML `args`)."""
+    if not isinstance(cfg, GraderConfig):
+        cfg = GraderConfig(**(cfg or {}))
+    fields = cfg.model_dump(include={
+        "task", "fixture", "heldout_fixture", "voices", "style", "checker", "bars",
+        "token_env", "token_file",
+    })
     return GraderDeployment.options(**deployment_options(cfg)).bind(fields)
 
 
@@ -127,14 +203,82 @@ def start(
     http_port: int = 8000,
     app_name: str | None = None,
 ):
-    """Start Serve (HTTP proxy on 127.0.0.1:http_port, gRPC ingress on grpc_port) and deploy the
-    grader app; returns its DeploymentHandle once every replica is ready. Ray must be up."""
-    from ray.serve.config import gRPCOptions
+    """Deploy the grader app and its gRPC ingress (`cfg.serve_ingress`) on `grpc_port`; returns
+    the app's DeploymentHandle once every replica is ready. Ray must be up.
+
+    ``front``: Serve without proxies, and the plain grpcio server on cfg.host:grpc_port in
+    this process (stopped by `stop_front`, or with the process). ``proxy``: Serve's HTTP proxy
+    on 127.0.0.1:http_port and its gRPC proxy on [::]:grpc_port, capped at
+    cfg.max_message_bytes, unless Serve is already running (then its proxies and their
+    settings stay as they are). A front port that is taken raises `PortInUse` first.
+    """
+    from graders.auth import resolve_token
+    from graders.service import PortInUse, start_server
 
     app_name = app_name or cfg.app_name
+    token = resolve_token(cfg.token_env, cfg.token_file)  # fail here, not in every replica
+    if cfg.serve_ingress == "front":
+        if grpc_port and port_taken(cfg.host, grpc_port):
+            raise PortInUse(f"{cfg.host}:{grpc_port} is in use (another grader?)")
+        serve.start(proxy_location="Disabled")
+        handle = serve.run(build_app(cfg), name=app_name, route_prefix=None)
+        stop_front(app_name)  # a front left from an earlier start of this app
+        _FRONTS[app_name] = start_server(
+            HandleCore(handle, cfg.timeout_s), cfg.host, grpc_port,
+            max_message_bytes=cfg.max_message_bytes, token=token)
+        return handle
+    from ray.serve.config import gRPCOptions
+
+    # No port check here: the proxy may already be up (Serve running, another app deployed).
+    # `grader serve --ray --ingress proxy` checks [::]:port before it starts Ray.
     serve.start(
         http_options={"host": "127.0.0.1", "port": http_port},
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER_FN]),
+        controller_options={  # the proxy inherits the controller's environment
+            "runtime_env": {"env_vars": {MAX_MESSAGE_ENV: str(cfg.max_message_bytes)}}},
     )
     # An ingress needs a route prefix, also for gRPC (None = no proxy endpoint at all).
     return serve.run(build_app(cfg), name=app_name, route_prefix=f"/{app_name}")
+
+
+_FRONTS: dict[str, Any] = {}
+
+
+def front_address(app_name: str) -> str | None:
+    """host:port of the front server started for an app in this process (None: none)."""
+    front = _FRONTS.get(app_name)
+    return front.address if front is not None else None
+
+
+def stop_front(app_name: str) -> None:
+    front = _FRONTS.pop(app_name, None)
+    if front is not None:
+        front.stop(grace=1.0)
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Whether host:port is held by another socket (bound without SO_REUSEPORT, so a grpcio
+    server that set it is seen too). ``::`` covers every IPv4 and IPv6 address."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                return True
+            raise
+    return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing holds now (for Serve's proxies, which cannot report one they picked)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -74,7 +74,7 @@ def test_rayservice_graders():
     assert app["import_path"] == "graders.serve_app:build_app"
     assert IMPORT_PATH.match(app["import_path"])
     assert (REPO / "graders").is_dir()
-    assert set(app["args"]) == {"voices", "style", "checker", "fixture"}
+    assert set(app["args"]) == {"voices", "style", "checker", "fixture", "token_env"}
     for deployment in app["deployments"]:
         scaling = deployment["autoscaling_config"]
         assert 1 <= scaling["min_replicas"] <= scaling["max_replicas"]

@@ -1,19 +1,31 @@
-"""The grader as a Ray Serve app (2 replicas) over Serve's gRPC ingress on 127.0.0.1."""
+"""The grader as a Ray Serve app (2 replicas) over both gRPC ingresses: Serve's own gRPC proxy
+(the cluster manifests' path) and the grpcio front on 127.0.0.1 (`grader serve --ray`, a
+trainer's own grader); replicas killed mid-call; the token, the size cap and undecodable
+requests on both."""
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
+import time
 
 import grpc
+import psutil
 import pytest
 
+from graders.auth import TOKEN_METADATA
 from graders.client import GraderClient, GraderRequestError
 from graders.config import GraderConfig
+from graders.proto import grader_pb2 as pb
 from graders.service import SERVICE_NAME
 from graders.voice_leading import score
 
 APP = "grader-test"
+FRONT_APP = "grader-front"
+TOKEN_APP = "grader-token"
 ADMITTED_SHAPE = '[{"measure": 1, "degrees": [0, 1]}]'
+SCORE = f"/{SERVICE_NAME}/Score"
 
 
 def _free_port() -> int:
@@ -33,13 +45,45 @@ def serve_grader():
     grpc_port = _free_port()
     try:
         handle = serve_app.start(
-            GraderConfig(replicas=2, num_cpus=0.1),
+            GraderConfig(replicas=2, num_cpus=0.1, serve_ingress="proxy"),
             grpc_port=grpc_port, http_port=_free_port(), app_name=APP,
         )
         yield handle, f"127.0.0.1:{grpc_port}"
     finally:
+        for app in (FRONT_APP,):
+            serve_app.stop_front(app)
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def front_grader(serve_grader):
+    """The same cluster, a second app behind the grpcio front (the default ingress)."""
+    from graders import serve_app
+
+    handle = serve_app.start(GraderConfig(replicas=2, num_cpus=0.1), grpc_port=0,
+                             app_name=FRONT_APP)
+    return handle, serve_app.front_address(FRONT_APP)
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("token") / "grader.token"
+    path.write_text("correct-horse\n", "utf-8")
+    return path
+
+
+def _replica_processes(app: str) -> list[psutil.Process]:
+    """This test's Serve replica workers of `app` (Ray titles them ray::ServeReplica:<app>:...);
+    only descendants of this process, never another cluster on the machine."""
+    found = []
+    for p in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if " ".join(p.cmdline()).startswith(f"ray::ServeReplica:{app}:"):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
 
 
 @pytest.mark.slow
@@ -135,3 +179,151 @@ def test_client_from_config():
         "127.0.0.1:50999", 1, 0.25, 3)
     assert client.metadata == (("application", "grader"),)
     client.close()
+
+
+# --- issue 11: replicas killed mid-call, the token, the size cap, undecodable requests ---------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ingress", ["proxy", "front"])
+def test_scoring_survives_replicas_killed_mid_call(serve_grader, front_grader, ingress):
+    """SIGKILL every replica of the app while four clients keep ScoreBatch calls in flight: the
+    calls the kill hits fail (Serve's proxy: INTERNAL "actor died unexpectedly"; the front:
+    UNAVAILABLE) and the client retries them within grader.max_retries until Serve has
+    replaced the replicas; every call returns the verifier's scores."""
+    app, address = (APP, serve_grader[1]) if ingress == "proxy" else (FRONT_APP, front_grader[1])
+    application = APP if ingress == "proxy" else None
+    with GraderClient(address, application=application) as probe:
+        cases = probe.cases(8)
+    completions = [ADMITTED_SHAPE, "prose", '[{"measure": 1, "degrees": [0, 0]}]',
+                   '```json\n[{"measure": 2, "degrees": [1, 2]}]\n```']
+    pairs = [(cases[i % 8].id, completions[i % 4]) for i in range(1500)]
+    expected = [score(cases[i % 8].progression, completions[i % 4]).verdict for i in range(1500)]
+
+    done_before_kill = threading.Barrier(5)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    clients = [GraderClient(address, application=application, max_retries=8,
+                            retry_backoff_s=0.5, timeout_s=60) for _ in range(4)]
+
+    def keep_scoring(client: GraderClient) -> None:
+        try:
+            first = True
+            while not stop.is_set():
+                got = client.score_batch(pairs)
+                assert [s.verdict for s in got] == expected
+                if first:
+                    done_before_kill.wait(timeout=300)
+                    first = False
+        except BaseException as exc:  # reported below with its type
+            errors.append(exc)
+            if first:
+                done_before_kill.abort()
+
+    threads = [threading.Thread(target=keep_scoring, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    victims: list[psutil.Process] = []
+    try:
+        done_before_kill.wait(timeout=300)  # every client scored once: calls are in flight
+        victims = _replica_processes(app)
+        assert len(victims) == 2, victims
+        for p in victims:
+            p.kill()
+        deadline = time.monotonic() + 240  # until Serve has replaced both, then a little more
+        while time.monotonic() < deadline and not errors and len(_replica_processes(app)) < 2:
+            time.sleep(1)
+        time.sleep(3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=300)
+        for c in clients:
+            c.close()
+    assert not errors, [f"{type(e).__name__}: {e}" for e in errors]
+    assert sum(c.retries for c in clients) >= 1, "no call was hit by the kill"
+    survivors = {p.pid for p in _replica_processes(app)}
+    assert len(survivors) == 2 and not survivors & {p.pid for p in victims}
+
+
+@pytest.mark.slow
+def test_front_binds_loopback_and_spreads_over_replicas(front_grader):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    _, address = front_grader
+    host, port = address.rsplit(":", 1)
+    assert host == "127.0.0.1"
+    listeners = {c.laddr for c in psutil.Process(os.getpid()).net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == int(port)}
+    assert listeners and all(a.ip in ("127.0.0.1", "::ffff:127.0.0.1") for a in listeners)
+    with GraderClient(address) as client:
+        cases = client.cases(2)
+        got = client.score_batch([(cases[0].id, ADMITTED_SHAPE), (cases[1].id, "prose")])
+        assert [s.verdict for s in got] == [score(cases[0].progression, ADMITTED_SHAPE).verdict,
+                                            "structure"]
+        with pytest.raises(GraderRequestError) as err:
+            client.score("ghost", "[]")
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        replicas = {client.health().replica for _ in range(40)}
+    assert len(replicas) == 2, replicas
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                          timeout=30)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ingress", ["proxy", "front"])
+def test_undecodable_and_oversized_requests(serve_grader, front_grader, ingress):
+    """Never UNKNOWN: an undecodable request is INVALID_ARGUMENT on both ingresses; a request
+    over grader.max_message_bytes (4 MiB) is RESOURCE_EXHAUSTED and not retried."""
+    address = serve_grader[1] if ingress == "proxy" else front_grader[1]
+    metadata = (("application", APP),) if ingress == "proxy" else ()
+    with grpc.insecure_channel(address) as channel:
+        raw = channel.unary_unary(SCORE)
+        with pytest.raises(grpc.RpcError) as err:
+            raw(b"\xff\xff\xff\xff", timeout=30, metadata=metadata)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "ScoreRequest" in err.value.details()
+    with GraderClient(address, application=metadata[0][1] if metadata else None,
+                      max_retries=3) as client:
+        case_id = client.cases(1)[0].id
+        assert client.score(case_id, "x" * (3 << 20)).verdict == "structure"  # under the cap
+        with pytest.raises(GraderRequestError) as err:
+            client.score(case_id, "x" * ((4 << 20) + 1))
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert client.retries == 0
+
+
+@pytest.mark.slow
+def test_token_on_both_ingresses(serve_grader, token_file, tmp_path):
+    """With grader.token_file set, Grader calls without the right x-counterpoint-token are
+    UNAUTHENTICATED (checked by the front, or by the replicas behind Serve's proxy)."""
+    from graders import serve_app
+
+    proxy_address = serve_grader[1]
+    cfg = GraderConfig(replicas=1, num_cpus=0.1, token_file=str(token_file))
+    serve_app.start(cfg.model_copy(update={"serve_ingress": "proxy"}),
+                    grpc_port=int(proxy_address.rsplit(":", 1)[1]), app_name=TOKEN_APP)
+    front_app = TOKEN_APP + "-front"
+    serve_app.start(cfg, grpc_port=0, app_name=front_app)
+    try:
+        for address, application in [(proxy_address, TOKEN_APP),
+                                     (serve_app.front_address(front_app), None)]:
+            for token in (None, "wrong"):
+                with GraderClient(address, application=application, token=token,
+                                  max_retries=2) as client:
+                    with pytest.raises(GraderRequestError) as err:
+                        client.health()
+                    assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+                    assert "correct-horse" not in str(err.value)
+            good = GraderClient.from_config(cfg, address=address, application=application)
+            with good:
+                assert good.health().pool_size == 48
+                assert (TOKEN_METADATA, "correct-horse") in good.metadata
+    finally:
+        serve_app.stop_front(front_app)
+        from ray import serve
+
+        serve.delete(TOKEN_APP)
+        serve.delete(front_app)

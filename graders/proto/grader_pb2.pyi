@@ -22,7 +22,7 @@ class Counters(_message.Message):
     def __init__(self, scored: _Optional[int] = ..., unparsed: _Optional[int] = ..., admitted: _Optional[int] = ..., first_measure_wrong: _Optional[int] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("task", "pool_size", "pool_source", "voices", "style", "checker", "counters", "heldout_pool_size", "openings_histogram", "version")
+    __slots__ = ("task", "pool_size", "pool_source", "voices", "style", "checker", "counters", "heldout_pool_size", "openings_histogram", "version", "replica")
     class OpeningsHistogramEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class HealthReply(_message.Message):
     HELDOUT_POOL_SIZE_FIELD_NUMBER: _ClassVar[int]
     OPENINGS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     task: str
     pool_size: int
     pool_source: str
@@ -50,7 +51,8 @@ class HealthReply(_message.Message):
     heldout_pool_size: int
     openings_histogram: _containers.ScalarMap[int, int]
     version: str
-    def __init__(self, task: _Optional[str] = ..., pool_size: _Optional[int] = ..., pool_source: _Optional[str] = ..., voices: _Optional[int] = ..., style: _Optional[str] = ..., checker: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., heldout_pool_size: _Optional[int] = ..., openings_histogram: _Optional[_Mapping[int, int]] = ..., version: _Optional[str] = ...) -> None: ...
+    replica: str
+    def __init__(self, task: _Optional[str] = ..., pool_size: _Optional[int] = ..., pool_source: _Optional[str] = ..., voices: _Optional[int] = ..., style: _Optional[str] = ..., checker: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., heldout_pool_size: _Optional[int] = ..., openings_histogram: _Optional[_Mapping[int, int]] = ..., version: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class CasesRequest(_message.Message):
     __slots__ = ("limit", "split")

@@ -1,0 +1,132 @@
+"""Does a bare grpcio server leak memory on requests it cannot decode?
+
+A plain `grpc.server` on 127.0.0.1 with one unary method whose request deserializer is a
+protobuf message's ``FromString`` (here ``google.protobuf.Duration``); a client in a
+subprocess sends ``--n`` requests of bytes that are not that message (the server answers each
+with INTERNAL "Exception deserializing request!"), then ``--n`` decodable ones as a control.
+The server's RSS is read (``/proc/<pid>/status``, VmRSS) after a warm-up, after the
+undecodable requests and after the control. Nothing of counterpoint is imported: run it
+under any interpreter that has grpcio and protobuf.
+
+The leak is grpcio's own path for a request its deserializer failed on (the deserializer
+raised or returned None: `_server.py` then aborts with INTERNAL "Exception deserializing
+request!"). ``--variant lenient`` is the work-around the grader servers use: a deserializer that
+returns a marker object instead, and a handler that aborts with INVALID_ARGUMENT.
+
+    python bench/grpc_leak.py [--n 20000] [--warmup 2000] [--variant raise|lenient]
+
+Prints one JSON line: grpcio version, KiB per undecodable request and per good request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+from concurrent import futures
+
+METHOD = "/leak.Probe/Call"
+UNDECODABLE = b"\xff\xff\xff\xff\xff"  # field 31, wire type 7: no protobuf decodes this
+GOOD = b"\x08\x01"  # Duration(seconds=1)
+
+
+def rss_kib() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def client(address: str, n: int, payload: bytes) -> None:
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(METHOD, request_serializer=None, response_deserializer=None)
+        failed = 0
+        for _ in range(n):
+            try:
+                call(payload, timeout=10)
+            except grpc.RpcError:
+                failed += 1
+    print(failed)
+
+
+def drive(address: str, n: int, payload: bytes) -> int:
+    """Send n requests from a fresh client process; the number that failed."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--client", address, "--n", str(n), "--payload", payload.hex()],
+        capture_output=True, text=True, check=True, timeout=3600,
+    )
+    return int(out.stdout.strip())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=20000)
+    parser.add_argument("--warmup", type=int, default=2000)
+    parser.add_argument("--variant", choices=("raise", "lenient"), default="raise")
+    parser.add_argument("--client", help=argparse.SUPPRESS)
+    parser.add_argument("--payload", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.client:
+        client(args.client, args.n, bytes.fromhex(args.payload))
+        return
+
+    import grpc
+    from google.protobuf import duration_pb2
+
+    undecodable = object()  # not None: grpcio takes a None request for a failed decode
+
+    def lenient(data: bytes):
+        try:
+            return duration_pb2.Duration.FromString(data)
+        except Exception:
+            return undecodable
+
+    def call(request, context):
+        if request is undecodable:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable request")
+        return b""
+
+    handler = grpc.method_handlers_generic_handler("leak.Probe", {
+        "Call": grpc.unary_unary_rpc_method_handler(
+            call,
+            request_deserializer=(duration_pb2.Duration.FromString if args.variant == "raise"
+                                  else lenient),
+            response_serializer=None,
+        ),
+    })
+    server = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    address = f"127.0.0.1:{port}"
+    try:
+        drive(address, args.warmup, UNDECODABLE)
+        drive(address, args.warmup, GOOD)
+        gc.collect()
+        start = rss_kib()
+        bad_failed = drive(address, args.n, UNDECODABLE)
+        gc.collect()
+        after_bad = rss_kib()
+        good_failed = drive(address, args.n, GOOD)
+        gc.collect()
+        after_good = rss_kib()
+    finally:
+        server.stop(None)
+    assert bad_failed == args.n and good_failed == 0, (bad_failed, good_failed)
+    print(json.dumps({
+        "grpcio": grpc.__version__,
+        "variant": args.variant,
+        "n": args.n,
+        "rss_kib": [start, after_bad, after_good],
+        "kib_per_undecodable_request": round((after_bad - start) / args.n, 3),
+        "kib_per_good_request": round((after_good - after_bad) / args.n, 3),
+    }))
+
+
+if __name__ == "__main__":
+    main()

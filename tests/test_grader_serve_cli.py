@@ -1,0 +1,59 @@
+"""`counterpoint grader serve --ray --replicas 2` end to end: a real Serve app behind the
+grpcio front on 127.0.0.1, scores spread over both replicas (per-replica Health counters)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from graders.client import GraderClient
+from graders.voice_leading import score
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = '[{"measure": 1, "degrees": [0, 1]}]'
+
+
+@pytest.mark.slow
+def test_grader_serve_ray_replicas_end_to_end():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "grader", "serve", "--ray", "--replicas", "2",
+         "--port", "0"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        seen = []
+        for line in proc.stdout:  # Ray may print before the address line
+            seen.append(line)
+            if "serving on" in line:
+                break
+        assert seen and "serving on 127.0.0.1:" in seen[-1], "".join(seen)
+        assert "2 replica(s)" in seen[-1]
+        address = seen[-1].split("serving on ")[1].split()[0]
+        with GraderClient(address, max_retries=2) as client:
+            cases = client.cases(4)
+            pairs = [(c.id, SHAPE) for c in cases] * 8
+            batches = 24
+            for _ in range(batches):
+                got = client.score_batch(pairs)
+                assert [s.verdict for s in got] == [
+                    score(cases[i % 4].progression, SHAPE).verdict for i in range(len(pairs))]
+            counters = {}
+            for _ in range(60):  # Health answers from one replica at a time
+                health = client.health()
+                counters[health.replica] = health.counters["scored"]
+                if len(counters) == 2:
+                    break
+        assert len(counters) == 2, counters
+        assert all(n > 0 for n in counters.values()), counters  # both replicas scored
+        assert sum(counters.values()) == batches * len(pairs)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+        proc.stdout.close()
+    assert code == 0
