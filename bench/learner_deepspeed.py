@@ -73,11 +73,11 @@ def run(args, model_dir: Path, deepspeed: bool, micro_batch_size: int, label: st
     import torch
 
     from learner.lora import adapter_state_dict
-    from learner.worker import PolicyLearner
+    from learner.policy import PolicyLearner
 
     cfg = run_config(args, model_dir, deepspeed, micro_batch_size)
     torch.cuda.reset_peak_memory_stats()
-    learner = PolicyLearner(cfg, device="cuda:0", resume_from=resume_from)
+    learner = PolicyLearner.for_run(cfg, device="cuda:0", resume_from=resume_from)
     init = {k: v.float().cpu() for k, v in adapter_state_dict(learner.peft_model).items()}
     rows, seconds = [], []
     for k in range(learner.step_count, args.steps):

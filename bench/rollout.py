@@ -46,8 +46,10 @@ def bench_engine(kind: str, model_cfg, rollout_cfg, args) -> dict:
     t0 = time.perf_counter()
     engine = make_engine(model_cfg, rollout_cfg, kind=kind, seed=args.seed)
     start_s = time.perf_counter() - t0
-    engine.generate(_prompts(1), SamplingParams(n=1, max_tokens=8, seed=args.seed), 0)  # warm-up
-    params = SamplingParams(n=args.samples, temperature=1.0, max_tokens=args.max_tokens, seed=args.seed)
+    warm = SamplingParams.from_rollout(rollout_cfg, max_tokens=8, seed=args.seed)
+    engine.generate(_prompts(1), warm, 0)  # warm-up
+    params = SamplingParams.from_rollout(rollout_cfg, n=args.samples, temperature=1.0,
+                                           max_tokens=args.max_tokens, seed=args.seed)
     t0 = time.perf_counter()
     samples = engine.generate(_prompts(args.prompts), params, 0)
     seconds = time.perf_counter() - t0
@@ -64,7 +66,7 @@ def bench_engine(kind: str, model_cfg, rollout_cfg, args) -> dict:
 def bench_sync(model_cfg, rollout_cfg, args) -> list[dict]:
     import ray
 
-    from rollout.adapters import make_lora_payload
+    from bench.synthetic import make_lora_payload
     from rollout.deployment import start_rollout, stop_rollout
     from rollout.models import resolve_model
     from rollout.types import SamplingParams
@@ -98,8 +100,10 @@ def bench_sync(model_cfg, rollout_cfg, args) -> list[dict]:
             "wait_all_s": round(statistics.median(sync_s), 3),
             "max_s": round(max(total_s), 3),
         })
-        params = SamplingParams(n=args.samples, temperature=1.0, max_tokens=args.max_tokens, seed=args.seed)
-        client.generate(_prompts(rollout_cfg.replicas), SamplingParams(n=1, max_tokens=8), payloads[-1].version)
+        params = SamplingParams.from_rollout(rollout_cfg, n=args.samples, temperature=1.0,
+                                           max_tokens=args.max_tokens, seed=args.seed)
+        warm = SamplingParams.from_rollout(rollout_cfg, max_tokens=8)
+        client.generate(_prompts(rollout_cfg.replicas), warm, payloads[-1].version)
         t0 = time.perf_counter()
         samples = client.generate(_prompts(args.prompts), params, payloads[-1].version)
         seconds = time.perf_counter() - t0

@@ -1,8 +1,9 @@
-"""What the learner benches share: random training batches in GRPO's grouped layout, and the
-relative distance between two adapters.
+"""What the benches and tests share: random training batches in GRPO's grouped layout, the
+relative distance between two adapters, and a random LoRA payload for a model (not production
+code: runs get their adapters from the learner).
 
 Imported as ``bench.synthetic`` by the scripts in this folder (each puts the repo root first on
-sys.path).
+sys.path) and by the tests (tests/conftest.py puts the repo root on sys.path).
 """
 
 from __future__ import annotations
@@ -41,3 +42,40 @@ def relative_gap(a: dict, b: dict, scale: dict) -> float:
     """||a - b|| / ||scale|| over all tensors (inf when scale is zero)."""
     den = l2(scale)
     return l2({k: a[k].float() - b[k].float() for k in b}) / den if den > 0 else float("inf")
+
+
+def make_lora_payload(
+    model_dir,
+    version: int,
+    r: int = 8,
+    alpha: float = 16.0,
+    target_modules: list[str] | str = "all-linear",
+    b_std: float = 0.0,
+    seed: int = 0,
+) -> AdapterPayload:
+    """A LoRA adapter for the model in `model_dir`, built with peft (tests, benches, smoke runs).
+
+    b_std 0 gives peft's own init (B = 0: the adapter changes nothing); b_std > 0 draws B from
+    N(0, b_std^2) so the adapter moves the distribution.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = get_peft_model(
+        base, LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0)
+    )
+    if b_std > 0:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, b_std)
+    import tempfile
+
+    from rollout.adapters import payload_from_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        return payload_from_dir(tmp, version)

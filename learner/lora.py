@@ -15,21 +15,19 @@ from pathlib import Path
 
 import torch
 
-from rollout.adapters import CONFIG_FILE, canonical_config
+from rollout.adapters import CONFIG_FILE, WEIGHTS_FILE, canonical_config
 from rollout.types import AdapterPayload
 
-ADAPTER_FILE = "adapter_model.safetensors"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_base_model(model_cfg, device: torch.device | str = "cpu"):
     """The frozen base model from a rollout.config.ModelConfig (local dir via resolve_model)."""
     from transformers import AutoModelForCausalLM
 
-    from rollout.models import resolve_model
+    from rollout.models import resolve_model, torch_dtype
 
     path = resolve_model(model_cfg)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[model_cfg.dtype])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(model_cfg.dtype))
     model.config.use_cache = False
     for p in model.parameters():
         p.requires_grad_(False)
@@ -58,8 +56,8 @@ def attach_lora(base, lora_cfg, seed: int, init_adapter: Path | None = None):
 
     if init_adapter is not None:
         init_adapter = Path(init_adapter)
-        if not (init_adapter / ADAPTER_FILE).is_file():
-            raise FileNotFoundError(f"init adapter {init_adapter} has no {ADAPTER_FILE}")
+        if not (init_adapter / WEIGHTS_FILE).is_file():
+            raise FileNotFoundError(f"init adapter {init_adapter} has no {WEIGHTS_FILE}")
         return PeftModel.from_pretrained(base, str(init_adapter), is_trainable=True)
     torch.manual_seed(seed)  # seed first, then build: the A init draws from this RNG
     return get_peft_model(base, peft_lora_config(lora_cfg))
@@ -110,5 +108,5 @@ def save_adapter(peft_model, out_dir: Path) -> str:
     config_file = out_dir / CONFIG_FILE
     config = canonical_config(json.loads(config_file.read_text()))
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
-    return sha256_file(out_dir / ADAPTER_FILE)
+    return sha256_file(out_dir / WEIGHTS_FILE)
 

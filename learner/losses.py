@@ -63,12 +63,15 @@ class LossNorm:
 
 @dataclass(frozen=True)
 class ObjectiveParams:
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.28
-    beta: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    tis_cap: float | None = None
+    """The objective's knobs, always cut from a LearnerConfig (``from_config``): the schema is
+    the only place their defaults and meanings live."""
+
+    epsilon_low: float
+    epsilon_high: float
+    beta: float
+    kl_estimator: str
+    entropy_coef: float
+    tis_cap: float | None
 
     @classmethod
     def from_config(cls, cfg) -> "ObjectiveParams":

@@ -87,10 +87,11 @@ def shard_bounds(n: int, world_size: int, rank: int) -> tuple[int, int]:
 class InitInfo:
     """What ``LearnerJob.start`` returns.
 
-    ``init_payload`` is the adapter to sample the next step with; its version is ``step`` (0 on a
-    fresh run, the checkpoint's step on a resume). On a fresh run without ``init_adapter`` LoRA B
-    is 0, so version 0 is numerically the base model (``init_is_identity``); with an
-    ``init_adapter`` or a resume it is a real adapter and the rollout must load it.
+    ``init_payload`` is the adapter to sample the next step with; its version is
+    ``rollout.types.adapter_version(step)`` (1 on a fresh run, the checkpoint's step + 1 on a
+    resume). On a fresh run without ``init_adapter`` LoRA B is 0, so it is numerically the base
+    model (``init_is_identity``: sampling BASE_MODEL_VERSION instead is exact); with an
+    ``init_adapter`` or a resume it is a real adapter.
     """
 
     adapter_sha256: str
@@ -105,4 +106,4 @@ class InitInfo:
 class StepResult:
     metrics: dict[str, float]
     phases_s: dict[str, float]  # old_log_prob, ref, update_actor (seconds)
-    adapter: AdapterPayload  # version = the step just trained
+    adapter: AdapterPayload  # version = adapter_version(steps trained) = the next step to sample

@@ -69,38 +69,3 @@ def validate_payload(payload: AdapterPayload, max_rank: int | None = None) -> No
         raise AdapterError(
             f"adapter v{payload.version} has rank {cfg['r']} > rollout.max_lora_rank {max_rank}"
         )
-
-
-def make_lora_payload(
-    model_dir: Path | str,
-    version: int,
-    r: int = 8,
-    alpha: float = 16.0,
-    target_modules: list[str] | str = "all-linear",
-    b_std: float = 0.0,
-    seed: int = 0,
-) -> AdapterPayload:
-    """A LoRA adapter for the model in `model_dir`, built with peft (tests, benches, smoke runs).
-
-    b_std 0 gives peft's own init (B = 0: the adapter changes nothing); b_std > 0 draws B from
-    N(0, b_std^2) so the adapter moves the distribution.
-    """
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model = get_peft_model(
-        base, LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0)
-    )
-    if b_std > 0:
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0.0, b_std)
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
-        return payload_from_dir(tmp, version)

@@ -139,7 +139,7 @@ def generate(
     config: ConfigOpt = None,
 ) -> None:
     """Sample N completions per prompt; write text, token ids and sampling log-probs."""
-    from rollout.types import SamplingParams
+    from rollout.types import BASE_MODEL_VERSION, FIRST_ADAPTER_VERSION, SamplingParams
 
     model_cfg, rollout_cfg = _configs(
         config,
@@ -153,14 +153,14 @@ def generate(
         from rollout.adapters import AdapterError, payload_from_dir
 
         try:
-            payload = payload_from_dir(adapter, version=1)
+            payload = payload_from_dir(adapter, version=FIRST_ADAPTER_VERSION)
         except AdapterError as err:
             _fail(str(err))
     params = SamplingParams(
         n=n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
         max_tokens=rollout_cfg.max_tokens, seed=seed,
     )
-    version = 1 if payload is not None else 0
+    version = payload.version if payload is not None else BASE_MODEL_VERSION
     if replicas is not None:
         samples = _generate_on_serve(model_cfg, rollout_cfg, prompt_list, params, payload, seed or 0)
     else:
@@ -257,16 +257,14 @@ def logprobs(
     if not rows:
         _fail(f"{in_path} holds no samples")
 
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from learner.passes import response_logprobs
-    from rollout.models import resolve_model
     from learner.rollout_correction import parity_stats
+    from rollout.models import resolve_model, torch_dtype
 
     model_dir = resolve_model(model_cfg)
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    net = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtypes[model_cfg.dtype])
+    net = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype(model_cfg.dtype))
     if adapter is not None:
         from peft import PeftModel
 

@@ -47,6 +47,13 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILD_FORMAT = 1
 
 
+def torch_dtype(name: str):
+    """The torch dtype of a ModelConfig.dtype name (every engine and the learner load with it)."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
 def cache_root(cfg: ModelConfig) -> Path:
     root = cfg.cache_dir or os.environ.get("COUNTERPOINT_CACHE") or "~/.cache/counterpoint"
     return Path(root).expanduser()

@@ -9,16 +9,41 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# Adapter versions, one numbering end to end (DESIGN.md): 0 is the bare base model (no adapter);
+# the adapter after k optimizer steps is version k + 1, stamped by the learner where it is made,
+# so step s samples with version s and the init adapter is version 1.
+BASE_MODEL_VERSION = 0
+
+
+def adapter_version(updates: int) -> int:
+    """The version of the adapter that ``updates`` optimizer steps produced."""
+    return updates + 1
+
+
+FIRST_ADAPTER_VERSION = adapter_version(0)  # also what a lone adapter dir is served as (eval, probe)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 128
+    """How one generate call samples. The sampling knobs have no defaults here: they come from
+    the rollout section of the config (``from_rollout``) or the eval section, never from a
+    second set of defaults."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
     stop_token_ids: tuple[int, ...] = ()  # added to the model's own stop set, never replacing it
     seed: int | None = None
+
+    @classmethod
+    def from_rollout(cls, rollout_cfg: Any, **overrides: Any) -> "SamplingParams":
+        """The rollout section's temperature, top_p, top_k and max_tokens (a RolloutConfig), n=1,
+        then ``overrides``."""
+        fields = dict(n=1, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
+                      max_tokens=rollout_cfg.max_tokens)
+        return cls(**{**fields, **overrides})
 
 
 @dataclass(frozen=True)

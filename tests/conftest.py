@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ from services.runtime_env import apply_defaults
 apply_defaults()
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # bench.synthetic (test helpers shared with the benches)
+    sys.path.insert(0, str(REPO))
 SHARED = REPO.parent / "shared"
 
 

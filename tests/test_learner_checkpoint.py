@@ -12,7 +12,7 @@ from learner.checkpoint import checkpoint_dir, read_state
 from learner.job import LearnerJob
 from learner.lora import adapter_state_dict
 from learner.types import TrainBatch
-from learner.worker import PolicyLearner
+from learner.policy import PolicyLearner
 from services.config import RunConfig
 
 pytestmark = pytest.mark.slow
@@ -36,11 +36,11 @@ def batch(k: int) -> TrainBatch:
 
 
 def test_resume_continues_the_run_exactly(tmp_path):
-    straight = PolicyLearner(cfg())
+    straight = PolicyLearner.for_run(cfg())
     for k in range(4):
         straight.step(batch(k))
 
-    first = PolicyLearner(cfg())
+    first = PolicyLearner.for_run(cfg())
     for k in range(2):
         first.step(batch(k))
     ckpt = checkpoint_dir(tmp_path, 2)
@@ -52,7 +52,7 @@ def test_resume_continues_the_run_exactly(tmp_path):
     targets = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())["target_modules"]
     assert len(targets) > 2 and targets == sorted(targets)
 
-    resumed = PolicyLearner(cfg(), resume_from=ckpt)
+    resumed = PolicyLearner.for_run(cfg(), resume_from=ckpt)
     assert resumed.step_count == 2
     assert resumed.data_position == {"epoch": 0, "cursor": 8}
     assert resumed.lr_rebase_note is None
@@ -68,18 +68,18 @@ def test_resume_continues_the_run_exactly(tmp_path):
 
 
 def test_lr_mismatch_rebases_on_config_or_refuses(tmp_path):
-    first = PolicyLearner(cfg(lr=1e-3))
+    first = PolicyLearner.for_run(cfg(lr=1e-3))
     first.step(batch(0))
     ckpt = checkpoint_dir(tmp_path, 1)
     first.save_checkpoint(ckpt, None)
 
-    rebased = PolicyLearner(cfg(lr=2e-4), resume_from=ckpt)
+    rebased = PolicyLearner.for_run(cfg(lr=2e-4), resume_from=ckpt)
     assert rebased.lr_rebase_note == "checkpoint lr 0.001, config lr 0.0002: re-based on config"
     # step index 1 of a linear schedule after 1 warmup step: factor 1 - 0/9 = 1 -> config lr
     assert rebased.step(batch(1))[0]["learning_rate"] == pytest.approx(2e-4)
 
     with pytest.raises(ValueError, match=r"checkpoint lr 0\.001 differs from config lr 0\.0002"):
-        PolicyLearner(cfg(lr=2e-4, on_lr_mismatch="refuse"), resume_from=ckpt)
+        PolicyLearner.for_run(cfg(lr=2e-4, on_lr_mismatch="refuse"), resume_from=ckpt)
     # the driver refuses before starting any worker
     job = LearnerJob(cfg(lr=2e-4, on_lr_mismatch="refuse"), tmp_path, resume_from=ckpt)
     with pytest.raises(ValueError, match=r"checkpoint lr 0\.001 differs from config lr 0\.0002"):
@@ -90,7 +90,7 @@ def test_lr_mismatch_rebases_on_config_or_refuses(tmp_path):
 def test_resuming_with_the_other_learner_is_refused_by_name(tmp_path):
     """A plain checkpoint has optimizer.pt, a DeepSpeed one deepspeed/zero/: resuming one with
     the other learner would silently restart Adam, so restore names what is missing instead."""
-    learner = PolicyLearner(cfg())
+    learner = PolicyLearner.for_run(cfg())
     learner.step(batch(0))
     plain = checkpoint_dir(tmp_path, 1)
     learner.save_checkpoint(plain, None)
@@ -100,4 +100,4 @@ def test_resuming_with_the_other_learner_is_refused_by_name(tmp_path):
 
     (plain / "optimizer.pt").unlink()  # what a DeepSpeed checkpoint lacks
     with pytest.raises(FileNotFoundError, match=r"holds no optimizer.pt \(a DeepSpeed checkpoint\? set learner.deepspeed\)"):
-        PolicyLearner(cfg(), resume_from=plain)
+        PolicyLearner.for_run(cfg(), resume_from=plain)

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from learner.advantages import compute_advantages, group_ids_for
 from learner.passes import response_logprobs
 from learner.types import TrainBatch
-from learner.worker import PolicyLearner
+from learner.policy import PolicyLearner
 from services.config import RunConfig
 
 pytestmark = pytest.mark.slow
@@ -78,7 +78,7 @@ def test_learner_logprobs_match_a_plain_forward(small_vocab_model):
     """Varying prompt lengths, micro-batches and logits_to_keep: the trainer's log-probs of the
     sampled tokens equal a plain one-sequence forward's (ppl_ratio 1), and so do those of
     learner.passes.response_logprobs (what `rollout logprobs` reports)."""
-    learner = PolicyLearner(run_cfg(small_vocab_model, micro_batch_size=3, fold_old_logprobs=False))
+    learner = PolicyLearner.for_run(run_cfg(small_vocab_model, micro_batch_size=3, fold_old_logprobs=False))
     prompts = [[1, 2], [3, 4, 5, 6], [7], [2, 3, 4], [1, 1, 1, 1, 1]]
     responses = [[3, 4, 5], [6], [1, 2, 3, 4], [5, 5], [0, 1]]
     ref = plain_forward_logprobs(learner.peft_model, prompts, responses)
@@ -96,7 +96,7 @@ def test_learner_logprobs_match_a_plain_forward(small_vocab_model):
 
 def test_grpo_learns_a_bandit(small_vocab_model):
     """Reward 1 when the completion starts with TARGET; GRPO must raise the mean reward."""
-    learner = PolicyLearner(run_cfg(small_vocab_model))
+    learner = PolicyLearner.for_run(run_cfg(small_vocab_model))
     gen = torch.Generator().manual_seed(0)
     prompts = [[1, 2, 3], [2, 3], [4, 1, 6, 7]]
     rewards_per_step = []

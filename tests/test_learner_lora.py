@@ -10,13 +10,13 @@ from safetensors.torch import load, load_file
 
 from learner.config import LoraConfig
 from learner.lora import (
-    ADAPTER_FILE,
     adapter_payload,
     adapter_state_dict,
     attach_lora,
     load_base_model,
     save_adapter,
 )
+from rollout.adapters import WEIGHTS_FILE
 from rollout.config import ModelConfig
 
 pytestmark = pytest.mark.slow
@@ -33,11 +33,11 @@ def test_same_seed_same_bytes_different_seed_differs(tmp_path):
     torch.rand(1000)  # unrelated RNG draws between builds must not matter: the seed is set first
     b = save_adapter(build(7), tmp_path / "b")
     c = save_adapter(build(8), tmp_path / "c")
-    assert (tmp_path / "a" / ADAPTER_FILE).read_bytes() == (tmp_path / "b" / ADAPTER_FILE).read_bytes()
+    assert (tmp_path / "a" / WEIGHTS_FILE).read_bytes() == (tmp_path / "b" / WEIGHTS_FILE).read_bytes()
     assert a == b
     assert a != c
     # fresh init: LoRA B is zero (the adapter is the identity), A is not
-    state = load_file(tmp_path / "a" / ADAPTER_FILE)
+    state = load_file(tmp_path / "a" / WEIGHTS_FILE)
     assert all(v.abs().sum() == 0 for k, v in state.items() if "lora_B" in k)
     assert any(v.abs().sum() > 0 for k, v in state.items() if "lora_A" in k)
 
@@ -50,7 +50,7 @@ def test_init_adapter_wins_over_the_seed(tmp_path):
                 p.normal_()
     save_adapter(source, tmp_path / "src")
     reused = build(99, init_adapter=tmp_path / "src")
-    want = load_file(tmp_path / "src" / ADAPTER_FILE)
+    want = load_file(tmp_path / "src" / WEIGHTS_FILE)
     got = adapter_state_dict(reused)
     assert set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
@@ -65,7 +65,7 @@ def test_payload_matches_saved_adapter_and_config(tmp_path):
     payload = adapter_payload(model, version=5)
     assert payload.version == 5
     tensors = load(payload.safetensors)
-    saved = load_file(tmp_path / "d" / ADAPTER_FILE)
+    saved = load_file(tmp_path / "d" / WEIGHTS_FILE)
     assert set(tensors) == set(saved) and all(torch.equal(tensors[k], saved[k]) for k in saved)
     on_disk = json.loads((tmp_path / "d" / "adapter_config.json").read_text())
     assert payload.config["r"] == on_disk["r"] == 4

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import random
 import zlib
@@ -215,7 +217,9 @@ def _norm(loss_type, **kw):
     return LossNorm(loss_type=loss_type, **base)
 
 
-PARAMS = ObjectiveParams(epsilon_low=0.2, epsilon_high=0.28)
+# No TIS, no KL leash, no entropy bonus: the bare clipped objective.
+PARAMS = ObjectiveParams(epsilon_low=0.2, epsilon_high=0.28, beta=0.0, kl_estimator="k3", entropy_coef=0.0,
+                         tis_cap=None)
 
 
 @pytest.mark.parametrize(
@@ -253,7 +257,7 @@ def test_truncated_importance_weights():
     old = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.5, -2.0]])
     rollout = old - torch.tensor([[math.log(3), math.log(0.5), 0.0], [0.0, 0.0, 0.0]])
     out = policy_loss(_inputs(rollout_logprobs=rollout), _norm("dapo"),
-                      ObjectiveParams(epsilon_low=0.2, epsilon_high=0.28, tis_cap=2.0))
+                      dataclasses.replace(PARAMS, tis_cap=2.0))
     # token terms: -1.28 * 2, -0.5 * 0.5, 1.6, 2, 4 -> sum -2.56 - 0.25 + 7.6 = 4.79
     assert out.loss.item() == pytest.approx(4.79 / 5, abs=1e-5)
     assert finalize(out.sums)["tis_weight"] == pytest.approx((2 + 0.5 + 3) / 5)
@@ -267,8 +271,7 @@ def test_kl_leash_and_entropy_bonus():
         ref_logprobs=torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.5, -2.0]]),  # = old
         entropy=torch.full((2, 3), 2.0),
     )
-    params = ObjectiveParams(epsilon_low=0.2, epsilon_high=0.28, beta=0.1, kl_estimator="k1",
-                             entropy_coef=0.01)
+    params = dataclasses.replace(PARAMS, beta=0.1, kl_estimator="k1", entropy_coef=0.01)
     out = policy_loss(inp, _norm("dapo"), params, entropy_bonus=True)
     # k1 = logp - ref = log ratio: log 1.5 + log 0.5 + log 0.5 + 0 + log 2 = log 0.375
     kl_sum = math.log(1.5) + math.log(0.5) + math.log(0.5) + math.log(2.0)
@@ -373,3 +376,14 @@ def test_lr_decision_names_both_values():
     assert lr_decision(1e-4, 3e-4, "rebase") == "checkpoint lr 0.0001, config lr 0.0003: re-based on config"
     with pytest.raises(ValueError, match="checkpoint lr 0.0001 differs from config lr 0.0003"):
         lr_decision(1e-4, 3e-4, "refuse")
+
+
+def test_objective_params_come_from_the_schema_only():
+    """ObjectiveParams has no defaults of its own: every knob is the LearnerConfig's."""
+    from learner.config import LearnerConfig
+
+    cfg = LearnerConfig()
+    params = ObjectiveParams.from_config(cfg)
+    for name in ("epsilon_low", "epsilon_high", "beta", "kl_estimator", "entropy_coef", "tis_cap"):
+        assert getattr(params, name) == getattr(cfg, name), name
+    assert params.tis_cap == 2.0

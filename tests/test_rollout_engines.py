@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from learner.passes import response_logprobs
-from rollout.adapters import make_lora_payload
+from bench.synthetic import make_lora_payload
 from rollout.config import ModelConfig, RolloutConfig
 from rollout.engines import AdapterVersionError, make_engine
 from learner.rollout_correction import parity_stats
@@ -26,7 +26,7 @@ PROMPTS = [
         assistant_prefix='{"voices": [',
     ),
 ]
-PARAMS = SamplingParams(n=3, temperature=0.8, max_tokens=12, seed=7)
+PARAMS = SamplingParams.from_rollout(RolloutConfig(), n=3, temperature=0.8, max_tokens=12, seed=7)
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +82,8 @@ def _check_shape(samples, params, version):
 
 
 def test_both_engines_render_identical_prompt_tokens(vllm_engine, hf_engine):
-    a = vllm_engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=2), 0)
-    b = hf_engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=2), 0)
+    a = vllm_engine.generate(PROMPTS, SamplingParams.from_rollout(RolloutConfig(), n=2, max_tokens=2), 0)
+    b = hf_engine.generate(PROMPTS, SamplingParams.from_rollout(RolloutConfig(), n=2, max_tokens=2), 0)
     assert [s.prompt_token_ids for s in a] == [s.prompt_token_ids for s in b]
     prefix_ids = hf_engine.tokenizer('{"voices": [', add_special_tokens=False)["input_ids"]
     assert a[2].prompt_token_ids[-len(prefix_ids):] == prefix_ids
@@ -95,7 +95,7 @@ def test_sample_prompt_ids_are_the_chat_template_then_the_forced_prefix(vllm_eng
     token, from either engine."""
     tok = hf_engine.tokenizer
     for engine in (vllm_engine, hf_engine):
-        samples = engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=2, seed=3), 0)
+        samples = engine.generate(PROMPTS, SamplingParams.from_rollout(RolloutConfig(), n=2, max_tokens=2, seed=3), 0)
         for s in samples:
             prompt = PROMPTS[s.prompt_index]
             template = tok.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=False)
@@ -187,7 +187,7 @@ def test_hf_engine_adapter_swap_matches_learner(hf_engine, payloads):
 def test_stop_tokens_end_the_completion(engine_name, request):
     engine = request.getfixturevalue(engine_name)
     # A random model rarely picks <|im_end|>; a large extra stop set makes stops certain.
-    params = SamplingParams(n=4, max_tokens=12, seed=3, stop_token_ids=tuple(range(3, 30000)))
+    params = SamplingParams.from_rollout(RolloutConfig(), n=4, max_tokens=12, seed=3, stop_token_ids=tuple(range(3, 30000)))
     samples = engine.generate(PROMPTS, params, 0)
     stops = [s for s in samples if s.finish_reason == "stop"]
     assert stops, "no completion stopped"
@@ -198,7 +198,7 @@ def test_stop_tokens_end_the_completion(engine_name, request):
 
 def test_overlong_prompt_is_refused(vllm_engine):
     with pytest.raises(ValueError, match="max_model_len"):
-        vllm_engine.generate(PROMPTS, SamplingParams(max_tokens=600), 0)
+        vllm_engine.generate(PROMPTS, SamplingParams.from_rollout(RolloutConfig(), max_tokens=600), 0)
 
 
 def test_seeded_batch_larger_than_one_prefill_step(vllm_engine):
@@ -213,7 +213,7 @@ def test_seeded_batch_larger_than_one_prefill_step(vllm_engine):
         Prompt(messages=({"role": "user", "content": " ".join(rng.choice(words).lstrip("Ġ") for _ in range(90))},))
         for _ in range(48)
     ]
-    samples = vllm_engine.generate(long_prompts, SamplingParams(n=1, max_tokens=2, seed=5), 0)
+    samples = vllm_engine.generate(long_prompts, SamplingParams.from_rollout(RolloutConfig(), n=1, max_tokens=2, seed=5), 0)
     assert sum(len(s.prompt_token_ids) for s in samples) > 4096
     assert len(samples) == 48 and all(len(s.token_ids) == len(s.logprobs) >= 1 for s in samples)
 

@@ -18,7 +18,7 @@ ROLLOUT = RolloutConfig(
     replica_liveness_s=3.0, adapter_wait_timeout_s=240.0,
 )
 PROMPTS = [Prompt(messages=({"role": "user", "content": f"Question {i}?"},)) for i in range(4)]
-PARAMS = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=11)
+PARAMS = SamplingParams.from_rollout(RolloutConfig(), n=2, temperature=1.0, max_tokens=6, seed=11)
 
 
 @pytest.fixture(scope="module")

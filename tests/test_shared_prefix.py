@@ -12,7 +12,7 @@ from learner.lora import adapter_state_dict
 from learner.passes import make_micro_batches
 from learner.shared_prefix import SharedPrefixLM, shared_prefix_len
 from learner.types import TrainBatch
-from learner.worker import PolicyLearner
+from learner.policy import PolicyLearner
 from services.config import RunConfig
 
 VOCAB = 32
@@ -136,7 +136,7 @@ def test_a_learner_step_is_the_same_with_and_without_sharing(tmp_path, beta):
                         "share_prompt_prefix": share, "lora": {"r": 4, "alpha": 8}},
             "trainer": {"steps": 2},
         })
-        learner = PolicyLearner(cfg)
+        learner = PolicyLearner.for_run(cfg)
         metrics, _ = learner.step(batch)
         return metrics, adapter_state_dict(learner.peft_model)
 

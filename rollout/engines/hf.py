@@ -17,11 +17,11 @@ from transformers.generation.logits_process import LogitsProcessor
 
 from rollout.adapters import validate_payload, write_payload
 from rollout.config import ModelConfig, RolloutConfig
+from rollout.models import torch_dtype
 from rollout.engines.base import Engine, finish_reason
 from rollout.models import stop_token_ids
 from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class HFEngine(Engine):
@@ -35,7 +35,7 @@ class HFEngine(Engine):
         self.device = "cuda" if rollout_cfg.num_gpus > 0 and torch.cuda.is_available() else "cpu"
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=_DTYPES[model_cfg.dtype]
+            str(model_dir), dtype=torch_dtype(model_cfg.dtype)
         ).to(self.device)
         self.model.eval()
         self.stop = stop_token_ids(model_dir, model_cfg.eos_token_ids)

@@ -1,0 +1,243 @@
+"""The policy on one worker: base model + LoRA, optimizer and schedule, and one GRPO step
+(old_log_prob, ref, update_actor) over this worker's shard. Torch (and torch.distributed) only:
+no Ray, so it is built and tested in-process (tests/test_learner_*.py); learner/worker.py runs it
+inside Ray Train.
+
+``PolicyLearner`` receives the config slices it uses, not the run config: the learner section,
+the model section, the sampling temperature (both sides of ppl_ratio use it), the total steps
+(the LR schedule's horizon), the seed (LoRA init) and the completion-length constant of dr_grpo.
+``PolicyLearner.for_run(run_cfg)`` cuts them from a whole run config.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from learner import checkpoint
+from learner.losses import LossNorm, ObjectiveParams, entropy_bonus_active
+from learner.lora import adapter_payload, attach_lora, load_base_model, save_adapter
+from learner.optim import build_optimizer, build_scheduler, rebase_lr
+from learner.passes import GradSync, ddp_grad_sync, make_micro_batches, old_log_prob, ref_log_prob, update_actor
+from learner.rollout_correction import finalize
+from learner.shared_prefix import SharedPrefixLM
+from learner.types import TrainBatch, shard_bounds
+from rollout.types import AdapterPayload
+
+
+def allreduce_sum(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Sum a dict of floats over workers (identity with one process). Keys must match."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return dict(zip(keys, t.tolist()))
+
+
+def allreduce_sums(groups: dict[str, dict[str, float]], device: torch.device) -> dict[str, dict[str, float]]:
+    """Several sum-dicts reduced in one all-reduce, each coming back under its own name."""
+    flat = {(name, key): v for name, sums in groups.items() for key, v in sums.items()}
+    order = sorted(flat)
+    reduced = allreduce_sum({str(i): flat[k] for i, k in enumerate(order)}, device)
+    out: dict[str, dict[str, float]] = {name: {} for name in groups}
+    for i, (name, key) in enumerate(order):
+        out[name][key] = reduced[str(i)]
+    return out
+
+
+def deepspeed_engine(peft_model, optimizer, cfg) -> tuple[Any, GradSync]:
+    """ZeRO-2 over the LoRA parameters (learner.deepspeed, GPU only).
+
+    Checked on an H200 by bench/learner_deepspeed.py (same update as the plain path: 5e-5
+    relative in float32; resume from its checkpoint continues exactly). Our own micro-batch
+    loop marks the accumulation boundary (gradient_accumulation_steps stays 1, so DeepSpeed does
+    not rescale the loss, which losses.py already normalises); no bf16/fp16 block, so the fp32
+    LoRA weights and the base dtype are left as loaded; our LambdaLR keeps driving the wrapped
+    optimizer's param_groups.
+    """
+    import deepspeed
+
+    ds_config = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": cfg.max_grad_norm,
+        "zero_optimization": {"stage": 2},
+    }
+    engine, *_ = deepspeed.initialize(model=peft_model, optimizer=optimizer, config=ds_config, dist_init_required=False)
+
+    def backward(loss: torch.Tensor, last: bool) -> None:
+        engine.set_gradient_accumulation_boundary(last)
+        engine.backward(loss)
+
+    def step() -> float:
+        engine.set_gradient_accumulation_boundary(True)
+        engine.step()
+        norm = engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    return engine, GradSync(backward=backward, step=step)
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """What the policy needs from outside the learner section."""
+
+    temperature: float  # sampling temperature: log_softmax(logits / T) on the trainer side too
+    total_steps: int  # the LR schedule's horizon
+    seed: int  # LoRA init
+    max_completion_length: int  # dr_grpo's constant (learner.max_completion_length or rollout.max_tokens)
+
+    @classmethod
+    def for_run(cls, run_cfg) -> "PolicySpec":
+        return cls(temperature=run_cfg.rollout.temperature, total_steps=run_cfg.trainer.steps, seed=run_cfg.seed,
+                   max_completion_length=run_cfg.learner.max_completion_length or run_cfg.rollout.max_tokens)
+
+
+class PolicyLearner:
+    """The policy, its optimizer and schedule on one worker; ``step`` runs the three passes."""
+
+    def __init__(
+        self,
+        cfg,
+        model_cfg,
+        spec: PolicySpec,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | str = "cpu",
+        init_adapter: Path | None = None,
+        resume_from: Path | None = None,
+    ):
+        self.cfg, self.model_cfg, self.spec = cfg, model_cfg, spec
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        self.init_is_identity = init_adapter is None and resume_from is None
+        base = load_base_model(model_cfg, self.device)
+        source = Path(resume_from) / "adapter" if resume_from is not None else init_adapter
+        self.peft_model = attach_lora(base, cfg.lora, spec.seed, source).to(self.device)
+        self.optimizer = build_optimizer(self.peft_model.parameters(), cfg)
+        self.scheduler = build_scheduler(self.optimizer, cfg, spec.total_steps)
+        self.lm = SharedPrefixLM(self.peft_model)  # the forward every phase runs
+        self.model, self.grad_sync = self._wrap(self.lm)
+        self.step_count = 0
+        self.lr_rebase_note: str | None = None
+        self.data_position: dict[str, Any] | None = None
+        self.resumed_sha256: str | None = None
+        if resume_from is not None:
+            state = checkpoint.restore(resume_from, rank=rank, optimizer=self.optimizer, scheduler=self.scheduler,
+                                       deepspeed_engine=self._deepspeed_engine)
+            self.lr_rebase_note = checkpoint.lr_decision(state["lr"], self.cfg.lr, self.cfg.on_lr_mismatch)
+            rebase_lr(self.optimizer, self.scheduler, self.cfg.lr)  # the configured LR, always
+            self.step_count = int(state["step"])
+            self.data_position = state.get("data_position")
+            self.resumed_sha256 = state.get("adapter_sha256")
+
+    @classmethod
+    def for_run(cls, run_cfg, **kwargs: Any) -> "PolicyLearner":
+        """The policy of a whole run config (tests, benches, the Ray worker)."""
+        return cls(run_cfg.learner, run_cfg.model, PolicySpec.for_run(run_cfg), **kwargs)
+
+    @property
+    def _deepspeed_engine(self):
+        """The DeepSpeed engine (it owns the optimizer state under ZeRO), or None."""
+        return self.model if self.cfg.deepspeed else None
+
+    def _wrap(self, model):
+        """The module the update runs through, and how its gradients are synchronised."""
+        if self.cfg.deepspeed:
+            return deepspeed_engine(model, self.optimizer, self.cfg)
+        if self.world_size > 1 and dist.is_initialized():
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            model = DistributedDataParallel(model, device_ids=ids)
+        return model, ddp_grad_sync(model, self.optimizer, self.cfg.max_grad_norm)
+
+    # ------------------------------------------------------------------ one GRPO step
+
+    def step(self, batch: TrainBatch) -> tuple[dict[str, float], dict[str, float]]:
+        """Train on this worker's shard of the global batch; returns (metrics, phases_s),
+        metrics already reduced over workers."""
+        cfg, temp = self.cfg, self.spec.temperature
+        lo, hi = shard_bounds(len(batch), self.world_size, self.rank)
+        shard = batch.rows(lo, hi)
+        mbs = make_micro_batches(shard, cfg.micro_batch_size, self.device, share_prefix=cfg.share_prompt_prefix)
+        norm = LossNorm(
+            loss_type=cfg.loss_type,
+            global_tokens=float(batch.num_response_tokens()),
+            global_sequences=len(batch),
+            local_tokens=float(shard.num_response_tokens()),
+            max_completion_length=self.spec.max_completion_length,
+            dp_size=self.world_size,
+        )
+        gate_needs_entropy = cfg.entropy_coef > 0 and cfg.entropy_floor is not None
+        fold = cfg.fold_old_logprobs and cfg.epochs_per_step == 1 and cfg.lora.dropout == 0 and not gate_needs_entropy
+        phases = {"old_log_prob": 0.0, "ref": 0.0}
+
+        t = time.perf_counter()
+        old, rollout_sums, ent_sum = None, {}, 0.0
+        if not fold:
+            self.peft_model.eval()
+            old, rollout_sums, ent_sum = old_log_prob(self.lm, mbs, temp, gate_needs_entropy)
+            phases["old_log_prob"] = time.perf_counter() - t
+        bonus = cfg.entropy_coef > 0
+        if gate_needs_entropy:
+            g = allreduce_sum({"e": ent_sum, "n": float(sum(float(mb.mask.sum()) for mb in mbs))}, self.device)
+            bonus = entropy_bonus_active(g["e"] / max(g["n"], 1.0), cfg.entropy_coef, cfg.entropy_floor)
+
+        t = time.perf_counter()
+        ref = None
+        if cfg.beta > 0:
+            self.peft_model.eval()
+            ref = ref_log_prob(self.lm, self.peft_model, mbs, temp)
+            phases["ref"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        self.peft_model.train()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        res = update_actor(
+            self.model, mbs, self.grad_sync, norm, ObjectiveParams.from_config(cfg),
+            temperature=temp, epochs=cfg.epochs_per_step, old=old, ref=ref, entropy_bonus=bonus,
+        )
+        self.scheduler.step()
+        self.step_count += 1
+        reduced = allreduce_sums({"policy": res.sums, "rollout": rollout_sums or res.rollout_sums,
+                                  "loss": {"loss": res.loss}}, self.device)
+        phases["update_actor"] = time.perf_counter() - t
+
+        policy, rollout = finalize(reduced["policy"]), finalize(reduced["rollout"])
+        metrics = {k: v for k, v in policy.items() if k not in ("tokens", "sequences")}
+        metrics.update({k: rollout[k] for k in ("ppl_ratio", "rollout_kl", "rollout_k3_kl", "rollout_abs_diff")})
+        metrics.update(
+            loss=reduced["loss"]["loss"] / self.world_size,
+            grad_norm=res.grad_norm,
+            learning_rate=lr,
+            entropy_bonus_active=float(bonus),
+            response_tokens=float(batch.num_response_tokens()),
+            total_tokens=float(batch.num_total_tokens()),
+            sequences=float(len(batch)),
+        )
+        return metrics, phases
+
+    # ------------------------------------------------------------------ adapters, checkpoints
+
+    def payload(self, version: int) -> AdapterPayload:
+        return adapter_payload(self.peft_model, version)
+
+    def save_init_adapter(self, out_dir: Path) -> str:
+        return save_adapter(self.peft_model, out_dir)
+
+    def save_checkpoint(self, ckpt: Path, data_position: dict[str, Any] | None) -> str | None:
+        sha = checkpoint.save(
+            ckpt, rank=self.rank, peft_model=self.peft_model, optimizer=self.optimizer,
+            scheduler=self.scheduler, step=self.step_count, data_position=data_position,
+            deepspeed_engine=self._deepspeed_engine,
+        )
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        return sha
