@@ -12,8 +12,11 @@ The leak is grpcio's own path for a request its deserializer failed on (the dese
 raised or returned None: `_server.py` then aborts with INTERNAL "Exception deserializing
 request!"). ``--variant lenient`` is the work-around the grader servers use: a deserializer that
 returns a marker object instead, and a handler that aborts with INVALID_ARGUMENT.
+``--variant grader`` sends the same bytes to ``Grader/Score`` of counterpoint's own plain server
+(`graders.service.start_server`, which uses that work-around); the control is a valid
+ScoreRequest of an unknown case (NOT_FOUND).
 
-    python bench/grpc_leak.py [--n 20000] [--warmup 2000] [--variant raise|lenient]
+    python bench/grpc_leak.py [--n 20000] [--warmup 2000] [--variant raise|lenient|grader]
 
 Prints one JSON line: grpcio version, KiB per undecodable request and per good request.
 """
@@ -40,11 +43,11 @@ def rss_kib() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def client(address: str, n: int, payload: bytes) -> None:
+def client(address: str, n: int, payload: bytes, method: str) -> None:
     import grpc
 
     with grpc.insecure_channel(address) as channel:
-        call = channel.unary_unary(METHOD, request_serializer=None, response_deserializer=None)
+        call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
         failed = 0
         for _ in range(n):
             try:
@@ -54,10 +57,11 @@ def client(address: str, n: int, payload: bytes) -> None:
     print(failed)
 
 
-def drive(address: str, n: int, payload: bytes) -> int:
+def drive(address: str, n: int, payload: bytes, method: str = METHOD) -> int:
     """Send n requests from a fresh client process; the number that failed."""
     out = subprocess.run(
-        [sys.executable, __file__, "--client", address, "--n", str(n), "--payload", payload.hex()],
+        [sys.executable, __file__, "--client", address, "--n", str(n), "--payload", payload.hex(),
+         "--method", method],
         capture_output=True, text=True, check=True, timeout=3600,
     )
     return int(out.stdout.strip())
@@ -67,13 +71,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=20000)
     parser.add_argument("--warmup", type=int, default=2000)
-    parser.add_argument("--variant", choices=("raise", "lenient"), default="raise")
+    parser.add_argument("--variant", choices=("raise", "lenient", "grader"), default="raise")
     parser.add_argument("--client", help=argparse.SUPPRESS)
     parser.add_argument("--payload", help=argparse.SUPPRESS)
+    parser.add_argument("--method", default=METHOD, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
-        client(args.client, args.n, bytes.fromhex(args.payload))
+        client(args.client, args.n, bytes.fromhex(args.payload), args.method)
         return
+    if args.variant == "grader":
+        return grader(args)
 
     import grpc
     from google.protobuf import duration_pb2
@@ -125,6 +132,43 @@ def main() -> None:
         "rss_kib": [start, after_bad, after_good],
         "kib_per_undecodable_request": round((after_bad - start) / args.n, 3),
         "kib_per_good_request": round((after_good - after_bad) / args.n, 3),
+    }))
+
+
+def grader(args) -> None:
+    """The same measurement against counterpoint's plain grader server."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import grpc
+
+    from graders.fixtures import load_pool
+    from graders.proto import grader_pb2 as pb
+    from graders.service import GraderCore, start_server
+
+    method = "/counterpoint.grader.v1.Grader/Score"
+    good = pb.ScoreRequest(case_id="ghost", completion="[]").SerializeToString()
+    server = start_server(GraderCore(load_pool()), "127.0.0.1", 0)
+    try:
+        drive(server.address, args.warmup, UNDECODABLE, method)
+        drive(server.address, args.warmup, good, method)
+        gc.collect()
+        start = rss_kib()
+        drive(server.address, args.n, UNDECODABLE, method)
+        gc.collect()
+        after_bad = rss_kib()
+        drive(server.address, args.n, good, method)
+        gc.collect()
+        after_good = rss_kib()
+    finally:
+        server.stop(None)
+    print(json.dumps({
+        "grpcio": grpc.__version__,
+        "variant": "grader",
+        "n": args.n,
+        "rss_kib": [start, after_bad, after_good],
+        "kib_per_undecodable_request": round((after_bad - start) / args.n, 3),
+        "kib_per_not_found_request": round((after_good - after_bad) / args.n, 3),
     }))
 
 
