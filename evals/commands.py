@@ -1,7 +1,7 @@
 """File-based evaluation commands: `counterpoint prior-shape` and `counterpoint compare`.
 
 Plain typer command functions; services/commands.py registers them on the root app. ``eval_app``
-registers the same functions for standalone use (``python -m services.eval_cli``) and tests.
+registers the same functions for standalone use (``python -m evals.commands``) and tests.
 numpy, pydantic and matplotlib are imported when a command runs, so `--help` stays instant.
 """
 
@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from services.evalfile import EvalFile, EvalSummary
+    from evals.records import EvalFile, EvalSummary
 
 EVAL_FILE_HELP = "An EVAL.jsonl written by `counterpoint eval`."
 
@@ -38,7 +38,7 @@ def _fmt(x: float | int | None, digits: int = 3) -> str:
 
 
 def _read(path: Path) -> EvalFile:
-    from services.evalfile import EvalFileError, read_eval
+    from evals.records import EvalFileError, read_eval
 
     try:
         return read_eval(path)
@@ -72,7 +72,7 @@ def eval_summary_command(
     eval_file: Annotated[Path, typer.Argument(metavar="EVAL_JSONL", help=EVAL_FILE_HELP)],
 ) -> None:
     """Print pass rate, coverage, unparseable share and mean length of an EVAL.jsonl."""
-    from services.evalfile import summarize
+    from evals.records import summarize
 
     console, _ = _consoles()
     ev = _read(eval_file)
@@ -89,7 +89,7 @@ def prior_shape_command(
     ] = None,
 ) -> None:
     """Prior shape per item (support, modal share, ...) and its distribution across items."""
-    from services.prior_shape import prior_shape, write_prior_shape_json, write_prior_shape_png
+    from evals.prior_shape import prior_shape, write_prior_shape_json, write_prior_shape_png
 
     console, err_console = _consoles()
     shape = prior_shape(_read(eval_file))
@@ -150,7 +150,7 @@ def compare_command(
     out_json: Annotated[Path | None, typer.Option("--out-json", help="Also write JSON.")] = None,
 ) -> None:
     """Held-out pass-rate and coverage difference, arm minus base, with a 95% bootstrap interval."""
-    from services.compare import (
+    from evals.compare import (
         NotComparableError,
         compare,
         write_comparison_json,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.evalfile import EvalFile
+from evals.records import EvalFile
 
 METRICS = ("pass_rate", "coverage")
 
@@ -247,7 +247,7 @@ def write_comparison_json(comparison: Comparison, path: str | Path) -> Path:
 def write_comparison_png(comparison: Comparison, path: str | Path) -> Path:
     """Per metric: each arm run's difference to the base mean (points), the mean difference and
     its 95 % bootstrap interval, and a zero line."""
-    from services.figures import pyplot, save_figure
+    from evals.figures import pyplot, save_figure
 
     plt = pyplot()
 

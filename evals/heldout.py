@@ -26,8 +26,8 @@ class HeldoutResult:
     generations: int
 
     def items(self) -> list[Any]:
-        """One EVAL.jsonl item per case (services/evalfile.py owns the statistics)."""
-        from services.evalfile import item_record
+        """One EVAL.jsonl item per case (evals/records.py owns the statistics)."""
+        from evals.records import item_record
 
         g = self.generations
         out = []
@@ -39,7 +39,7 @@ class HeldoutResult:
         return out
 
     def summary(self) -> dict[str, float]:
-        from services.evalfile import summarize
+        from evals.records import summarize
 
         return dict(vars(summarize(self.items())))
 
@@ -74,7 +74,7 @@ def evaluate_heldout(grader: Any, rollout: Any, cases: Sequence[Any], params: Sa
 # ---------------------------------------------------------------- a train run's before/after
 def prompts_digest(result: HeldoutResult) -> str:
     """prompts_sha256 of the rendered prompts (messages + forced prefix per completion)."""
-    from services.evalfile import prompts_sha256
+    from evals.records import prompts_sha256
 
     g = result.generations
     return prompts_sha256({
@@ -88,7 +88,7 @@ def write_heldout_eval(path: Path, result: HeldoutResult, params: SamplingParams
                        fixture_source: str | None, scoring: Any = None, run: str | None = None) -> Path:
     """Keep a train run's held-out eval as an EVAL.jsonl (per-item results + the header that
     `counterpoint compare` checks), so before and after can be paired item by item."""
-    from services.evalfile import GenerationSettings, header_for, write_eval
+    from evals.records import GenerationSettings, header_for, write_eval
 
     items = result.items()
     header = header_for(
@@ -123,20 +123,17 @@ def replicate_command(argv: Sequence[str], seed: int, n_seeds: int = 5, out: str
     ]
 
 
-def heldout_section(run_root: Path, seed: int, argv: Sequence[str], n_boot: int = 2000) -> dict[str, Any]:
+def heldout_section(before: Path, after: Path, seed: int, argv: Sequence[str], n_boot: int = 2000) -> dict[str, Any]:
     """run.json's ``heldout``: each eval's summary and file, and after − before as one seed's
-    paired difference with a 95 % bootstrap interval over items (services/compare.py, the same
+    paired difference with a 95 % bootstrap interval over items (evals/compare.py, the same
     computation as `counterpoint compare --paired`). Read from the files, so a resumed run pairs
-    the after-eval with the before-eval its first attempt wrote."""
-    from services.archive import RunDir
-    from services.compare import compare
-    from services.evalfile import read_eval, summarize
+    the after-eval with the before-eval its first attempt wrote (RunDir.heldout_path)."""
+    from evals.compare import compare
+    from evals.records import read_eval, summarize
 
-    run = RunDir(run_root)
     section: dict[str, Any] = {}
     evals = {}
-    for when in ("before", "after"):
-        path = run.heldout_path(when)
+    for when, path in (("before", Path(before)), ("after", Path(after))):
         if path.is_file():
             evals[when] = read_eval(path)
             section[when] = {"summary": summarize(evals[when].items).as_dict(), "eval_file": str(path)}

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from services.evalfile import NO_OPENING, EvalFile, EvalItem
+from evals.records import NO_OPENING, EvalFile, EvalItem
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ def write_prior_shape_png(shape: PriorShape, path: str | Path) -> Path:
     """Left: histogram of support per item. Right: share of the alphabet each item uses."""
     from matplotlib.ticker import MaxNLocator
 
-    from services.figures import pyplot, save_figure
+    from evals.figures import pyplot, save_figure
 
     plt = pyplot()
 

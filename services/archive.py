@@ -9,7 +9,7 @@ runs/<run>/round_<step>/       <task>__<epoch>.jsonl             one row per com
                                <task>__<epoch>__tree.txt         group -> node tree with rewards
                                <task>__summary_<epoch>.json      counts, rates, histograms
 runs/<run>/heldout_before.jsonl, heldout_after.jsonl   EVAL.jsonl of the held-out eval before and
-                               after training (services/evalfile.py), with per-item results
+                               after training (evals/records.py), with per-item results
 runs/<run>/adapters/init/, adapters/step_<N>/, checkpoints/step_<N>/
 ```
 
@@ -35,7 +35,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from services.phases import PHASES
+from services.step_timer import PHASES
 
 
 NODE_FIELDS = (

@@ -24,7 +24,9 @@ def _register() -> None:
 
     app.add_typer(grader_app, name="grader", help="Verifiers: serve over gRPC, score JSONL.")
     app.add_typer(rollout_app, name="rollout", help="Generation engines and the Serve deployment.")
-    from services import commands  # noqa: F401  (registers train, plot, eval, ... on `app`)
+    from services import commands
+
+    commands.register(app)
 
 
 _register()
@@ -35,8 +37,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # `python -m services.cli`: run the canonical module's app, on which the sub-commands
-    # registered themselves (this file executing as __main__ is a second module object).
-    from services.cli import main as canonical_main
-
-    canonical_main()
+    main()

@@ -61,6 +61,24 @@ class TrainerConfig(BaseModel):
     )
 
 
+class EvalConfig(BaseModel):
+    """`counterpoint eval` (and replicate's per-arm eval): which prompts, how many completions each,
+    and how they are sampled. A sampling field left unset (None) takes the rollout section's
+    value, so an eval samples the way the run it checks sampled; the eval receipt records each
+    value and where it came from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    split: Literal["heldout", "train"] = Field("heldout", description="Grader split evaluated.")
+    generations: int = Field(8, ge=1, description="Completions per prompt (G).")
+    limit: int | None = Field(None, ge=1, description="Only the first N prompts of the split (None = all).")
+    seed: int = Field(0, description="Sampling seed of the eval (independent of the run's seed).")
+    max_tokens: int | None = Field(None, ge=1, description="Completion token limit; None = rollout.max_tokens.")
+    temperature: float | None = Field(None, gt=0, description="Sampling temperature; None = rollout.temperature.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus mass; None = rollout.top_p.")
+    top_k: int | None = Field(None, description="Top-k (-1 = off); None = rollout.top_k.")
+
+
 class RunConfig(BaseModel):
     """A whole run: the top-level seed plus one section per service."""
 
@@ -73,6 +91,7 @@ class RunConfig(BaseModel):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
 
 class ConfigError(ValueError):

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from services.phases import PHASES as STEP_PHASES
+from services.step_timer import PHASES as STEP_PHASES
 
 # Phase names of DESIGN.md, in step order. `total` is wall time from the step's start to the
 # adapter being live on every replica; `save_checkpoint` only exists on steps that save.

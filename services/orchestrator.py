@@ -12,7 +12,6 @@ they are started (services/launch.py does that), so the loop stays on one screen
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,7 +24,7 @@ from learner.advantages import compute_advantages, frac_reward_zero_std
 from learner.types import TrainBatch
 from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
 from services.config import RunConfig
-from services.phases import PhaseTimer
+from services.step_timer import PhaseTimer
 
 log = logging.getLogger("counterpoint.train")
 
@@ -105,8 +104,7 @@ def prompts_for_step(parts: RunParts, step: int) -> tuple[list[str], list[Prompt
 def sampling_params(cfg: RunConfig, step: int) -> SamplingParams:
     r = cfg.rollout
     # One seed per (run seed, step): reruns and resumes sample the same way.
-    return SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          max_tokens=r.max_tokens, seed=cfg.seed * 1_000_003 + step)
+    return SamplingParams.from_rollout(r, seed=cfg.seed * 1_000_003 + step)
 
 
 def with_retries(call: Callable[[], Any], what: str, retries: int, backoff_s: float) -> Any:
@@ -173,13 +171,6 @@ def train_batch(ro: Rollouts, rewards: list[float], adv: torch.Tensor) -> TrainB
     )
 
 
-def for_rollout(payload: AdapterPayload) -> AdapterPayload:
-    """Learner adapters are numbered by the step that produced them (the init adapter is 0);
-    the rollout serves learner adapter k as version k + 1, so step s samples with version s
-    (DESIGN.md's diagram) and rollout version 0 stays the bare base model."""
-    return dataclasses.replace(payload, version=payload.version + 1)
-
-
 # ---------------------------------------------------------------- the loop
 def run_steps(parts: RunParts, first_step: int) -> None:
     """Train steps first_step..cfg.trainer.steps. Fits on one screen by design."""
@@ -203,21 +194,24 @@ def run_steps(parts: RunParts, first_step: int) -> None:
             result = parts.learner.step(train_batch(ro, rewards, adv))
             timer.add(result.phases_s)
             with timer("update_weights"):
-                adapter = for_rollout(result.adapter)
+                adapter = result.adapter  # version stamped by the learner (rollout.types.adapter_version)
                 parts.rollout.publish(adapter)
                 with_retries(lambda: parts.rollout.sync(adapter.version), f"sync adapter v{adapter.version}",
                              parts.cfg.rollout.max_retries, parts.cfg.rollout.retry_backoff_s)
             parts.version = adapter.version
+            live_s = timer.total()  # DESIGN.md: a step ends when its adapter is live on every replica
             if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
                 with timer("save_checkpoint"):
                     parts.learner.save_checkpoint(step, parts.sampler.position(step + 1))
-            staleness = parts.version - min(s.adapter_version for s in ro.samples)
+            # Optimizer steps between the oldest adapter that sampled this batch and the policy it
+            # trained (0 on-policy; 1 with one_step_off once the pipeline is full).
+            staleness = step - min(s.adapter_version for s in ro.samples)
             parts.record(StepRecord(
                 step=step, rollouts=ro, scores=scores, rewards=rewards, advantages=adv.tolist(),
-                learner_metrics=dict(result.metrics), phases_s=dict(timer.seconds), total_s=timer.total(),
+                learner_metrics=dict(result.metrics), phases_s=dict(timer.seconds), total_s=live_s,
                 adapter_version=parts.version,
                 extra={"frac_reward_zero_std": frac_reward_zero_std(torch.tensor(rewards), torch.tensor(ro.groups)),
-                       "adapter_staleness": float(staleness - 1)},
+                       "adapter_staleness": float(staleness)},
             ))
     finally:
         if pool is not None:

@@ -83,7 +83,7 @@ def _heldout_panel(ax: Any, section: dict[str, Any]) -> None:
 def plot_run(run_dir: str | Path) -> Path:
     """Write ``<run_dir>/curves.png`` (reward mean, pass rate, ppl_ratio vs step; held-out
     before/after when the run has it)."""
-    from services.figures import pyplot, save_figure
+    from evals.figures import pyplot, save_figure
 
     plt = pyplot()
 

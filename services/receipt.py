@@ -62,6 +62,7 @@ UPDATABLE_FIELDS = (
     "heldout",
     "init_adapter",
     "artifacts",
+    "sampling",
 )
 
 ExitStatus = Literal["completed", "interrupted", "failed"]

@@ -1,4 +1,5 @@
-"""Phase timing for the step loop. Phase names are fixed by DESIGN.md."""
+"""The step loop's timer: seconds per phase of one step. Phase names are fixed by DESIGN.md.
+(The learner's own passes are learner/passes.py.)"""
 
 from __future__ import annotations
 
@@ -6,12 +7,13 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-# DESIGN.md's phase names, in step order: the one definition (archive, metrics and the loop use it).
-PHASES = ("gen", "score", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "save_checkpoint")
+# DESIGN.md's phase names in the order a step runs them: the one definition (archive, metrics and
+# the loop use it). adv is a pure function of the rewards, so it runs before the learner's passes.
+PHASES = ("gen", "score", "adv", "old_log_prob", "ref", "update_actor", "update_weights", "save_checkpoint")
 
 
 class PhaseTimer:
-    """Collects seconds per phase for one step; `total` is wall time since construction."""
+    """Collects seconds per phase for one step; `total()` is wall time since construction."""
 
     def __init__(self) -> None:
         self._start = time.perf_counter()

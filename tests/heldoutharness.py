@@ -1,4 +1,4 @@
-"""A train run's held-out before/after, written as the driver writes it (services/heldout.py),
+"""A train run's held-out before/after, written as the driver writes it (evals/heldout.py),
 from real held-out cases and chosen verdicts: for the interval, receipt and plot tests."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ from pathlib import Path
 from graders.client import Score
 from graders.fixtures import load_pool
 from rollout.types import Sample, SamplingParams
+from rollout.config import RolloutConfig
 from services.archive import RunDir
-from services.heldout import HeldoutResult, heldout_prompts, write_heldout_eval
+from evals.heldout import HeldoutResult, heldout_prompts, write_heldout_eval
 
-PARAMS = SamplingParams(n=1, temperature=1.0, max_tokens=48, seed=7 * 1_000_003)
+PARAMS = SamplingParams.from_rollout(RolloutConfig(), n=1, temperature=1.0, max_tokens=48, seed=7 * 1_000_003)
 
 
 def heldout_result(cases, admitted: list[bool], version: int) -> HeldoutResult:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.compare import (
+from evals.compare import (
     NotComparableError,
     bootstrap_difference,
     compare,
@@ -18,7 +18,7 @@ from services.compare import (
     write_comparison_json,
     write_comparison_png,
 )
-from services.evalfile import (
+from evals.records import (
     NO_OPENING,
     GenerationSettings,
     header_for,
@@ -96,7 +96,7 @@ def test_refuses_different_generation_settings_naming_them(tmp_path):
 
 
 def test_refuses_different_scoring_and_voices(tmp_path):
-    from services.evalfile import ScoringSettings
+    from evals.records import ScoringSettings
 
     cp = ScoringSettings(style="common-practice", checker="reference")
     film = ScoringSettings(style="film-ambient", checker="reference")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cliharness import cli
-from services.evalfile import read_eval
+from evals.records import read_eval
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.evalfile import (
+from evals.records import (
     NO_OPENING,
     EvalFileError,
     GenerationSettings,
@@ -21,7 +21,7 @@ from services.evalfile import (
     summarize,
     write_eval,
 )
-from services.prior_shape import (
+from evals.prior_shape import (
     distribution,
     in_alphabet,
     item_shape,
@@ -93,8 +93,9 @@ def test_round_trip_and_record_fields(tmp_path):
 
 def test_generation_settings_from_sampling_params_and_prompt_hash():
     from rollout.types import SamplingParams
+    from rollout.config import RolloutConfig
 
-    params = SamplingParams(n=8, temperature=0.7, top_p=0.9, top_k=20, max_tokens=96,
+    params = SamplingParams.from_rollout(RolloutConfig(), n=8, temperature=0.7, top_p=0.9, top_k=20, max_tokens=96,
                             stop_token_ids=(5, 2), seed=3)
     g = GenerationSettings.from_sampling_params(params, eos_token_ids=[2])
     assert g.model_dump() == {"generations": 8, "max_new_tokens": 96, "temperature": 0.7,

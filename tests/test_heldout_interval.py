@@ -10,10 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from heldoutharness import write_before_after
-from services.compare import compare
-from services.eval_cli import eval_app
-from services.evalfile import read_eval
-from services.heldout import heldout_lines, heldout_section, replicate_command
+from evals.compare import compare
+from evals.commands import eval_app
+from evals.records import read_eval
+from evals.heldout import heldout_lines, heldout_section, replicate_command
 from services.receipt import Receipt
 from services.train import print_heldout
 
@@ -37,7 +37,7 @@ def test_before_after_files_keep_every_item_and_pair_up(tmp_path: Path) -> None:
 
 def test_section_is_what_compare_paired_computes(tmp_path: Path) -> None:
     run = write_before_after(tmp_path / "run", BEFORE, AFTER)
-    section = heldout_section(run.root, seed=7, argv=ARGV)
+    section = heldout_section(run.heldout_path("before"), run.heldout_path("after"), seed=7, argv=ARGV)
     assert section["before"]["summary"]["pass_rate"] == pytest.approx(0.4)
     assert section["after"]["summary"]["pass_rate"] == pytest.approx(0.6)
     assert section["after"]["eval_file"] == str(run.heldout_path("after"))
@@ -66,7 +66,7 @@ def test_receipt_records_the_difference_and_interval(tmp_path: Path) -> None:
     run = write_before_after(tmp_path / "run", BEFORE, AFTER)
     receipt = Receipt(run.receipt_path, kind="train", run_name="run")
     receipt.start(config={"seed": 7}, seeds={"seed": 7})
-    receipt.update(heldout=heldout_section(run.root, seed=7, argv=ARGV))
+    receipt.update(heldout=heldout_section(run.heldout_path("before"), run.heldout_path("after"), seed=7, argv=ARGV))
     heldout = json.loads(run.receipt_path.read_text())["heldout"]
     assert set(heldout) == {"before", "after", "difference"}
     d = heldout["difference"]
@@ -77,7 +77,7 @@ def test_receipt_records_the_difference_and_interval(tmp_path: Path) -> None:
 
 def test_printed_text_names_one_seed_and_the_replicate_command(tmp_path: Path, capsys) -> None:
     run = write_before_after(tmp_path / "run", BEFORE, AFTER)
-    section = heldout_section(run.root, seed=7, argv=ARGV)
+    section = heldout_section(run.heldout_path("before"), run.heldout_path("after"), seed=7, argv=ARGV)
     p = section["difference"]["pass_rate"]
     print_heldout(section)
     out = capsys.readouterr().out
@@ -96,9 +96,10 @@ def test_printed_text_names_one_seed_and_the_replicate_command(tmp_path: Path, c
 def test_without_a_before_eval_there_is_no_difference(tmp_path: Path) -> None:
     # A resumed run whose first attempt predates the before file: the after eval alone.
     run = write_before_after(tmp_path / "run", BEFORE, None)
-    section = heldout_section(run.root, seed=0, argv=[])
+    section = heldout_section(run.heldout_path("before"), run.heldout_path("after"), seed=0, argv=[])
     assert set(section) == {"before"} and heldout_lines(section) == []
-    assert heldout_section(tmp_path / "nothing", seed=0, argv=[]) == {}
+    assert heldout_section(tmp_path / "nothing" / "heldout_before.jsonl", tmp_path / "nothing" / "heldout_after.jsonl", seed=0,
+                           argv=[]) == {}
 
 
 def test_replicate_command_keeps_config_and_overrides_but_not_seed_or_naming() -> None:

@@ -65,7 +65,7 @@ def test_plot_command_cli(tmp_path: Path) -> None:
 def test_binary_reward_drops_the_duplicate_panel_and_heldout_panel_shows_the_interval(tmp_path: Path) -> None:
     from heldoutharness import write_before_after
 
-    from services.heldout import heldout_section
+    from evals.heldout import heldout_section
     from services.plot import curve_panels
     from services.receipt import Receipt
 
@@ -81,7 +81,7 @@ def test_binary_reward_drops_the_duplicate_panel_and_heldout_panel_shows_the_int
 
     receipt = Receipt(run.receipt_path, kind="train", run_name="binary")
     receipt.start(config={"seed": 7}, seeds={"seed": 7})
-    receipt.update(heldout=heldout_section(run.root, seed=7, argv=[]))
+    receipt.update(heldout=heldout_section(run.heldout_path("before"), run.heldout_path("after"), seed=7, argv=[]))
     image = matplotlib.image.imread(plot_run(run.root))
     assert image.shape[:2] == (350, 1200)  # + the held-out panel
     rgb = image[..., :3]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from services.probe import ProbeItem, ProbeOption, parse_options, probe_messages, summarize
+from evals.probe import ProbeItem, ProbeOption, parse_options, probe_messages, summarize
 
 ALPHABET = frozenset(f"{a},{b}" for a in range(4) for b in range(4))
 
