@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from services.runtime_env import apply_defaults  # noqa: E402
+from config.runtime_env import apply_defaults  # noqa: E402
 
 apply_defaults()
 

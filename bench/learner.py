@@ -35,7 +35,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 def bench_one(args, workers: int, setup: str, share: bool, run_dir: Path) -> dict:
     from bench.synthetic import grouped_batch
     from learner.job import LearnerJob
-    from services.config import RunConfig
+    from config import RunConfig
 
     learner = {
         "workers": workers,
@@ -97,7 +97,7 @@ def main() -> None:
 
     import ray
 
-    from services.runtime_env import apply_defaults
+    from config.runtime_env import apply_defaults
 
     apply_defaults()
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)

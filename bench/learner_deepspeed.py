@@ -56,7 +56,7 @@ def build_model(out: Path, vocab: int, seed: int) -> Path:
 
 
 def run_config(args, model_dir: Path, deepspeed: bool, micro_batch_size: int):
-    from services.config import RunConfig
+    from config import RunConfig
 
     return RunConfig.model_validate({
         "seed": args.seed,

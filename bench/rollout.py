@@ -122,7 +122,7 @@ def bench_sync(model_cfg, rollout_cfg, args) -> list[dict]:
 
 
 def main() -> None:
-    from services.runtime_env import apply_defaults
+    from config.runtime_env import apply_defaults
 
     apply_defaults()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
 
-    from rollout.config import ModelConfig, RolloutConfig
+    from config.rollout import ModelConfig, RolloutConfig
 
     model_cfg = ModelConfig(**({"name_or_path": args.model} if args.model else {}), dtype=args.dtype)
     rollout_cfg = RolloutConfig(

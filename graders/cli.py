@@ -1,6 +1,6 @@
 """`counterpoint grader ...`: serve the grader over gRPC, score JSONL, regenerate the pools.
 
-Defaults come from `graders.config.GraderConfig` (options left unset take its values).
+Defaults come from `config.grader.GraderConfig` (options left unset take its values).
 Heavy imports (grpc, ray, the verifier) stay inside the commands so that --help is instant.
 """
 
@@ -29,7 +29,7 @@ def _config(**given):
     """A GraderConfig from the options that were given; exits 2 naming a bad value."""
     from pydantic import ValidationError
 
-    from graders.config import GraderConfig
+    from config.grader import GraderConfig
 
     try:
         return GraderConfig(**{k: v for k, v in given.items() if v is not None})
@@ -152,7 +152,7 @@ def _serve_ray(cfg, stop) -> None:
 
     from graders import serve_app
 
-    from services.runtime_env import apply_defaults
+    from config.runtime_env import apply_defaults
 
     from graders.service import PortInUse
 

@@ -41,7 +41,7 @@ from typing import Any
 
 from ray import serve
 
-from graders.config import GraderConfig
+from config.grader import GraderConfig
 
 GRPC_SERVICER_FN = "graders.serve_app.add_grader_to_proxy"
 DEPLOYMENT_NAME = "Grader"
@@ -63,7 +63,7 @@ class GraderDeployment:
         from graders.fixtures import load_pool
         from graders.metrics import use_ray_metrics
         from graders.service import GraderCore
-        from services.runtime_env import apply_defaults
+        from config.runtime_env import apply_defaults
 
         apply_defaults()
         use_ray_metrics()  # exported by Ray's metrics agent of this node

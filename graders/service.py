@@ -26,7 +26,7 @@ import grpc
 
 from graders import metrics
 from graders.auth import UNAUTHENTICATED_DETAILS, token_ok
-from graders.config import GraderConfig
+from config.grader import GraderConfig
 from graders.fixtures import Case, Pool, PoolError
 from graders.proto import grader_pb2 as pb
 from graders.proto import grader_pb2_grpc as pb_grpc

@@ -11,6 +11,7 @@ driver raises it instead of waiting forever.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 import uuid
@@ -20,8 +21,9 @@ from typing import Any
 import ray
 
 from learner import checkpoint
+from learner.commands import Command, Failed, Init, Save, Saved, Step, Stop
 from learner.types import InitInfo, StepResult, TrainBatch
-from services.runtime_env import apply_defaults
+from config.runtime_env import apply_defaults
 
 
 @ray.remote(num_cpus=0)
@@ -30,25 +32,25 @@ class LearnerCoordinator:
 
     def __init__(self, world_size: int):
         self.world_size = world_size
-        self.commands: list[dict[str, Any]] = []
+        self.commands: list[Command] = []
         self.taken: list[int] = []
         self.results: dict[int, Any] = {}
         self.changed = asyncio.Condition()
 
-    async def submit(self, command: dict[str, Any]) -> int:
+    async def submit(self, command: Command) -> int:
         async with self.changed:
             self.commands.append(command)
             self.taken.append(0)
             self.changed.notify_all()
             return len(self.commands) - 1
 
-    async def next_command(self, index: int, rank: int) -> dict[str, Any]:
+    async def next_command(self, index: int, rank: int) -> Command:
         async with self.changed:
             await self.changed.wait_for(lambda: len(self.commands) > index)
             cmd = self.commands[index]
             self.taken[index] += 1
-            if self.taken[index] >= self.world_size and "batch" in cmd:
-                self.commands[index] = {k: v for k, v in cmd.items() if k != "batch"}  # free the ref
+            if self.taken[index] >= self.world_size and isinstance(cmd, Step):
+                self.commands[index] = dataclasses.replace(cmd, batch=None)  # free the ref
             return cmd
 
     async def put_result(self, index: int, result: Any) -> None:
@@ -63,6 +65,40 @@ class LearnerCoordinator:
             except asyncio.TimeoutError:
                 return False, None
             return True, self.results.pop(index)
+
+
+def _state_api_answers() -> bool:
+    """Whether Ray's State API (served by the dashboard's HTTP server) answers. A local cluster
+    started with include_dashboard=False has none (services/launch.py: the dashboard costs ~1 GiB
+    and ~11 processes)."""
+    from ray.util.state import list_actors
+
+    try:
+        list_actors(limit=1, timeout=5, raise_on_missing_output=False)
+        return True
+    except Exception:
+        return False
+
+
+def _trainer_class(torch_trainer):
+    """TorchTrainer, less Ray Train V2's PlacementGroupCleaner where the State API is missing.
+
+    The cleaner is a detached actor that asks the State API every second whether the Train
+    controller is alive, to remove its placement group if the controller dies. Without the State
+    API every query fails: it logs "Failed to query Ray Train Controller actor state" once a
+    second for the whole fit() (our single fit() lasts the whole run: ~600 lines in its worker log,
+    79 deduplicated lines on the console of a 10-minute run) and can never detect a death, so
+    it cleans nothing. With the State API present (a cluster with a dashboard) it is kept."""
+    if _state_api_answers():
+        return torch_trainer
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    class LearnerTrainer(torch_trainer):
+        def _create_default_callbacks(self):
+            return [c for c in super()._create_default_callbacks()
+                    if not isinstance(c, PlacementGroupCleanerCallback)]
+
+    return LearnerTrainer
 
 
 class LearnerJob:
@@ -93,17 +129,21 @@ class LearnerJob:
         from ray.train import ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
+        from learner.policy import PolicySpec
         from learner.worker import train_loop_per_worker
 
         self._coord = LearnerCoordinator.options(name=f"learner-coordinator-{uuid.uuid4().hex[:8]}").remote(lcfg.workers)
         resources = {"CPU": lcfg.num_cpus_per_worker}
         if lcfg.use_gpu:
-            resources["GPU"] = 1
-        trainer = TorchTrainer(
+            resources["GPU"] = lcfg.gpus_per_worker
+        trainer = _trainer_class(TorchTrainer)(
             train_loop_per_worker,
             train_loop_config={
                 "coordinator": self._coord,
-                "run_cfg": self.run_cfg.model_dump(mode="json"),
+                # The slices the policy uses (learner/policy.py), not the whole run config.
+                "learner": lcfg.model_dump(mode="json"),
+                "model": self.run_cfg.model.model_dump(mode="json"),
+                "spec": dataclasses.asdict(PolicySpec.for_run(self.run_cfg)),
                 "run_dir": str(self.run_dir),
                 "init_adapter": str(self.init_adapter) if self.init_adapter else None,
                 "resume_from": str(self.resume_from) if self.resume_from else None,
@@ -120,9 +160,9 @@ class LearnerJob:
         )
         self._thread = threading.Thread(target=self._fit, args=(trainer,), name="learner-fit", daemon=True)
         self._thread.start()
-        info = self._call({"kind": "init"}, timeout_s)
-        self.step_count = info["step"]
-        return InitInfo(**info)
+        info: InitInfo = self._call(Init(), timeout_s)
+        self.step_count = info.step
+        return info
 
     def _fit(self, trainer) -> None:
         try:
@@ -130,7 +170,7 @@ class LearnerJob:
         except BaseException as err:  # surfaced by the next _call
             self._fit_error = err
 
-    def _call(self, command: dict[str, Any], timeout_s: float) -> Any:
+    def _call(self, command: Command, timeout_s: float) -> Any:
         if self._coord is None:
             raise RuntimeError("LearnerJob.start() was not called (or the job was stopped)")
         index = ray.get(self._coord.submit.remote(command))
@@ -138,32 +178,33 @@ class LearnerJob:
         while True:
             done, result = ray.get(self._coord.get_result.remote(index, 1.0))
             if done:
-                if isinstance(result, dict) and "error" in result:
-                    raise RuntimeError(f"learner command {command['kind']!r} failed in {result['error']}")
+                if isinstance(result, Failed):
+                    raise RuntimeError(f"learner command {type(command).__name__.lower()!r} failed in {result.where}:\n"
+                                       f"{result.traceback}")
                 return result
             if self._thread is not None and not self._thread.is_alive():
                 raise RuntimeError(f"the learner's Ray Train run ended unexpectedly: {self._fit_error!r}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"learner command {command['kind']!r} took more than {timeout_s:.0f} s")
+                raise TimeoutError(f"learner command {type(command).__name__.lower()!r} took more than {timeout_s:.0f} s")
 
     def step(self, batch: TrainBatch, timeout_s: float = 1800.0) -> StepResult:
         if len(batch) < self.run_cfg.learner.workers:
             raise ValueError(f"a batch of {len(batch)} sequences cannot feed {self.run_cfg.learner.workers} workers")
         ref = ray.put(batch)
-        out = self._call({"kind": "step", "step": self.step_count + 1, "batch": [ref]}, timeout_s)
+        out: StepResult = self._call(Step(step=self.step_count + 1, batch=[ref]), timeout_s)
         self.step_count += 1
-        return StepResult(metrics=out["metrics"], phases_s=out["phases_s"], adapter=out["adapter"])
+        return out
 
     def save_checkpoint(self, step: int, data_position: dict[str, Any] | None = None, timeout_s: float = 600.0) -> Path:
         """checkpoints/step_<N>/ (resumable) and adapters/step_<N>/ (peft dir)."""
-        out = self._call({"kind": "save", "step": step, "data_position": data_position}, timeout_s)
-        return Path(out["path"])
+        out: Saved = self._call(Save(step=step, data_position=data_position), timeout_s)
+        return Path(out.path)
 
     def stop(self, timeout_s: float = 120.0) -> None:
         if self._coord is None:
             return
         try:
-            ray.get(self._coord.submit.remote({"kind": "stop"}))
+            ray.get(self._coord.submit.remote(Stop()))
             if self._thread is not None:
                 self._thread.join(timeout_s)
         finally:

@@ -21,7 +21,7 @@ from rollout.types import AdapterPayload
 
 
 def load_base_model(model_cfg, device: torch.device | str = "cpu"):
-    """The frozen base model from a rollout.config.ModelConfig (local dir via resolve_model)."""
+    """The frozen base model from a config.rollout.ModelConfig (local dir via resolve_model)."""
     from transformers import AutoModelForCausalLM
 
     from rollout.models import resolve_model, torch_dtype
@@ -35,7 +35,7 @@ def load_base_model(model_cfg, device: torch.device | str = "cpu"):
 
 
 def peft_lora_config(lora_cfg):
-    """peft.LoraConfig from learner.config.LoraConfig ('all-linear' excludes the output head)."""
+    """peft.LoraConfig from config.learner.LoraConfig ('all-linear' excludes the output head)."""
     from peft import LoraConfig as PeftLoraConfig
 
     targets = lora_cfg.target_modules

@@ -75,7 +75,7 @@ class ObjectiveParams:
 
     @classmethod
     def from_config(cls, cfg) -> "ObjectiveParams":
-        """From a learner.config.LearnerConfig."""
+        """From a config.learner.LearnerConfig."""
         return cls(
             epsilon_low=cfg.epsilon_low,
             epsilon_high=cfg.epsilon_high,

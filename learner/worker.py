@@ -66,8 +66,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    from learner.config import LearnerConfig
-    from rollout.config import ModelConfig
+    from config.learner import LearnerConfig
+    from config.rollout import ModelConfig
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()

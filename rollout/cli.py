@@ -1,6 +1,6 @@
 """`counterpoint rollout ...`: sample completions, recompute their log-probs, serve replicas.
 
-Defaults come from `rollout.config` (ModelConfig, RolloutConfig): options left unset take their
+Defaults come from `config.rollout` (ModelConfig, RolloutConfig): options left unset take their
 values, or those of `--config FILE` (a run config YAML) when given. Heavy imports (torch, vLLM,
 Ray) stay inside the commands so that --help is instant.
 
@@ -45,14 +45,14 @@ def _configs(config: Path | None, model: dict, rollout: dict):
     """(ModelConfig, RolloutConfig) from the config file (if any) plus the options given."""
     from pydantic import ValidationError
 
-    from rollout.config import ModelConfig, RolloutConfig
+    from config.rollout import ModelConfig, RolloutConfig
 
     base_model, base_rollout = {}, {}
     name = model.get("name_or_path")
     if name and Path(name).expanduser().exists():  # a local dir: replicas run in other directories
         model = {**model, "name_or_path": str(Path(name).expanduser().resolve())}
     if config is not None:
-        from services.config import load_config
+        from config import load_config
 
         try:
             run = load_config(config)

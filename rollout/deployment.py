@@ -32,7 +32,7 @@ from dataclasses import replace
 import ray
 from ray import serve
 
-from rollout.config import ModelConfig, RolloutConfig
+from config.rollout import ModelConfig, RolloutConfig
 from rollout.registry import AdapterUnavailableError, RegistryState
 from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
 
@@ -140,7 +140,7 @@ class RolloutReplica:
     """One engine behind Serve. Wrapped with `serve.deployment` in `rollout_app`."""
 
     def __init__(self, model_cfg: dict, rollout_cfg: dict, kind: str, seed: int, registry):
-        from services.runtime_env import apply_defaults
+        from config.runtime_env import apply_defaults
 
         apply_defaults()
         logging.basicConfig(level=logging.INFO)
@@ -253,7 +253,7 @@ class RolloutReplica:
 
 def rollout_app(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, registry, kind: str | None = None, seed: int = 0):
     """The Serve application: `rollout_cfg.replicas` replicas of RolloutReplica."""
-    from services.runtime_env import apply_defaults
+    from config.runtime_env import apply_defaults
 
     deployment = serve.deployment(RolloutReplica).options(
         name="RolloutReplica",

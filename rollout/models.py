@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollout.config import ModelConfig
+from config.rollout import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from services.runtime_env import apply_defaults
+from config.runtime_env import apply_defaults
 
 apply_defaults()
 

@@ -13,18 +13,41 @@ from typing import Optional
 
 import typer
 
-from services.cli import app
-from services.eval_cli import compare_command, eval_summary_command, prior_shape_command
+from evals.commands import compare_command, eval_summary_command, prior_shape_command
 from services.plot import plot_command
 
-app.command("plot", help="Regenerate a run's reward / pass-rate / ppl_ratio curves (curves.png).")(plot_command)
-app.command("prior-shape")(prior_shape_command)
-app.command("compare")(compare_command)
-app.command("eval-summary")(eval_summary_command)
 
 
 def _setup_logging() -> None:
+    """Log lines of the command itself (before a run's logs exist: services/console.py)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def _train_logged(opts, verbose: bool):
+    """Run train(opts) with the console of services/console.py: people see stages, steps, the
+    table and the run directory; Ray/Serve/vLLM/Train output goes to runs/<run>/logs/. A failure
+    shows its first lines and the log paths, then exits 1."""
+    import traceback
+
+    from services.console import failure_lines, run_logs
+    from services.train import train
+
+    logs_dir = opts.run_dir / "logs"
+    with run_logs(logs_dir, verbose) as logs:
+        logs.echo(f"run directory: {opts.run_dir}  (logs: {logs_dir}{'' if verbose else '; --verbose shows them'})")
+        try:
+            run = train(opts)
+        except KeyboardInterrupt:
+            logs.to_file(traceback.format_exc())
+            logs.echo(f"interrupted; resume with: counterpoint train --resume {opts.run_dir}")
+            raise typer.Exit(130) from None
+        except Exception as err:
+            logs.to_file(traceback.format_exc())
+            for line in failure_lines(err, logs_dir):
+                logs.echo(line)
+            raise typer.Exit(1) from None
+        logs.echo(f"run directory: {run.root}")
+    return run
 
 
 def _say_run_state(run_dir: Path) -> None:
@@ -44,7 +67,6 @@ def _say_run_state(run_dir: Path) -> None:
                    f"resume it with: counterpoint train --resume {run_dir}", err=True)
 
 
-@app.command("train")
 def train_command(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (configs/*.yaml)."),
     set_: list[str] = typer.Option([], "--set", help="Dotted override, e.g. --set learner.lr=1e-4 (repeatable)."),
@@ -55,9 +77,11 @@ def train_command(
     init_adapter: Optional[Path] = typer.Option(
         None, "--init-adapter", help="Start from this saved LoRA adapter dir whatever the seed."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and the receipt, then exit."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print Ray, Serve, vLLM and Train output too "
+                                 "(it always goes to runs/<run>/logs/)."),
 ) -> None:
     """Train a LoRA adapter with GRPO against the grader (the step loop of DESIGN.md)."""
-    from services.config import ConfigError, load_config
+    from config import ConfigError, load_config
     from services.train import TrainOptions, new_run_dir, resume_config, train
 
     _setup_logging()
@@ -89,49 +113,53 @@ def train_command(
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     if dry_run:
-        from services.config import resolved
+        from config import resolved
         from services.receipt import dry_run_preview
 
         typer.echo(json.dumps({"run_dir": str(run_dir), "config": resolved(cfg),
                                "receipt": dry_run_preview(cfg)}, indent=2, default=str))
         return
-    run = train(TrainOptions(cfg, run_dir, resume=resume is not None, init_adapter=init_adapter))
-    typer.echo(f"run directory: {run.root}")
+    _train_logged(TrainOptions(cfg, run_dir, resume=resume is not None, init_adapter=init_adapter), verbose)
 
 
-@app.command("eval")
 def eval_command(
-    config: Path = typer.Option(..., "--config", "-c", help="YAML config (model, grader, rollout sections)."),
+    config: Path = typer.Option(..., "--config", "-c", help="YAML config (model, grader, rollout, eval sections)."),
     set_: list[str] = typer.Option([], "--set", help="Dotted config override (repeatable)."),
     adapter: Optional[Path] = typer.Option(None, "--adapter", help="A peft adapter dir; none = the base model."),
     run: Optional[Path] = typer.Option(None, "--run", help="A run directory: evaluate its last adapter."),
-    split: str = typer.Option("heldout", "--split", help="Grader split: heldout or train."),
-    generations: int = typer.Option(8, "--generations", "-g", min=1, help="Completions per prompt (G)."),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1, help="Completion token limit."),
-    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass (1.0 = off)."),
-    top_k: int = typer.Option(-1, "--top-k", help="Top-k (-1 = off)."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
-    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N prompts of the split."),
+    split: Optional[str] = typer.Option(None, "--split", help="Grader split: heldout or train [eval.split]."),
+    generations: Optional[int] = typer.Option(None, "--generations", "-g", min=1,
+                                              help="Completions per prompt (G) [eval.generations]."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1,
+                                                 help="Completion token limit [eval.max_tokens, else rollout's]."),
+    temperature: Optional[float] = typer.Option(None, "--temperature",
+                                                help="Sampling temperature [eval.temperature, else rollout's]."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus mass [eval.top_p, else rollout's]."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Top-k, -1 = off [eval.top_k, else rollout's]."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed [eval.seed]."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N prompts [eval.limit]."),
     eos_token_ids: Optional[str] = typer.Option(None, "--eos-token-ids", help="Extra stop ids, comma-separated."),
     out: Path = typer.Option(..., "--out", "-o", help="EVAL.jsonl to write."),
 ) -> None:
-    """Held-out evaluation: pass rate, coverage, unparseable share, mean length (EVAL.jsonl)."""
+    """Held-out evaluation: pass rate, coverage, unparseable share, mean length (EVAL.jsonl).
+    Sampling settings come from the config's eval section (unset ones from its rollout section);
+    options given here override them, and the receipt says where each value came from."""
     from rich.console import Console
 
-    from services.config import ConfigError, load_config
-    from services.eval_cli import eval_summary_table
-    from services.evaluate import EvalOptions, run_eval
+    from evals.commands import eval_summary_table
+    from config import ConfigError, load_config
+    from services.eval_run import EvalOptions, last_adapter_of, run_eval
+    from services.preflight import check_adapter_dir, preflight
 
     _setup_logging()
     if adapter is not None and run is not None:
         typer.echo("error: give --adapter or --run, not both", err=True)
         raise typer.Exit(2)
-    from services.evaluate import last_adapter_of
-    from services.preflight import check_adapter_dir, preflight
-
+    given = {"split": split, "generations": generations, "max_tokens": max_new_tokens, "temperature": temperature,
+             "top_p": top_p, "top_k": top_k, "seed": seed, "limit": limit}
+    from_cli = frozenset(k for k, v in given.items() if v is not None)
     try:
-        cfg = load_config(config, set_)
+        cfg = load_config(config, [*set_, *(f"eval.{k}={given[k]}" for k in sorted(from_cli))])
         eos = [int(t) for t in eos_token_ids.split(",") if t.strip()] if eos_token_ids else None
         adapter, run, out = (p.resolve() if p is not None else None for p in (adapter, run, out))
         if run is not None:
@@ -143,12 +171,10 @@ def eval_command(
     except (ConfigError, ValueError, FileNotFoundError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
-    summary, path = run_eval(EvalOptions(cfg, out, split, generations, max_new_tokens, temperature, top_p, top_k,
-                                         seed, adapter, run, limit, eos))
-    Console().print(eval_summary_table(summary, title=f"{split} evaluation ({path})"))
+    summary, path = run_eval(EvalOptions(cfg, out, adapter, run, eos, from_cli))
+    Console().print(eval_summary_table(summary, title=f"{cfg.eval.split} evaluation ({path})"))
 
 
-@app.command("replicate")
 def replicate_command(
     config: Path = typer.Option(..., "--config", "-c", help="YAML config every arm trains with."),
     seeds: str = typer.Option(..., "--seeds", help="Comma-separated seeds, one arm each, e.g. 7,8,9."),
@@ -157,13 +183,15 @@ def replicate_command(
     pin_init: bool = typer.Option(False, "--pin-init", help="All arms share the first arm's saved init adapter."),
     address: Optional[str] = typer.Option(None, "--address", help="Ray cluster every arm joins."),
     parallel: int = typer.Option(1, "--parallel", min=1, help="Arms at a time (use >1 only on a cluster)."),
-    generations: int = typer.Option(8, "--generations", "-g", min=1, help="Eval completions per held-out prompt."),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1, help="Eval completion token limit."),
+    generations: Optional[int] = typer.Option(None, "--generations", "-g", min=1,
+                                              help="Eval completions per held-out prompt [eval.generations]."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1,
+                                                 help="Eval completion token limit [eval.max_tokens, else rollout's]."),
 ) -> None:
     """Train N runs that differ only in seed, each followed by the same held-out eval."""
     from rich.console import Console
 
-    from services.config import ConfigError, load_config, resolved
+    from config import ConfigError, load_config, resolved
     from services.receipt import Receipt
     from services.replicate import ReplicatePlan, arms_table, as_records, replicate
 
@@ -182,7 +210,8 @@ def replicate_command(
                   notes={"pin_init": pin_init, "parallel": parallel, "overrides": set_})
     with receipt.guard():
         plan = ReplicatePlan(config, seed_list, out, list(set_), pin_init, address, parallel,
-                             ["--generations", str(generations), "--max-new-tokens", str(max_new_tokens)])
+                             [*(["--generations", str(generations)] if generations else []),
+                              *(["--max-new-tokens", str(max_new_tokens)] if max_new_tokens else [])])
         arms = replicate(plan)
         receipt.update(artifacts={"arms": as_records(arms)})
     Console().print(arms_table(arms))
@@ -192,7 +221,6 @@ def replicate_command(
         raise typer.Exit(1)
 
 
-@app.command("probe-options")
 def probe_options_command(
     config: Path = typer.Option(..., "--config", "-c", help="YAML config (model, grader, rollout)."),
     set_: list[str] = typer.Option([], "--set", help="Dotted config override (repeatable)."),
@@ -212,11 +240,11 @@ def probe_options_command(
     from rich.table import Table
 
     from rollout.adapters import payload_from_dir
-    from rollout.types import Prompt, SamplingParams
-    from services.config import ConfigError, load_config
-    from services.evalfile import read_eval
+    from rollout.types import BASE_MODEL_VERSION, FIRST_ADAPTER_VERSION, Prompt, SamplingParams
+    from config import ConfigError, load_config
+    from evals.records import read_eval
     from services.launch import start_grader, start_ray, start_rollout
-    from services.probe import ProbeItem, parse_options, probe_messages, summarize
+    from evals.probe import ProbeItem, parse_options, probe_messages, summarize
 
     _setup_logging()
     try:
@@ -228,15 +256,16 @@ def probe_options_command(
         start_ray(cfg, stack)
         grader = start_grader(cfg, stack)
         rollout = start_rollout(cfg, stack)
-        version = 0
+        version = BASE_MODEL_VERSION
         if adapter is not None:
-            rollout.publish(payload_from_dir(adapter, version=1))
-            rollout.sync(1)
-            version = 1
+            payload = payload_from_dir(adapter, version=FIRST_ADAPTER_VERSION)
+            rollout.publish(payload)
+            rollout.sync(payload.version)
+            version = payload.version
         cases = grader.cases(limit=limit or 0, split=split)
         prompts = [Prompt(tuple(probe_messages(c.messages, c.progression["chords"][0]["measure"], c.voices)))
                    for c in cases]
-        params = SamplingParams(n=1, temperature=cfg.rollout.temperature, max_tokens=max_new_tokens, seed=seed)
+        params = SamplingParams.from_rollout(cfg.rollout, max_tokens=max_new_tokens, seed=seed)
         samples = sorted(rollout.generate(prompts, params, version), key=lambda s: s.prompt_index)
     items = [ProbeItem(c.id, parse_options(s.text), frozenset(c.openings)) for c, s in zip(cases, samples)]
     decoded = None
@@ -256,3 +285,15 @@ def probe_options_command(
         out.write_text(json.dumps({"summary": summary, "items": [
             {"item_id": i.item_id, "options": [vars(o) for o in i.options], "distinct_admissible": i.distinct_admissible,
              "raw": s.text} for i, s in zip(items, samples)]}, indent=2, default=str))
+
+
+def register(app: typer.Typer) -> None:
+    """Put the top-level commands on the `counterpoint` app (services/cli.py builds it)."""
+    app.command("train")(train_command)
+    app.command("eval")(eval_command)
+    app.command("replicate")(replicate_command)
+    app.command("probe-options")(probe_options_command)
+    app.command("plot", help="Regenerate a run's reward / pass-rate / ppl_ratio curves (curves.png).")(plot_command)
+    app.command("prior-shape")(prior_shape_command)
+    app.command("compare")(compare_command)
+    app.command("eval-summary")(eval_summary_command)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.types import BASE_MODEL_VERSION, FIRST_ADAPTER_VERSION, SamplingParams
-from services.config import RunConfig, resolved
+from config import RunConfig, resolved
 
 
 @dataclass

@@ -6,26 +6,36 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import Any
 
-from services.config import RunConfig
-from services.runtime_env import apply_defaults
+from config import RunConfig
+from config.runtime_env import apply_defaults
 
 
 def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
     """Join cfg.trainer.ray_address or start a local cluster; a cluster started here is shut
     down (Serve apps first) when the stack closes. An already initialised Ray is reused.
-    Returns the local metrics-agent endpoint (host:port) when Ray was started here."""
+    Returns the local metrics-agent endpoint (host:port) when Ray was started here.
+
+    Inside `counterpoint train` (services/console.py) workers' output is not streamed to the
+    driver unless --verbose: it stays in Ray's session logs, linked as runs/<run>/logs/ray and
+    copied there when a cluster started here shuts down. (A joined cluster's other nodes keep
+    their logs; --verbose streams them.)"""
     import ray
+
+    from services.console import current
 
     env = apply_defaults()
     if ray.is_initialized():
         return None
-    kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": True}
+    logs = current()
+    kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": logs is None or logs.verbose}
     if cfg.trainer.ray_address:
-        ray.init(address=cfg.trainer.ray_address, **kwargs)
+        context = ray.init(address=cfg.trainer.ray_address, **kwargs)
+        _link_session_logs(context, logs)
         return None
     metrics_port = cfg.trainer.ray_metrics_port or _free_port()
-    ray.init(num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False,
-             _metrics_export_port=metrics_port, **kwargs)
+    context = ray.init(num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False,
+                       _metrics_export_port=metrics_port, **kwargs)
+    session_logs = _link_session_logs(context, logs)
 
     def _shutdown() -> None:
         from ray import serve
@@ -34,9 +44,22 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
             serve.shutdown()
         finally:
             ray.shutdown()
+            if logs is not None and session_logs is not None:
+                logs.keep_ray_logs(session_logs)
 
     stack.callback(_shutdown)
     return f"127.0.0.1:{metrics_port}"
+
+
+def _link_session_logs(context, logs):
+    from pathlib import Path
+
+    session_dir = (getattr(context, "address_info", None) or {}).get("session_dir")
+    if logs is None or not session_dir:
+        return None
+    session_logs = Path(session_dir) / "logs"
+    logs.link_ray_logs(session_logs)
+    return session_logs
 
 
 def required_resources(cfg: RunConfig, with_learner: bool = True) -> dict[str, float]:
@@ -47,7 +70,7 @@ def required_resources(cfg: RunConfig, with_learner: bool = True) -> dict[str, f
     gpu = cfg.rollout.replicas * cfg.rollout.num_gpus
     if with_learner:
         cpu += cfg.learner.workers * cfg.learner.num_cpus_per_worker
-        gpu += cfg.learner.workers if cfg.learner.use_gpu else 0
+        gpu += cfg.learner.workers * cfg.learner.gpus_per_worker if cfg.learner.use_gpu else 0
     return {"CPU": cpu, "GPU": gpu}
 
 

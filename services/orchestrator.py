@@ -23,7 +23,7 @@ import torch
 from learner.advantages import compute_advantages, frac_reward_zero_std
 from learner.types import TrainBatch
 from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
-from services.config import RunConfig
+from config import RunConfig
 from services.step_timer import PhaseTimer
 
 log = logging.getLogger("counterpoint.train")

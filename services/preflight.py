@@ -12,7 +12,7 @@ import os
 import socket
 from pathlib import Path
 
-from services.config import RunConfig
+from config import RunConfig
 
 
 class PreflightError(ValueError):

@@ -26,7 +26,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from services.config import RunConfig
+    from config import RunConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -346,7 +346,7 @@ class Receipt:
 def dry_run_preview(cfg: RunConfig, pool: list[str] | None = None) -> dict[str, Any]:
     """The receipt a run of ``cfg`` would start with (nothing is written). With the pool's case
     ids the prompt sampling plan is included too."""
-    from services.config import resolved
+    from config import resolved
     from services.sampler import sampler_from_config
 
     preview: dict[str, Any] = {

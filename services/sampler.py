@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from services.config import TrainerConfig
+    from config import TrainerConfig
 
 PromptOrder = Literal["shuffle_each_epoch", "fixed"]
 

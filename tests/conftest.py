@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime_env import apply_defaults
+from config.runtime_env import apply_defaults
 
 apply_defaults()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from graders.client import Score
 from graders.fixtures import load_pool
 from rollout.types import Sample, SamplingParams
-from rollout.config import RolloutConfig
+from config.rollout import RolloutConfig
 from services.archive import RunDir
 from evals.heldout import HeldoutResult, heldout_prompts, write_heldout_eval
 

@@ -17,6 +17,7 @@ trainer, grader and rollout metrics (see ``run_demo_exporter``).
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import socket
@@ -173,6 +174,18 @@ class PromServer:
             return [{"metric": {}, "value": data["result"]}]
         return data["result"]
 
+    def query_range(self, expr: str, start: float, end: float, step: float = 1.0) -> list[dict[str, Any]]:
+        """Range query: one {"metric", "values": [[t, "v"], ...]} per series."""
+        params = urllib.parse.urlencode({"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"})
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v1/query_range?{params}", timeout=30) as resp:
+                body = json.load(resp)
+        except urllib.error.HTTPError as err:
+            body = json.load(err)
+        if body.get("status") != "success":
+            raise PromQueryError(f"{expr!r}: {body.get('errorType')}: {body.get('error')}")
+        return body["data"]["result"]
+
     def _get(self, path: str) -> Any:
         with urllib.request.urlopen(f"{self.url}{path}", timeout=10) as resp:
             body = json.load(resp)
@@ -317,6 +330,22 @@ def alert_series_exprs(path: Path) -> list[str]:
     return list(dict.fromkeys(exprs))
 
 
+_SERIES_NAME = r"\b({prefix}[a-zA-Z0-9_:]*)(\{{([^}}]*)\}})?(?=\s*[\[)\s,]|$)"
+
+
+def restrict_to_job(expr: str, job: str, prefix: str) -> str:
+    """Add `job="<job>"` to every selector of a series named `<prefix>...` in `expr`:
+    `rate(x_total[1m])` -> `rate(x_total{job="j"}[1m])`, `x{a="b"}` -> `x{job="j", a="b"}`."""
+    def add(m: re.Match) -> str:
+        inner = m.group(3)
+        return f'{m.group(1)}{{job="{job}"' + (f", {inner}}}" if inner and inner.strip() else "}")
+
+    out, n = re.subn(_SERIES_NAME.format(prefix=re.escape(prefix)), add, expr)
+    if not n:
+        raise ValueError(f"no {prefix}* series in {expr!r}")
+    return out
+
+
 # ---------------------------------------------------------------- the reusable check
 
 
@@ -455,3 +484,34 @@ if __name__ == "__main__":
     parser.add_argument("--ray-prefix", action="store_true")
     args = parser.parse_args()
     run_demo_exporter(args.step_interval_s, args.ppl_ratio, args.ray_prefix)
+
+
+# ---------------------------------------------------------------- after the fact (range queries)
+
+
+def instants_with_data(prom: PromServer, exprs: Iterable[str], start: float, end: float) -> tuple[list[int], dict[str, int]]:
+    """Whole seconds in [start, end] at which EVERY expr returned a number, and for each expr
+    at how many of those seconds it did. Evaluates a finished run at times it was alive,
+    without racing it: no live wait."""
+    start, end = int(math.ceil(start)), int(math.floor(end))
+    common: set[int] | None = None
+    answered: dict[str, int] = {}
+    for expr in dict.fromkeys(exprs):
+        try:
+            series = prom.query_range(expr, start, end, 1.0)
+        except PromQueryError:
+            series = []
+        times = {int(round(float(t))) for s in series for t, v in s["values"] if not math.isnan(float(v))}
+        answered[expr] = len(times)
+        common = times if common is None else common & times
+    return sorted(common or ()), answered
+
+
+def alert_states(prom: PromServer, start: float, end: float) -> dict[tuple[str, str], list[dict[str, str]]]:
+    """(alertname, alertstate) -> the label sets of every alert that was pending or firing at
+    some second of [start, end] (Prometheus's ALERTS series)."""
+    seen: dict[tuple[str, str], list[dict[str, str]]] = {}
+    for series in prom.query_range("ALERTS", start, end, 1.0):
+        labels = series["metric"]
+        seen.setdefault((labels["alertname"], labels["alertstate"]), []).append(labels)
+    return seen

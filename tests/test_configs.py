@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.config import ConfigError, RunConfig, load_config, resolved
+from config import ConfigError, RunConfig, load_config, resolved
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -78,3 +78,11 @@ def test_cpu_configs_fit_a_two_cpu_local_ray(path: Path):
 
     need = required_resources(load_config(path))
     assert need["CPU"] <= 2.0 and need["GPU"] == 0, need
+
+
+def test_gpu_fraction_keeps_one_rank_per_gpu():
+    """learner.gpus_per_worker <= 0.5 with several GPU workers would let Ray put two NCCL ranks
+    on one GPU: refused, naming the field."""
+    assert load_config(None, ["learner.use_gpu=true", "learner.workers=2", "learner.gpus_per_worker=0.6"])
+    with pytest.raises(ConfigError, match="gpus_per_worker"):
+        load_config(None, ["learner.use_gpu=true", "learner.workers=2", "learner.gpus_per_worker=0.5"])

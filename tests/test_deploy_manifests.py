@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.config import load_config
+from config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.config import load_config
+from config import load_config
 from services.eval_run import eval_params, eval_sampling
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"

@@ -93,7 +93,7 @@ def test_round_trip_and_record_fields(tmp_path):
 
 def test_generation_settings_from_sampling_params_and_prompt_hash():
     from rollout.types import SamplingParams
-    from rollout.config import RolloutConfig
+    from config.rollout import RolloutConfig
 
     params = SamplingParams.from_rollout(RolloutConfig(), n=8, temperature=0.7, top_p=0.9, top_k=20, max_tokens=96,
                             stop_token_ids=(5, 2), seed=3)

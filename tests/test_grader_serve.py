@@ -16,7 +16,7 @@ import pytest
 
 from graders.auth import TOKEN_METADATA
 from graders.client import GraderClient, GraderRequestError
-from graders.config import GraderConfig
+from config.grader import GraderConfig
 from graders.proto import grader_pb2 as pb
 from graders.service import SERVICE_NAME
 from graders.voice_leading import score
@@ -197,19 +197,23 @@ def test_scoring_survives_replicas_killed_mid_call(serve_grader, front_grader, i
         cases = probe.cases(8)
     completions = [ADMITTED_SHAPE, "prose", '[{"measure": 1, "degrees": [0, 0]}]',
                    '```json\n[{"measure": 2, "degrees": [1, 2]}]\n```']
-    pairs = [(cases[i % 8].id, completions[i % 4]) for i in range(1500)]
-    expected = [score(cases[i % 8].progression, completions[i % 4]).verdict for i in range(1500)]
+    n = 6000  # about half a second of scoring per call here: the kill finds calls in flight
+    pairs = [(cases[i % 8].id, completions[i % 4]) for i in range(n)]
+    expected = [score(cases[i % 8].progression, completions[i % 4]).verdict for i in range(n)]
 
     done_before_kill = threading.Barrier(5)
+    second_call_sent = [threading.Event() for _ in range(4)]
     stop = threading.Event()
     errors: list[BaseException] = []
     clients = [GraderClient(address, application=application, max_retries=8,
                             retry_backoff_s=0.5, timeout_s=60) for _ in range(4)]
 
-    def keep_scoring(client: GraderClient) -> None:
+    def keep_scoring(k: int, client: GraderClient) -> None:
         try:
             first = True
             while not stop.is_set():
+                if not first:
+                    second_call_sent[k].set()
                 got = client.score_batch(pairs)
                 assert [s.verdict for s in got] == expected
                 if first:
@@ -220,12 +224,15 @@ def test_scoring_survives_replicas_killed_mid_call(serve_grader, front_grader, i
             if first:
                 done_before_kill.abort()
 
-    threads = [threading.Thread(target=keep_scoring, args=(c,)) for c in clients]
+    threads = [threading.Thread(target=keep_scoring, args=(k, c)) for k, c in enumerate(clients)]
     for t in threads:
         t.start()
     victims: list[psutil.Process] = []
     try:
-        done_before_kill.wait(timeout=300)  # every client scored once: calls are in flight
+        done_before_kill.wait(timeout=300)  # every client has scored once
+        for sent in second_call_sent:
+            assert sent.wait(timeout=60)
+        time.sleep(0.2)  # the four second calls are on the replicas now
         victims = _replica_processes(app)
         assert len(victims) == 2, victims
         for p in victims:

@@ -13,7 +13,7 @@ from learner.job import LearnerJob
 from learner.lora import adapter_state_dict
 from learner.types import TrainBatch
 from learner.policy import PolicyLearner
-from services.config import RunConfig
+from config import RunConfig
 
 pytestmark = pytest.mark.slow
 

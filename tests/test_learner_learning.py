@@ -11,7 +11,7 @@ from learner.advantages import compute_advantages, group_ids_for
 from learner.passes import response_logprobs
 from learner.types import TrainBatch
 from learner.policy import PolicyLearner
-from services.config import RunConfig
+from config import RunConfig
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load, load_file
 
-from learner.config import LoraConfig
+from config.learner import LoraConfig
 from learner.lora import (
     adapter_payload,
     adapter_state_dict,
@@ -17,7 +17,7 @@ from learner.lora import (
     save_adapter,
 )
 from rollout.adapters import WEIGHTS_FILE
-from rollout.config import ModelConfig
+from config.rollout import ModelConfig
 
 pytestmark = pytest.mark.slow
 
@@ -95,10 +95,10 @@ def test_disabled_adapter_is_the_base_model():
 SAVE_IN_A_FRESH_PROCESS = """
 import json, sys
 from pathlib import Path
-from learner.config import LoraConfig
+from config.learner import LoraConfig
 from learner.lora import adapter_payload, attach_lora, load_base_model, save_adapter
 from rollout.adapters import write_payload
-from rollout.config import ModelConfig
+from config.rollout import ModelConfig
 
 out = Path(sys.argv[1])
 model = attach_lora(load_base_model(ModelConfig(name_or_path="tiny-random")), LoraConfig(r=4, alpha=8), 7)

@@ -380,7 +380,7 @@ def test_lr_decision_names_both_values():
 
 def test_objective_params_come_from_the_schema_only():
     """ObjectiveParams has no defaults of its own: every knob is the LearnerConfig's."""
-    from learner.config import LearnerConfig
+    from config.learner import LearnerConfig
 
     cfg = LearnerConfig()
     params = ObjectiveParams.from_config(cfg)

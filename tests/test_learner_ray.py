@@ -12,7 +12,7 @@ from safetensors.torch import load
 from learner.job import LearnerJob
 from learner.types import TrainBatch
 from rollout.types import FIRST_ADAPTER_VERSION, adapter_version
-from services.config import RunConfig
+from config import RunConfig
 
 pytestmark = pytest.mark.slow
 

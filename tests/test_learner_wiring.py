@@ -29,7 +29,7 @@ from learner.losses import LossInputs, LossNorm, ObjectiveParams, policy_loss
 from learner.policy import PolicyLearner, PolicySpec
 from learner.rollout_correction import finalize
 from learner.types import TrainBatch
-from services.config import RunConfig
+from config import RunConfig
 from services.orchestrator import advantages as driver_advantages
 
 pytestmark = pytest.mark.slow

@@ -26,6 +26,7 @@ from promharness import (
     assert_all_queries_return_data,
     condition_series,
     dashboard_exprs,
+    restrict_to_job,
     rule_exprs,
     shipped_job_settings,
     substitute_grafana_variables,
@@ -57,7 +58,7 @@ def test_prometheus_config_scrapes_every_component():
 
 def test_alerts_cover_ppl_band_and_stalled_steps():
     _, alerts = rule_exprs(ALERTS)
-    assert "counterpoint_ppl_ratio < 0.9 or counterpoint_ppl_ratio > 1.1" in alerts
+    assert "counterpoint_ppl_ratio < 0.9 and counterpoint_step > 0 or counterpoint_ppl_ratio > 1.1" in alerts
     assert ("time() - counterpoint_last_step_timestamp_seconds > 600"
             " and counterpoint_last_step_timestamp_seconds > 0") in alerts
 
@@ -80,6 +81,27 @@ def test_condition_series(expr, series):
 def test_condition_series_refuses_what_it_cannot_strip(expr):
     with pytest.raises(ValueError, match="is not `<series> <cmp> <number>`"):
         condition_series(expr)
+
+
+@pytest.mark.parametrize(
+    "expr, restricted",
+    [
+        ("sum by (verdict) (rate(counterpoint_grader_requests_total[1m]))",
+         'sum by (verdict) (rate(counterpoint_grader_requests_total{job="g"}[1m]))'),
+        ('counterpoint_grader_requests_total{verdict="admitted"} > 1',
+         'counterpoint_grader_requests_total{job="g", verdict="admitted"} > 1'),
+        ("sum(counterpoint_grader_latency_seconds_bucket) by (le)",
+         'sum(counterpoint_grader_latency_seconds_bucket{job="g"}) by (le)'),
+    ],
+)
+def test_restrict_to_job(expr, restricted):
+    assert restrict_to_job(expr, "g", "counterpoint_grader_") == restricted
+
+
+@pytest.mark.parametrize("expr", ["counterpoint:grader_requests:rate5m", 'x{a="counterpoint_grader_y"}'])
+def test_restrict_to_job_refuses_an_expr_without_the_series(expr):
+    with pytest.raises(ValueError, match="no counterpoint_grader_"):
+        restrict_to_job(expr, "g", "counterpoint_grader_")
 
 
 def test_grafana_variables_substituted():

@@ -10,7 +10,7 @@ import torch
 
 from learner.passes import response_logprobs
 from bench.synthetic import make_lora_payload
-from rollout.config import ModelConfig, RolloutConfig
+from config.rollout import ModelConfig, RolloutConfig
 from rollout.engines import AdapterVersionError, make_engine
 from learner.rollout_correction import parity_stats
 from rollout.types import Prompt, SamplingParams

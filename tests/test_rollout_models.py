@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.config import ModelConfig, RolloutConfig
+from config.rollout import ModelConfig, RolloutConfig
 from rollout.models import gguf_path, resolve_model, stop_token_ids
 
 IM_END = 2  # SmolLM2's <|im_end|>

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.synthetic import make_lora_payload
-from rollout.config import ModelConfig, RolloutConfig
+from config.rollout import ModelConfig, RolloutConfig
 from rollout.models import resolve_model
 from rollout.types import Prompt, SamplingParams
 

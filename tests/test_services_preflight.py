@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.config import ConfigError, load_config, with_absolute_paths
+from config import ConfigError, load_config, with_absolute_paths
 from services.preflight import PreflightError, check_grader_pool, check_model, check_ports, preflight
 from services.receipt import Receipt, liveness, read_receipt
 

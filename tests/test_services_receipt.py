@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.config import load_config
+from config import load_config
 from services.receipt import (
     LIBRARIES,
     Receipt,

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from services.config import TrainerConfig
+from config import TrainerConfig
 from services.sampler import PromptSampler, SamplerError, sampler_from_config
 
 POOL = [f"case-{i:02d}" for i in range(10)]

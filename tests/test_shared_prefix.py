@@ -13,7 +13,7 @@ from learner.passes import make_micro_batches
 from learner.shared_prefix import SharedPrefixLM, shared_prefix_len
 from learner.types import TrainBatch
 from learner.policy import PolicyLearner
-from services.config import RunConfig
+from config import RunConfig
 
 VOCAB = 32
 

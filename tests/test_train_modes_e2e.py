@@ -59,7 +59,7 @@ def logprobs_under(version_dir: Path, rows: list[dict]) -> list[list[float]]:
 
     from learner.lora import load_base_model
     from learner.passes import response_logprobs
-    from rollout.config import ModelConfig
+    from config.rollout import ModelConfig
 
     base = load_base_model(ModelConfig(name_or_path="tiny-random", dtype="float32"))
     model = PeftModel.from_pretrained(base, str(version_dir)).eval()
@@ -106,7 +106,8 @@ def test_one_step_off_forced_openings_heldout_eval_then_plot_and_eval(tmp_path: 
             assert mean_abs_diff(rollout, own) < 1e-3, (s, mean_abs_diff(rollout, own))
             # ... and the learner's ppl_ratio compares them with its pre-update policy (version s).
             learner_view = own if s == 1 else logprobs_under(adapter_dir(run_dir, s), rows[s])
-            assert metrics[s - 1]["ppl_ratio"] == pytest.approx(ppl_ratio(rollout, learner_view), abs=2e-3), s
+            # (at T = 0.1 one update moves it far from 1: 3.3, 4.7, 190 in one measured run)
+            assert metrics[s - 1]["ppl_ratio"] == pytest.approx(ppl_ratio(rollout, learner_view), rel=1e-3), s
             if s >= 3:  # the adapter moved between the sampling version and the learner's
                 assert mean_abs_diff(rollout, learner_view) > 10 * mean_abs_diff(rollout, own) + 1e-4, s
         assert metrics[0]["ppl_ratio"] == pytest.approx(1.0, abs=1e-3)  # step 1: same adapter both sides
@@ -125,7 +126,7 @@ def test_one_step_off_forced_openings_heldout_eval_then_plot_and_eval(tmp_path: 
         assert sent == sorted((x.case_id, x.completion) for x in scored_train)
         from transformers import AutoTokenizer
 
-        from rollout.config import ModelConfig
+        from config.rollout import ModelConfig
         from rollout.models import resolve_model
 
         tok = AutoTokenizer.from_pretrained(resolve_model(ModelConfig(name_or_path="tiny-random")))

@@ -1,6 +1,6 @@
 """Code-execution grader section. Pydantic only: this module must stay import-light.
 
-Not wired into services/config.py yet (the config is being restructured); the registry that
+Not wired into config/run.py yet (the config is being restructured); the registry that
 serves `code-exec` composes it when it lands.
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Literal
 
-from rollout.config import ModelConfig, RolloutConfig
+from config.rollout import ModelConfig, RolloutConfig
 from rollout.engines.base import AdapterVersionError, Engine, render_prompt
 
 __all__ = ["AdapterVersionError", "Engine", "make_engine", "render_prompt", "resolve_kind"]

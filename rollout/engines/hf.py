@@ -16,7 +16,7 @@ import torch
 from transformers.generation.logits_process import LogitsProcessor
 
 from rollout.adapters import validate_payload, write_payload
-from rollout.config import ModelConfig, RolloutConfig
+from config.rollout import ModelConfig, RolloutConfig
 from rollout.models import torch_dtype
 from rollout.engines.base import Engine, finish_reason
 from rollout.models import stop_token_ids

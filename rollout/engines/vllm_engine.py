@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from rollout.adapters import validate_payload, write_payload
-from rollout.config import ModelConfig, RolloutConfig
+from config.rollout import ModelConfig, RolloutConfig
 from rollout.engines.base import Engine, finish_reason
 from rollout.models import stop_token_ids
 from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams

@@ -1,7 +1,7 @@
 """The one config schema of a counterpoint run.
 
-Every default lives here or in the section modules this file composes (graders/config.py,
-rollout/config.py, learner/config.py); nowhere else. Runs start from a YAML file in configs/
+Every default lives here or in the section modules this file composes (config/grader.py,
+config/rollout.py, config/learner.py); nowhere else. Runs start from a YAML file in configs/
 plus dotted overrides (``--set learner.lr=1e-4``). Unknown keys are errors.
 This module imports pydantic and yaml only.
 """
@@ -14,9 +14,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from graders.config import GraderConfig
-from learner.config import LearnerConfig
-from rollout.config import ModelConfig, RolloutConfig
+from config.grader import GraderConfig
+from config.learner import LearnerConfig
+from config.rollout import ModelConfig, RolloutConfig
 
 
 class TrainerConfig(BaseModel):

@@ -32,6 +32,12 @@ class LearnerConfig(BaseModel):
         "Ray books for the rollout replica while that replica waits."
     )
     use_gpu: bool = Field(False, description="Place workers on GPUs (NCCL).")
+    gpus_per_worker: float = Field(
+        1.0, gt=0, le=1, description="GPUs each worker reserves in Ray when use_gpu. A fraction lets "
+        "rollout replicas share a learner's GPU (e.g. 0.6 here with rollout.num_gpus=0.4): a replica "
+        "holding part of a GPU otherwise keeps whole-GPU workers waiting forever. Above 0.5, so that "
+        "two workers (NCCL ranks) never land on one GPU."
+    )
     deepspeed: bool = Field(False, description="DeepSpeed ZeRO-2 instead of DDP (GPU only).")
     lora: LoraConfig = Field(default_factory=LoraConfig)
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
@@ -87,6 +93,13 @@ class LearnerConfig(BaseModel):
         description="When a resumed checkpoint's scheduler disagrees with the configured LR: "
         "'rebase' on the config (and say so in the receipt) or 'refuse' to start.",
     )
+
+    @model_validator(mode="after")
+    def _gpu_fraction_one_rank_per_gpu(self) -> "LearnerConfig":
+        if self.use_gpu and self.workers > 1 and self.gpus_per_worker <= 0.5:
+            raise ValueError(f"learner.gpus_per_worker={self.gpus_per_worker:g} with {self.workers} workers lets Ray "
+                             "put two NCCL ranks on one GPU; use more than 0.5")
+        return self
 
     @model_validator(mode="after")
     def _deepspeed_needs_gpu(self) -> "LearnerConfig":

@@ -1,0 +1,32 @@
+"""The config layer: the one schema of a counterpoint run, and the process environment every
+entry point sets. The bottom of the dependency graph: graders/, rollout/, learner/, services/
+and evals/ import it; it imports nothing of ours (pydantic and yaml only).
+
+- config/run.py: RunConfig (seed, run_name and one section per service), TrainerConfig,
+  EvalConfig; loading a YAML file plus dotted overrides; paths made absolute where read.
+- config/grader.py, config/rollout.py, config/learner.py: the service sections.
+- config/runtime_env.py: environment defaults (offline hubs, vLLM CPU mode, NCCL) applied before
+  Ray, vLLM or torch is imported, and handed to Ray workers.
+"""
+
+from config.grader import GraderConfig
+from config.learner import LearnerConfig, LoraConfig
+from config.rollout import ModelConfig, RolloutConfig
+from config.run import (
+    PATH_FIELDS,
+    ConfigError,
+    EvalConfig,
+    RunConfig,
+    TrainerConfig,
+    apply_override,
+    config_from_dict,
+    load_config,
+    resolved,
+    with_absolute_paths,
+)
+
+__all__ = [
+    "PATH_FIELDS", "ConfigError", "EvalConfig", "GraderConfig", "LearnerConfig", "LoraConfig", "ModelConfig",
+    "RolloutConfig", "RunConfig", "TrainerConfig", "apply_override", "config_from_dict", "load_config", "resolved",
+    "with_absolute_paths",
+]
