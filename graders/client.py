@@ -25,6 +25,9 @@ from graders.proto import grader_pb2_grpc as pb_grpc
 RETRYABLE = frozenset({
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.ABORTED,
 })
 
 
