@@ -1,0 +1,184 @@
+"""One round of tree search = one training step, as a pure function of two injected callables.
+
+    generate(prompts: list[messages], n) -> n completions per prompt (here always one prompt)
+        each with .text, .prompt_token_ids, .token_ids, .logprobs, .adapter_version,
+        .finish_reason and optionally .assistant_prefix (search.tree.Generation, or the
+        rollout's Sample as is)
+    execute(items: list[(case_id, completion)]) -> one result per item, in order, with
+        status, reward, val_metric, test_metric, oriented, exec_time, term_tail, exc_type,
+        message, limits, isolation, code (graders.code_exec ScoreResult, a gRPC reply or a dict)
+
+The driver plugs in the rollout client and the grader client; tests plug in a scripted policy
+and the real CodeExecTask. Expansions run one after another (each choice depends on the grades
+before it); the N/E siblings of one expansion are generated in one call and executed in one call,
+so the grader runs them concurrently. The input tree is not modified: the round works on a copy
+and returns it, so a step that fails half way leaves the caller's tree as it was.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from search.config import SearchConfig
+from search.policy import choose_expansion
+from search.prompts import render_prompt
+from search.tree import Node, Tree, oriented_value
+
+Generate = Callable[[list[list[dict[str, str]]], int], Sequence[Any]]
+Execute = Callable[[list[tuple[str, str]]], Sequence[Any]]
+RESULT_FIELDS = ("status", "reward", "val_metric", "test_metric", "oriented", "exec_time",
+                 "term_tail", "exc_type", "message", "limits", "isolation", "code")
+
+
+class RoundError(RuntimeError):
+    """A collaborator broke its contract (wrong count, missing field): never a partial round."""
+
+
+@dataclass
+class Round:
+    step: int
+    round: int  # the tree's round counter (0 for the first round of a tree)
+    task_id: str
+    nodes: list[Node]  # this round's nodes, in creation order
+    groups: list[int]  # sibling_group of each node (the GRPO group ids of the step)
+    expansions: list[dict[str, Any]]
+    summary: dict[str, Any]
+    tree: Tree  # the tree after this round
+
+
+def new_tree(case: Mapping[str, Any]) -> Tree:
+    task = case.get("task") or {}
+    if "metric" not in task or "direction" not in task:
+        raise ValueError(f"case {case.get('id')!r}: needs task.metric and task.direction")
+    return Tree(task_id=str(case["id"]), metric=task["metric"], direction=task["direction"])
+
+
+def node_id(step: int, round: int, group: int, index: int) -> str:
+    """Same shape as the archive's ids (services.archive.node_id): s<step>-r<round>-g<group>-<i>."""
+    return f"s{step}-r{round}-g{group}-{index}"
+
+
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def _result(res: Any, where: str) -> dict[str, Any]:
+    missing = [f for f in ("status", "reward") if _get(res, f) is None]
+    if missing:
+        raise RoundError(f"{where}: execute result lacks {missing}")
+    out = {f: _get(res, f) for f in RESULT_FIELDS}
+    out["limits"] = dict(out["limits"] or {})
+    out["term_tail"] = out["term_tail"] or ""
+    out["code"] = out["code"] or ""
+    out["isolation"] = out["isolation"] or ""
+    out["exec_time"] = float(out["exec_time"] or 0.0)
+    return out
+
+
+def grow_round(tree: Tree | None, case: Mapping[str, Any], cfg: SearchConfig, generate: Generate,
+               execute: Execute, round_index: int) -> Round:
+    """Grow cfg.expansions_per_round expansions of cfg.siblings nodes each on (a copy of) `tree`
+    (a fresh tree when None) for task `case`; `round_index` is the training step."""
+    tree = new_tree(case) if tree is None else tree.copy()
+    if tree.task_id != str(case["id"]):
+        raise ValueError(f"tree is of task {tree.task_id!r}, case is {case['id']!r}")
+    tround = tree.rounds
+    nodes: list[Node] = []
+    expansions: list[dict[str, Any]] = []
+    llm_s = exec_s = 0.0
+    for group in range(cfg.expansions_per_round):
+        choice = choose_expansion(tree, cfg)
+        parent = tree.get(choice.parent_id) if choice.parent_id else None
+        messages = render_prompt(choice.mode, case, parent, cfg)
+        where = f"step {round_index} expansion {group} ({choice.mode})"
+        t0 = time.perf_counter()
+        gens = list(generate([messages], cfg.siblings))
+        t1 = time.perf_counter()
+        if len(gens) != cfg.siblings:
+            raise RoundError(f"{where}: generate returned {len(gens)} completions, asked {cfg.siblings}")
+        items = [(tree.task_id, _get(g, "assistant_prefix", "") + _get(g, "text")) for g in gens]
+        results = list(execute(items))
+        t2 = time.perf_counter()
+        if len(results) != len(items):
+            raise RoundError(f"{where}: execute returned {len(results)} results for {len(items)}")
+        llm_s += t1 - t0
+        exec_s += t2 - t1
+        ids = []
+        for k, (g, res) in enumerate(zip(gens, results)):
+            r = _result(res, f"{where} sibling {k}")
+            token_ids = [int(t) for t in _get(g, "token_ids", [])]
+            logprobs = [float(x) for x in _get(g, "logprobs", [])]
+            if len(token_ids) != len(logprobs):
+                raise RoundError(f"{where} sibling {k}: {len(token_ids)} tokens, {len(logprobs)} log-probs")
+            node = Node(
+                id=node_id(round_index, tround, group, k), parent_id=choice.parent_id,
+                mode=choice.mode, step=round_index, round=tround, expansion=tree.expansions,
+                sibling_group=group, index=k, prompt_messages=[dict(m) for m in messages],
+                assistant_prefix=_get(g, "assistant_prefix", ""), raw_completion=_get(g, "text"),
+                prompt_token_ids=[int(t) for t in _get(g, "prompt_token_ids", [])],
+                response_token_ids=token_ids, response_logprobs=logprobs,
+                adapter_version=int(_get(g, "adapter_version", 0)),
+                finish_reason=str(_get(g, "finish_reason", "stop")), code=r["code"],
+                status=str(r["status"]), reward=float(r["reward"]), val_metric=r["val_metric"],
+                test_metric=r["test_metric"], oriented=r["oriented"], exec_time=r["exec_time"],
+                term_tail=r["term_tail"], exc_type=r["exc_type"], message=r["message"],
+                limits=r["limits"], isolation=r["isolation"],
+                debug_depth=parent.debug_depth + 1 if choice.mode == "debug" else 0,
+            )
+            nodes.append(tree.add(node))
+            ids.append(node.id)
+        expansions.append({"sibling_group": group, "expansion": tree.expansions, "mode": choice.mode,
+                           "parent_id": choice.parent_id, "reason": choice.reason, "node_ids": ids,
+                           "llm_seconds": t1 - t0, "exec_seconds": t2 - t1})
+        tree.expansions += 1
+    tree.rounds += 1
+    summary = round_summary(tree, nodes, cfg.select_on, round_index, tround, llm_s, exec_s)
+    return Round(step=round_index, round=tround, task_id=tree.task_id, nodes=nodes,
+                 groups=[n.sibling_group for n in nodes], expansions=expansions, summary=summary,
+                 tree=tree)
+
+
+def round_summary(tree: Tree, nodes: Sequence[Node], select_on: str, step: int, tround: int,
+                  llm_s: float, exec_s: float) -> dict[str, Any]:
+    """The spec's per-round summary. `best_node_id` is chosen on the selection metric among this
+    round's nodes and `honest_test_metric` is ITS test metric (what the search would submit);
+    `best_test_metric` is the best test metric of the round (the reference's round-best: an
+    oracle that peeks at the test rows, reported, never used to choose)."""
+    valid = [n for n in nodes if not n.is_buggy]
+    best = tree.best_valid(select_on, among=list(nodes))
+    tree_best = tree.best_valid(select_on)
+    tested = [n for n in valid if n.test_metric is not None]
+    oracle = max(tested, key=lambda n: oriented_value(n.test_metric, tree.direction), default=None)
+    return {
+        "step": step,
+        "round": tround,
+        "task": tree.task_id,
+        "metric": tree.metric,
+        "direction": tree.direction,
+        "select_on": select_on,
+        "nodes": len(nodes),
+        "valid": len(valid),
+        "expansions": len({n.expansion for n in nodes}),
+        "mode_counts": dict(Counter(n.mode for n in nodes)),
+        "status_counts": dict(Counter(n.status for n in nodes)),
+        "best_node_id": best.id if best else None,
+        "best_val_metric": best.val_metric if best else None,
+        "honest_test_metric": best.test_metric if best else None,
+        "best_test_metric": oracle.test_metric if oracle else None,
+        "best_test_node_id": oracle.id if oracle else None,
+        "tree_nodes": len(tree.nodes),
+        "tree_best_node_id": tree_best.id if tree_best else None,
+        "tree_honest_test_metric": tree_best.test_metric if tree_best else None,
+        "reward_mean": statistics.fmean(n.reward for n in nodes) if nodes else None,
+        "gen_llm_seconds": llm_s,
+        "gen_exec_seconds": exec_s,
+        "exec_time_sum": sum(n.exec_time for n in nodes),
+        "adapter_versions": sorted({n.adapter_version for n in nodes}),
+    }
