@@ -32,7 +32,7 @@ from search.tree import Node, Tree, oriented_value
 Generate = Callable[[list[list[dict[str, str]]], int], Sequence[Any]]
 Execute = Callable[[list[tuple[str, str]]], Sequence[Any]]
 RESULT_FIELDS = ("status", "reward", "val_metric", "test_metric", "oriented", "exec_time",
-                 "term_tail", "exc_type", "message", "limits", "isolation", "code")
+                 "term_tail", "exc_type", "message", "limits", "isolation", "code", "queue_wait")
 
 
 class RoundError(RuntimeError):
@@ -79,6 +79,7 @@ def _result(res: Any, where: str) -> dict[str, Any]:
     out["code"] = out["code"] or ""
     out["isolation"] = out["isolation"] or ""
     out["exec_time"] = float(out["exec_time"] or 0.0)
+    out["queue_wait"] = float(out["queue_wait"] or 0.0)
     return out
 
 
@@ -131,6 +132,7 @@ def grow_round(tree: Tree | None, case: Mapping[str, Any], cfg: SearchConfig, ge
                 term_tail=r["term_tail"], exc_type=r["exc_type"], message=r["message"],
                 limits=r["limits"], isolation=r["isolation"],
                 debug_depth=parent.debug_depth + 1 if choice.mode == "debug" else 0,
+                queue_wait=r["queue_wait"],
             )
             nodes.append(tree.add(node))
             ids.append(node.id)

@@ -26,7 +26,7 @@ CORE_FIELDS = (
 )
 TREE_FIELDS = (
     "expansion", "debug_depth", "val_metric", "oriented", "code", "plan", "thinking",
-    "finish_reason", "term_tail", "exc_type", "grade_error", "limits", "isolation",
+    "finish_reason", "term_tail", "exc_type", "grade_error", "limits", "isolation", "queue_wait",
 )
 ROW_FIELDS = CORE_FIELDS + TREE_FIELDS
 
@@ -61,7 +61,7 @@ def node_row(node: Node, exp_id: str, advantage: float | None = None) -> dict[st
         "val_metric": node.val_metric, "oriented": node.oriented, "code": node.code,
         "plan": plan, "thinking": thinking, "finish_reason": node.finish_reason,
         "term_tail": node.term_tail, "exc_type": node.exc_type, "grade_error": node.message,
-        "limits": dict(node.limits), "isolation": node.isolation,
+        "limits": dict(node.limits), "isolation": node.isolation, "queue_wait": node.queue_wait,
     }
     assert tuple(row) == ROW_FIELDS  # one list of fields, kept in step with the dict above
     return row

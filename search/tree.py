@@ -77,6 +77,7 @@ class Node:
     isolation: str
     debug_depth: int = 0
     n_children: int = 0
+    queue_wait: float = 0.0  # seconds the execution waited for a grader slot
 
     @property
     def is_buggy(self) -> bool:
