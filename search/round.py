@@ -183,4 +183,5 @@ def round_summary(tree: Tree, nodes: Sequence[Node], select_on: str, step: int, 
         "gen_exec_seconds": exec_s,
         "exec_time_sum": sum(n.exec_time for n in nodes),
         "adapter_versions": sorted({n.adapter_version for n in nodes}),
+        "exec_backend": ",".join(sorted({n.isolation for n in nodes if n.isolation})) or None,
     }

@@ -148,7 +148,7 @@ def test_parents_debug_depth_and_n_children(grown):
     assert all(n.prompt_messages == policy.prompts[n.sibling_group] for n in rnd.nodes)
 
 
-def test_summary_chooses_on_validation_and_reports_test(grown):
+def test_summary_chooses_on_validation_and_reports_test(grown, verifier):
     rnd, _, _ = grown
     s, tree = rnd.summary, rnd.tree
     assert (s["nodes"], s["valid"], s["expansions"], s["step"], s["round"]) == (12, 6, 3, 5, 0)
@@ -164,7 +164,7 @@ def test_summary_chooses_on_validation_and_reports_test(grown):
     assert s["gen_llm_seconds"] >= 0 and s["gen_exec_seconds"] > 1.0  # one timeout of 2 s ran
     assert s["gen_exec_seconds"] == pytest.approx(sum(e["exec_seconds"] for e in rnd.expansions))
     assert s["exec_time_sum"] == pytest.approx(sum(n.exec_time for n in rnd.nodes))
-    assert s["adapter_versions"] == [4]
+    assert s["adapter_versions"] == [4] and s["exec_backend"] == verifier.isolation
     json.dumps(s)
 
 
