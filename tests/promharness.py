@@ -507,11 +507,14 @@ def instants_with_data(prom: PromServer, exprs: Iterable[str], start: float, end
     return sorted(common or ()), answered
 
 
-def alert_states(prom: PromServer, start: float, end: float) -> dict[tuple[str, str], list[dict[str, str]]]:
-    """(alertname, alertstate) -> the label sets of every alert that was pending or firing at
-    some second of [start, end] (Prometheus's ALERTS series)."""
-    seen: dict[tuple[str, str], list[dict[str, str]]] = {}
+def alert_states(prom: PromServer, start: float, end: float) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """(alertname, alertstate) -> every alert that was pending or firing at some second of
+    [start, end] (Prometheus's ALERTS series): its labels, and its first and last second as
+    offsets from `start` ("from_s", "to_s")."""
+    seen: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for series in prom.query_range("ALERTS", start, end, 1.0):
-        labels = series["metric"]
-        seen.setdefault((labels["alertname"], labels["alertstate"]), []).append(labels)
+        labels = {k: v for k, v in series["metric"].items() if k != "__name__"}
+        times = [float(t) for t, _ in series["values"]]
+        seen.setdefault((labels["alertname"], labels["alertstate"]), []).append(
+            {**labels, "from_s": round(min(times) - start), "to_s": round(max(times) - start)})
     return seen

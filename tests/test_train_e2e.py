@@ -309,7 +309,9 @@ def test_smoke_run_end_to_end_with_prometheus_and_replica_kills(tmp_path: Path):
         firing = {name: labels for (name, state), labels in states.items() if state == "firing"}
         pending = {name: labels for (name, state), labels in states.items() if state == "pending"}
         assert not firing, f"alerts fired during a healthy run: {firing}"
-        assert set(pending) <= may_pend, f"alerts went pending during a healthy run: {pending}"
+        assert set(pending) <= may_pend, (
+            f"alerts went pending during a healthy run (seconds from Prometheus's start; step 1 at "
+            f"{first_step_at - prom_started:.0f} s, step {RUN_A_STEPS} at {last_step_at - prom_started:.0f} s): {pending}")
         if no_signal:  # every group tied on reward: the alert must follow the run's data
             assert "CounterpointNoLearningSignal" in pending, states
 
