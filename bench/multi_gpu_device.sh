@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call of the two-GPU bench (issue 16) on a lent GPU host; results in bench/results/multi-gpu.md.
-#   bash bench/multi_gpu_device.sh RUN...     RUN: disagg | ddp | zero2 | ddpcheck (ddp's N-vs-1 check alone)
+#   bash bench/multi_gpu_device.sh RUN...     RUN: disagg | ddp | zero2 | ddpcheck | zero2check (the N-vs-1 check alone)
 # Needs, carried: .whl/ (ray repacked without ray/jars, deepspeed built with DS_BUILD_OPS=0, and the
 # other wheels the image lacks: ../shared/MEASURED.md "Ray on the lent GPU machines") and
 # .devcache/tokenizer (bench/multi_gpu_device.py says how to make it). Writes logs and one table per
@@ -28,7 +28,9 @@ for run in "$@"; do
     ddp) args=("${SHARED[@]}" --title "Learner on both GPUs (DDP over NCCL), rollout sharing a GPU") ;;
     zero2) args=("${SHARED[@]}" --set learner.deepspeed=true --title "Learner on both GPUs (DeepSpeed ZeRO-2), rollout sharing a GPU") ;;
     ddpcheck) args=("${SHARED[@]}" --check-only --title "DDP: the learner's 2 workers vs 1 worker") ;;
-    *) echo "unknown run $run (disagg | ddp | zero2 | ddpcheck)"; exit 2 ;;
+    zero2check) args=("${SHARED[@]}" --set learner.deepspeed=true --check-only
+                      --title "ZeRO-2: the learner's 2 workers vs 1 worker") ;;
+    *) echo "unknown run $run (disagg | ddp | zero2 | ddpcheck | zero2check)"; exit 2 ;;
   esac
   echo "=== $run start $(date +%T)"
   limit_var="TIMEOUT_$run"  # e.g. TIMEOUT_zero2=330 overrides RUN_TIMEOUT_S for that run
