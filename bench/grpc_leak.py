@@ -142,13 +142,14 @@ def grader(args) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import grpc
 
-    from graders.fixtures import load_pool
+    from config.grader import GraderConfig
     from graders.proto import grader_pb2 as pb
     from graders.service import GraderCore, start_server
+    from graders.tasks import make_task
 
     method = "/counterpoint.grader.v1.Grader/Score"
     good = pb.ScoreRequest(case_id="ghost", completion="[]").SerializeToString()
-    server = start_server(GraderCore(load_pool()), "127.0.0.1", 0)
+    server = start_server(GraderCore(make_task(GraderConfig())), "127.0.0.1", 0)
     try:
         drive(server.address, args.warmup, UNDECODABLE, method)
         drive(server.address, args.warmup, good, method)

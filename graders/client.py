@@ -12,15 +12,15 @@ RESOURCE_EXHAUSTED for an oversized request, ...) are raised at once as `GraderR
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import grpc
 
+from graders import wire
 from graders.proto import grader_pb2 as pb
 from graders.proto import grader_pb2_grpc as pb_grpc
+from graders.records import CaseInfo, Health, Score  # noqa: F401  (what the client returns)
 
 RETRYABLE = frozenset({
     grpc.StatusCode.UNAVAILABLE,
@@ -50,116 +50,6 @@ class GraderUnavailable(GraderError):
 
 class GraderRequestError(GraderError):
     """The grader refused the request (bad argument, unknown case, pool too small)."""
-
-
-@dataclass(frozen=True)
-class Health:
-    task: str
-    pool_size: int
-    pool_source: str
-    voices: int
-    style: str
-    checker: str
-    counters: dict[str, int]
-    heldout_pool_size: int
-    openings_histogram: dict[int, int]
-    version: str
-    replica: str = ""  # which server or Serve replica answered (its counters are its own)
-
-
-@dataclass(frozen=True)
-class CaseInfo:
-    id: str
-    split: str
-    task: str
-    voices: int
-    style: str
-    chords: int
-    messages: list[dict[str, str]]
-    openings: list[str]
-    prefixes: list[str]
-    progression: dict
-
-
-@dataclass(frozen=True)
-class Score:
-    case_id: str
-    reward: float
-    format_ok: bool
-    admitted: bool
-    verdict: str
-    failing_rules: tuple[str, ...]
-    sounding_frames: int
-    expected_frames: int
-    opening: str
-    first_measure_ok: bool
-    status: str
-    test_metric: float | None = None
-    details: dict = field(default_factory=dict)
-
-
-def _health(r: pb.HealthReply) -> Health:
-    return Health(
-        task=r.task,
-        pool_size=r.pool_size,
-        pool_source=r.pool_source,
-        voices=r.voices,
-        style=r.style,
-        checker=r.checker,
-        counters={
-            "scored": r.counters.scored,
-            "unparsed": r.counters.unparsed,
-            "admitted": r.counters.admitted,
-            "first_measure_wrong": r.counters.first_measure_wrong,
-        },
-        heldout_pool_size=r.heldout_pool_size,
-        openings_histogram=dict(sorted(r.openings_histogram.items())),
-        version=r.version,
-        replica=r.replica,
-    )
-
-
-def _measure(value: float) -> int | float:
-    return int(value) if value.is_integer() else value
-
-
-def _case(c: pb.Case) -> CaseInfo:
-    return CaseInfo(
-        id=c.id,
-        split=c.split,
-        task=c.task,
-        voices=c.voices,
-        style=c.style,
-        chords=c.chords,
-        messages=[{"role": m.role, "content": m.content} for m in c.messages],
-        openings=list(c.openings),
-        prefixes=list(c.prefixes),
-        progression={
-            "key": c.progression.key,
-            "chords": [
-                {"measure": _measure(ch.measure), "chordSymbol": ch.chord_symbol}
-                for ch in c.progression.chords
-            ],
-        },
-    )
-
-
-def _score(r: pb.ScoreReply) -> Score:
-    return Score(
-        case_id=r.case_id,
-        reward=r.reward,
-        format_ok=r.format_ok,
-        admitted=r.admitted,
-        verdict=r.verdict,
-        failing_rules=tuple(r.failing_rules),
-        sounding_frames=r.sounding_frames,
-        expected_frames=r.expected_frames,
-        opening=r.opening,
-        first_measure_ok=r.first_measure_ok,
-        status=r.status,
-        test_metric=r.test_metric if r.HasField("test_metric") else None,
-        details=json.loads(r.details_json) if r.details_json else {},
-    )
 
 
 class GraderClient:
@@ -236,14 +126,14 @@ class GraderClient:
         )
 
     def health(self) -> Health:
-        return _health(self._call("Health", pb.HealthRequest()))
+        return wire.health_from_proto(self._call("Health", pb.HealthRequest()))
 
     def cases(self, limit: int = 0, split: str = "train") -> list[CaseInfo]:
         reply = self._call("Cases", pb.CasesRequest(limit=limit, split=split))
-        return [_case(c) for c in reply.cases]
+        return [wire.case_from_proto(c) for c in reply.cases]
 
     def score(self, case_id: str, completion: str) -> Score:
-        return _score(self._call("Score", pb.ScoreRequest(case_id=case_id, completion=completion)))
+        return wire.score_from_proto(self._call("Score", pb.ScoreRequest(case_id=case_id, completion=completion)))
 
     def score_batch(self, pairs: Sequence[tuple[str, str]]) -> list[Score]:
         """Scores in the order of ``pairs``; raises rather than return fewer."""
@@ -253,7 +143,7 @@ class GraderClient:
         replies = self._call("ScoreBatch", request).replies
         if len(replies) != len(pairs):
             raise GraderError(f"grader returned {len(replies)} scores for {len(pairs)} requests")
-        return [_score(r) for r in replies]
+        return [wire.score_from_proto(r) for r in replies]
 
     def close(self) -> None:
         self._channel.close()

@@ -60,17 +60,16 @@ def add_grader_to_proxy(servicer, server) -> None:
 class GraderDeployment:
     def __init__(self, config: dict) -> None:
         from graders.auth import resolve_token
-        from graders.fixtures import load_pool
         from graders.metrics import use_ray_metrics
         from graders.service import GraderCore
+        from graders.tasks import make_task
         from config.runtime_env import apply_defaults
 
         apply_defaults()
         use_ray_metrics()  # exported by Ray's metrics agent of this node
         cfg = GraderConfig(**config)
-        pool = load_pool(cfg.fixture, cfg.heldout_fixture, cfg.voices, cfg.style, cfg.bars)
         replica = serve.get_replica_context().replica_id.unique_id
-        self.core = GraderCore(pool, cfg.voices, cfg.style, cfg.checker, cfg.task, replica)
+        self.core = GraderCore(make_task(cfg), replica)
         self.token = resolve_token(cfg.token_env, cfg.token_file)  # checked on gRPC calls
 
     def _grpc(self, rpc: str, request, grpc_context):
@@ -114,23 +113,15 @@ class GraderDeployment:
             return code.name, details, b""
         return "", "", reply.SerializeToString()
 
-    # Handle path (Python callers inside the cluster).
+    # Handle path (Python callers inside the cluster): the plain records, no proto round trip.
     def score_batch(self, pairs: list[tuple[str, str]]):
-        from graders.client import _score
-
-        return [_score(r) for r in self.core.score_pairs([tuple(p) for p in pairs])]
+        return self.core.score_records([tuple(p) for p in pairs])
 
     def cases(self, limit: int = 0, split: str = "train"):
-        from graders.client import _case
-        from graders.proto import grader_pb2 as pb
-
-        reply = self.core.cases(pb.CasesRequest(limit=limit, split=split))
-        return [_case(c) for c in reply.cases]
+        return self.core.cases_records(limit, split)
 
     def health(self):
-        from graders.client import _health
-
-        return _health(self.core.health())
+        return self.core.health_record()
 
 
 def deployment_options(cfg: GraderConfig) -> dict[str, Any]:
@@ -146,7 +137,8 @@ def deployment_options(cfg: GraderConfig) -> dict[str, Any]:
             "target_ongoing_requests": cfg.target_ongoing_requests,
         },
         "max_ongoing_requests": max(16, int(2 * cfg.target_ongoing_requests)),
-        "ray_actor_options": {"num_cpus": cfg.num_cpus},
+        "ray_actor_options": {"num_cpus": cfg.num_cpus, **(
+            {"memory": cfg.replica_memory_mb * 2**20} if cfg.replica_memory_mb else {})},
     }
 
 
@@ -186,7 +178,7 @@ def build_app(cfg: GraderConfig | dict[str, Any]):
         cfg = GraderConfig(**(cfg or {}))
     fields = cfg.model_dump(include={
         "task", "fixture", "heldout_fixture", "voices", "style", "checker", "bars",
-        "token_env", "token_file",
+        "token_env", "token_file", "code_exec",
     })
     return GraderDeployment.options(**deployment_options(cfg)).bind(fields)
 

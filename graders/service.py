@@ -1,10 +1,11 @@
-"""The grader over gRPC: a thin shell around the verifier (`graders.voice_leading.score`) and a
-prompt pool (`graders.fixtures.Pool`).
+"""The grader over gRPC: a thin shell around one task (graders/tasks.py: a pool and a verifier,
+plain Python) that knows nothing of any task.
 
-`GraderCore` answers the four RPCs with proto messages and raises `PoolError` (whose `code`
-names the status) for bad requests; the plain grpcio servicer here and the Ray Serve deployment
-(`graders/serve_app.py`) only translate that into a gRPC status. Anything unexpected becomes
-INTERNAL with its message: a grader never answers UNKNOWN.
+`GraderCore` answers the four RPCs (proto in, proto out, through graders/wire.py) and raises
+`PoolError` / `StatusError` (whose `code` names the status) for bad requests; the plain grpcio
+servicer here and the Ray Serve deployment (`graders/serve_app.py`) only translate that into a
+gRPC status. Anything unexpected becomes INTERNAL with its message: a grader never answers
+UNKNOWN.
 
 The server takes one port alone (no SO_REUSEPORT: a second server on a held port is refused,
 `PortInUse`), caps request size (`GraderConfig.max_message_bytes`) and, given a token, refuses
@@ -13,7 +14,6 @@ Grader calls without it (`graders.auth`).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -24,12 +24,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from graders import metrics
-from graders.auth import UNAUTHENTICATED_DETAILS, token_ok
 from config.grader import GraderConfig
-from graders.fixtures import Case, Pool, PoolError
+from graders import metrics, wire
+from graders.auth import UNAUTHENTICATED_DETAILS, token_ok
 from graders.proto import grader_pb2 as pb
 from graders.proto import grader_pb2_grpc as pb_grpc
+from graders.records import CaseInfo, Health, PoolError, Score
+from graders.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -115,119 +116,60 @@ def _version() -> str:
         return "unknown"
 
 
-def case_to_proto(case: Case, task: str) -> pb.Case:
-    return pb.Case(
-        id=case.id,
-        split=case.split,
-        task=task,
-        voices=case.voices,
-        style=case.style,
-        chords=case.chords,
-        messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in case.messages],
-        openings=[",".join(str(d) for d in o) for o in case.openings],
-        prefixes=list(case.prefixes),
-        progression=pb.Progression(
-            key=case.progression["key"],
-            chords=[
-                pb.Chord(measure=c["measure"], chord_symbol=c["chordSymbol"])
-                for c in case.progression["chords"]
-            ],
-        ),
-    )
-
-
-def result_to_proto(case_id: str, result) -> pb.ScoreReply:
-    details = {"first_measure": result.first_measure, "voice_count": result.voice_count}
-    return pb.ScoreReply(
-        case_id=case_id,
-        reward=result.reward,
-        format_ok=result.format_ok,
-        admitted=result.admitted,
-        verdict=result.verdict,
-        failing_rules=list(result.failing_rules),
-        sounding_frames=result.sounding_frames,
-        expected_frames=result.expected_frames,
-        status="ok",
-        details_json=json.dumps(details),
-        opening=result.opening,
-        first_measure_ok=result.first_measure_ok,
-    )
-
-
 class GraderCore:
-    """Pool + verifier options + counters; every method returns a reply proto or raises
-    PoolError. Thread-safe (the verifier is pure, the counters lock)."""
+    """One task (graders/tasks.py) plus counters, answering the four RPCs: ``handle(rpc,
+    request)`` takes and returns proto messages (graders/wire.py converts), the ``*_records``
+    methods the plain records (the Serve handle path). Raises PoolError / StatusError for bad
+    requests. Thread-safe as long as the task's score is (the counters lock)."""
 
-    def __init__(
-        self,
-        pool: Pool,
-        voices: int = 2,
-        style: str = "common-practice",
-        checker: str = "reference",
-        task: str = "voice-leading",
-        replica: str | None = None,
-    ) -> None:
-        from graders.voice_leading.score import check_options
-
-        check_options(voices, style, checker)
-        self.pool, self.voices, self.style, self.checker, self.task = (
-            pool, voices, style, checker, task,
-        )
+    def __init__(self, task: Task, replica: str | None = None) -> None:
+        self.task = task
         self.replica = replica or f"{socket.gethostname()}:{os.getpid()}"
         self.counters = metrics.Counters()
         self.version = _version()
 
-    def health(self, request: pb.HealthRequest | None = None) -> pb.HealthReply:
-        return pb.HealthReply(
-            task=self.task,
-            pool_size=self.pool.size("train"),
-            pool_source=self.pool.source,
-            voices=self.voices,
-            style=self.style,
-            checker=self.checker,
-            counters=pb.Counters(**self.counters.snapshot()),
-            heldout_pool_size=self.pool.size("heldout") if "heldout" in self.pool.splits else 0,
-            openings_histogram=self.pool.openings_histogram("train"),
-            version=self.version,
-            replica=self.replica,
+    def health_record(self) -> Health:
+        info = self.task.info()
+        return Health(
+            task=self.task.name, pool_size=info.pool_size, pool_source=info.pool_source,
+            counters=self.counters.snapshot(), heldout_pool_size=info.heldout_pool_size, version=self.version,
+            replica=self.replica, voices=info.voices, style=info.style, checker=info.checker,
+            openings_histogram=info.openings_histogram, details=info.details,
         )
+
+    def cases_records(self, limit: int, split: str) -> list[CaseInfo]:
+        if limit < 0:
+            raise PoolError(f"limit must be >= 0, got {limit}")
+        return self.task.cases(limit, split or "train")
+
+    def score_records(self, pairs: list[tuple[str, str]]) -> list[Score]:
+        """Score (case_id, completion) pairs in order; the task checks every id before scoring."""
+        scores = self.task.score(pairs)
+        if len(scores) != len(pairs):
+            raise StatusError("INTERNAL", f"task {self.task.name} returned {len(scores)} scores for {len(pairs)}")
+        for s in scores:
+            self.counters.add(format_ok=s.format_ok, admitted=s.admitted, first_measure_ok=s.first_measure_ok)
+        metrics.observe_scores(self.task.name, [s.verdict for s in scores])
+        return scores
+
+    def health(self, request: pb.HealthRequest | None = None) -> pb.HealthReply:
+        return wire.health_to_proto(self.health_record())
 
     def cases(self, request: pb.CasesRequest) -> pb.CasesReply:
         split = request.split or "train"
-        cases = self.pool.take(request.limit, split)
-        return pb.CasesReply(
-            cases=[case_to_proto(c, self.task) for c in cases], pool_size=self.pool.size(split)
-        )
+        cases = self.cases_records(request.limit, split)
+        return pb.CasesReply(cases=[wire.case_to_proto(c) for c in cases], pool_size=self.task_size(split))
 
-    def score_pairs(self, pairs: list[tuple[str, str]]) -> list[pb.ScoreReply]:
-        """Score (case_id, completion) pairs in order; every id is checked before any scoring."""
-        from graders.voice_leading import score
-
-        cases = []
-        for i, (case_id, _) in enumerate(pairs):
-            try:
-                cases.append(self.pool.get(case_id))
-            except PoolError as exc:
-                where = f"requests[{i}]: " if len(pairs) > 1 else ""
-                raise type(exc)(f"{where}{exc}") from None
-        replies = []
-        for case, (case_id, completion) in zip(cases, pairs, strict=True):
-            result = score(case.progression, completion, case.voices, case.style, self.checker)
-            self.counters.add(
-                format_ok=result.format_ok,
-                admitted=result.admitted,
-                first_measure_ok=result.first_measure_ok,
-            )
-            replies.append(result_to_proto(case_id, result))
-        metrics.observe_scores(self.task, [r.verdict for r in replies])
-        return replies
+    def task_size(self, split: str) -> int:
+        info = self.task.info()
+        return info.heldout_pool_size if split == "heldout" else info.pool_size
 
     def score(self, request: pb.ScoreRequest) -> pb.ScoreReply:
-        return self.score_pairs([(request.case_id, request.completion)])[0]
+        return wire.score_to_proto(self.score_records([(request.case_id, request.completion)])[0])
 
     def score_batch(self, request: pb.ScoreBatchRequest) -> pb.ScoreBatchReply:
         pairs = [(r.case_id, r.completion) for r in request.requests]
-        return pb.ScoreBatchReply(replies=self.score_pairs(pairs))
+        return pb.ScoreBatchReply(replies=[wire.score_to_proto(s) for s in self.score_records(pairs)])
 
     def handle(self, rpc: str, request):
         """Dispatch by RPC name, timing it (Prometheus latency histogram)."""
@@ -241,7 +183,7 @@ class GraderCore:
         try:
             return method(request)
         finally:
-            metrics.observe_latency(self.task, rpc, time.perf_counter() - start)
+            metrics.observe_latency(self.task.name, rpc, time.perf_counter() - start)
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

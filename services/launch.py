@@ -97,8 +97,9 @@ def start_grader(cfg: RunConfig, stack: ExitStack):
     if address is None:
         from graders import serve_app
 
-        port = serve_app.free_port() if hasattr(serve_app, "free_port") else _free_port()
+        port = serve_app.free_port()
         serve_app.start(cfg.grader, grpc_port=port, http_port=_free_port())
+        stack.callback(serve_app.stop_front, cfg.grader.app_name)  # the loopback front, if any
         address = f"127.0.0.1:{port}"
     client = GraderClient.from_config(cfg.grader, address=address)
     stack.callback(client.close)

@@ -21,7 +21,6 @@ from services.orchestrator import RunParts, StepRecord, run_steps, sampling_para
 from services.launch import check_resources, start_grader, start_ray, start_rollout, stop_token_report
 
 log = logging.getLogger("counterpoint.train")
-TASK = "voice-leading"
 
 
 @dataclass
@@ -104,8 +103,8 @@ def _had_given_init(run: RunDir) -> bool:
 class StepRecorder:
     """Archive + metrics + progress for each trained step (timing.jsonl written last)."""
 
-    def __init__(self, run: RunDir, metrics, progress) -> None:
-        self.run, self.metrics, self.progress = run, metrics, progress
+    def __init__(self, run: RunDir, metrics, progress, task: str) -> None:
+        self.run, self.metrics, self.progress, self.task = run, metrics, progress, task
 
     def __call__(self, rec: StepRecord) -> None:
         ro = rec.rollouts
@@ -122,7 +121,7 @@ class StepRecorder:
             for i, (g, p, s, sc, a) in enumerate(zip(ro.groups, ro.prompts, ro.samples, rec.scores, rec.advantages))
         ]
         epoch = self.progress.epoch_of(rec.step)
-        self.run.write_round(rec.step, TASK, epoch, rows)
+        self.run.write_round(rec.step, self.task, epoch, rows)
         generated = sum(len(s.token_ids) for s in ro.samples)
         scalars = {
             **rec.learner_metrics, **rec.extra,
@@ -189,6 +188,9 @@ def train(opts: TrainOptions) -> RunDir:
         install_sigterm_handler()
         grader = start_grader(cfg, stack)
         health = grader.health()
+        if health.task != cfg.grader.task:  # an external grader serving another task than configured
+            raise RuntimeError(f"grader.task is {cfg.grader.task!r} but the grader at {cfg.grader.address} serves "
+                               f"{health.task!r}")
         receipt.set_grader_health(task=health.task, pool_size=health.pool_size, pool_source=health.pool_source,
                                   checker=health.checker, voices=health.voices, style=health.style)
         receipt.update(checker=health.checker)
@@ -230,7 +232,7 @@ def train(opts: TrainOptions) -> RunDir:
         progress = StepProgress(cfg.trainer.steps, first_step, lambda s: sampler.position(s)["epoch"])
         stack.callback(progress.close)
         parts = RunParts(cfg=cfg, cases=cases, sampler=sampler, grader=grader, rollout=rollout,
-                         learner=learner, record=StepRecorder(run, metrics, progress), version=adapter.version)
+                         learner=learner, record=StepRecorder(run, metrics, progress, health.task), version=adapter.version)
         try:
             run_steps(parts, first_step)
         finally:

@@ -171,7 +171,8 @@ def case_of_row(row: dict) -> str:
 def train_args(runs_dir, run_name: str, address: str, *sets: str) -> list[str]:
     """`counterpoint train` on configs/smoke.yaml against a char-share grader at ``address``."""
     args = ["train", "--config", "configs/smoke.yaml", "--run-name", run_name,
-            "--set", f"trainer.runs_dir={runs_dir}", "--set", f"grader.address={address}"]
+            "--set", f"trainer.runs_dir={runs_dir}", "--set", f"grader.address={address}",
+            "--set", f"grader.task={TASK}"]  # the run checks the grader serves the task it names
     for s in (*LEARNS, *sets):
         args += ["--set", s]
     return args

@@ -1,9 +1,9 @@
 """The dependency direction of the packages (README, "Architecture"), read from the source:
 
-    config  <-  graders, rollout, learner  <-  evals  <-  services
+    config  <-  graders, rollout, learner, search  <-  evals  <-  services
 
-config imports nothing of ours; graders/, rollout/ and learner/ import neither services/ nor
-evals/; evals/ does not import services/; and no two of our modules import each other, directly
+config imports nothing of ours; graders/, rollout/, learner/ and search/ import neither services/
+nor evals/; evals/ does not import services/; and no two of our modules import each other, directly
 or through others (imports inside functions included: a lazy import is still a dependency).
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("config", "graders", "rollout", "learner", "evals", "services")
+PACKAGES = ("config", "graders", "rollout", "learner", "search", "evals", "services")
 
 
 def module_name(path: Path) -> str:
@@ -63,7 +63,8 @@ def top(name: str) -> str:
 
 
 @pytest.mark.parametrize("package, forbidden", [
-    ("config", {"graders", "rollout", "learner", "evals", "services"}),
+    ("config", {"graders", "rollout", "learner", "search", "evals", "services"}),
+    ("search", {"services", "evals"}),
     ("graders", {"services", "evals"}),
     ("rollout", {"services", "evals"}),
     ("learner", {"services", "evals"}),

@@ -19,6 +19,8 @@ from graders.auth import TOKEN_METADATA, TokenError, resolve_token, token_ok
 from graders.client import GraderClient, GraderRequestError, GraderUnavailable, retryable
 from config.grader import GraderConfig
 from graders.fixtures import load_pool
+from config.grader import GraderConfig
+from graders.tasks import make_task
 from graders.service import SERVICE_NAME, GraderCore, PortInUse, start_server
 from graders.voice_leading import score
 
@@ -32,7 +34,7 @@ def _cli(*args: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def core():
-    return GraderCore(load_pool())
+    return GraderCore(make_task(GraderConfig()))
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ from graders.fixtures import load_pool
 from graders.metrics import start_metrics_server
 from graders.proto import grader_pb2 as pb
 from graders.proto import grader_pb2_grpc as pb_grpc
+from config.grader import GraderConfig
+from graders.tasks import make_task
 from graders.service import SERVICE_NAME, GraderCore, start_server
 from graders.voice_leading import score
 
@@ -61,7 +63,7 @@ def tiny_fixture(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_fixture):
-    core = GraderCore(load_pool(fixture=tiny_fixture), voices=2, style="common-practice")
+    core = GraderCore(make_task(GraderConfig(fixture=str(tiny_fixture), voices=2, style="common-practice")))
     running = start_server(core, "127.0.0.1", 0)
     yield running
     running.stop(None)
@@ -69,7 +71,7 @@ def server(tiny_fixture):
 
 @pytest.fixture(scope="module")
 def default_server():
-    running = start_server(GraderCore(load_pool()), "127.0.0.1", 0)
+    running = start_server(GraderCore(make_task(GraderConfig())), "127.0.0.1", 0)
     yield running
     running.stop(None)
 

@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agraders/proto/grader.proto\x12\x16\x63ounterpoint.grader.v1\"\x0f\n\rHealthRequest\"[\n\x08\x43ounters\x12\x0e\n\x06scored\x18\x01 \x01(\x03\x12\x10\n\x08unparsed\x18\x02 \x01(\x03\x12\x10\n\x08\x61\x64mitted\x18\x03 \x01(\x03\x12\x1b\n\x13\x66irst_measure_wrong\x18\x04 \x01(\x03\"\xf6\x02\n\x0bHealthReply\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x11\n\tpool_size\x18\x02 \x01(\x05\x12\x13\n\x0bpool_source\x18\x03 \x01(\t\x12\x0e\n\x06voices\x18\x04 \x01(\x05\x12\r\n\x05style\x18\x05 \x01(\t\x12\x0f\n\x07\x63hecker\x18\x06 \x01(\t\x12\x32\n\x08\x63ounters\x18\x07 \x01(\x0b\x32 .counterpoint.grader.v1.Counters\x12\x19\n\x11heldout_pool_size\x18\x08 \x01(\x05\x12V\n\x12openings_histogram\x18\t \x03(\x0b\x32:.counterpoint.grader.v1.HealthReply.OpeningsHistogramEntry\x12\x0f\n\x07version\x18\n \x01(\t\x12\x0f\n\x07replica\x18\x0b \x01(\t\x1a\x38\n\x16OpeningsHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\",\n\x0c\x43\x61sesRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\x12\r\n\x05split\x18\x02 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\".\n\x05\x43hord\x12\x0f\n\x07measure\x18\x01 \x01(\x01\x12\x14\n\x0c\x63hord_symbol\x18\x02 \x01(\t\"I\n\x0bProgression\x12\x0b\n\x03key\x18\x01 \x01(\t\x12-\n\x06\x63hords\x18\x02 \x03(\x0b\x32\x1d.counterpoint.grader.v1.Chord\"\xf3\x01\n\x04\x43\x61se\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05split\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\x0e\n\x06voices\x18\x04 \x01(\x05\x12\r\n\x05style\x18\x05 \x01(\t\x12\x0e\n\x06\x63hords\x18\x06 \x01(\x05\x12\x35\n\x08messages\x18\x07 \x03(\x0b\x32#.counterpoint.grader.v1.ChatMessage\x12\x10\n\x08openings\x18\x08 \x03(\t\x12\x10\n\x08prefixes\x18\t \x03(\t\x12\x38\n\x0bprogression\x18\n \x01(\x0b\x32#.counterpoint.grader.v1.Progression\"L\n\nCasesReply\x12+\n\x05\x63\x61ses\x18\x01 \x03(\x0b\x32\x1c.counterpoint.grader.v1.Case\x12\x11\n\tpool_size\x18\x02 \x01(\x05\"3\n\x0cScoreRequest\x12\x0f\n\x07\x63\x61se_id\x18\x01 \x01(\t\x12\x12\n\ncompletion\x18\x02 \x01(\t\"\xa7\x02\n\nScoreReply\x12\x0f\n\x07\x63\x61se_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x11\n\tformat_ok\x18\x03 \x01(\x08\x12\x10\n\x08\x61\x64mitted\x18\x04 \x01(\x08\x12\x0f\n\x07verdict\x18\x05 \x01(\t\x12\x15\n\rfailing_rules\x18\x06 \x03(\t\x12\x17\n\x0fsounding_frames\x18\x07 \x01(\x05\x12\x17\n\x0f\x65xpected_frames\x18\x08 \x01(\x05\x12\x0e\n\x06status\x18\t \x01(\t\x12\x18\n\x0btest_metric\x18\n \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0c\x64\x65tails_json\x18\x0b \x01(\t\x12\x0f\n\x07opening\x18\x0c \x01(\t\x12\x18\n\x10\x66irst_measure_ok\x18\r \x01(\x08\x42\x0e\n\x0c_test_metric\"K\n\x11ScoreBatchRequest\x12\x36\n\x08requests\x18\x01 \x03(\x0b\x32$.counterpoint.grader.v1.ScoreRequest\"F\n\x0fScoreBatchReply\x12\x33\n\x07replies\x18\x01 \x03(\x0b\x32\".counterpoint.grader.v1.ScoreReply2\xe6\x02\n\x06Grader\x12T\n\x06Health\x12%.counterpoint.grader.v1.HealthRequest\x1a#.counterpoint.grader.v1.HealthReply\x12Q\n\x05\x43\x61ses\x12$.counterpoint.grader.v1.CasesRequest\x1a\".counterpoint.grader.v1.CasesReply\x12Q\n\x05Score\x12$.counterpoint.grader.v1.ScoreRequest\x1a\".counterpoint.grader.v1.ScoreReply\x12`\n\nScoreBatch\x12).counterpoint.grader.v1.ScoreBatchRequest\x1a\'.counterpoint.grader.v1.ScoreBatchReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agraders/proto/grader.proto\x12\x16\x63ounterpoint.grader.v1\"\x0f\n\rHealthRequest\"[\n\x08\x43ounters\x12\x0e\n\x06scored\x18\x01 \x01(\x03\x12\x10\n\x08unparsed\x18\x02 \x01(\x03\x12\x10\n\x08\x61\x64mitted\x18\x03 \x01(\x03\x12\x1b\n\x13\x66irst_measure_wrong\x18\x04 \x01(\x03\"\x8c\x03\n\x0bHealthReply\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x11\n\tpool_size\x18\x02 \x01(\x05\x12\x13\n\x0bpool_source\x18\x03 \x01(\t\x12\x0e\n\x06voices\x18\x04 \x01(\x05\x12\r\n\x05style\x18\x05 \x01(\t\x12\x0f\n\x07\x63hecker\x18\x06 \x01(\t\x12\x32\n\x08\x63ounters\x18\x07 \x01(\x0b\x32 .counterpoint.grader.v1.Counters\x12\x19\n\x11heldout_pool_size\x18\x08 \x01(\x05\x12V\n\x12openings_histogram\x18\t \x03(\x0b\x32:.counterpoint.grader.v1.HealthReply.OpeningsHistogramEntry\x12\x0f\n\x07version\x18\n \x01(\t\x12\x0f\n\x07replica\x18\x0b \x01(\t\x12\x14\n\x0c\x64\x65tails_json\x18\x0c \x01(\t\x1a\x38\n\x16OpeningsHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\",\n\x0c\x43\x61sesRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\x12\r\n\x05split\x18\x02 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\".\n\x05\x43hord\x12\x0f\n\x07measure\x18\x01 \x01(\x01\x12\x14\n\x0c\x63hord_symbol\x18\x02 \x01(\t\"I\n\x0bProgression\x12\x0b\n\x03key\x18\x01 \x01(\t\x12-\n\x06\x63hords\x18\x02 \x03(\x0b\x32\x1d.counterpoint.grader.v1.Chord\"\x89\x02\n\x04\x43\x61se\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05split\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\x0e\n\x06voices\x18\x04 \x01(\x05\x12\r\n\x05style\x18\x05 \x01(\t\x12\x0e\n\x06\x63hords\x18\x06 \x01(\x05\x12\x35\n\x08messages\x18\x07 \x03(\x0b\x32#.counterpoint.grader.v1.ChatMessage\x12\x10\n\x08openings\x18\x08 \x03(\t\x12\x10\n\x08prefixes\x18\t \x03(\t\x12\x38\n\x0bprogression\x18\n \x01(\x0b\x32#.counterpoint.grader.v1.Progression\x12\x14\n\x0c\x64\x65tails_json\x18\x0b \x01(\t\"L\n\nCasesReply\x12+\n\x05\x63\x61ses\x18\x01 \x03(\x0b\x32\x1c.counterpoint.grader.v1.Case\x12\x11\n\tpool_size\x18\x02 \x01(\x05\"3\n\x0cScoreRequest\x12\x0f\n\x07\x63\x61se_id\x18\x01 \x01(\t\x12\x12\n\ncompletion\x18\x02 \x01(\t\"\xa7\x02\n\nScoreReply\x12\x0f\n\x07\x63\x61se_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x11\n\tformat_ok\x18\x03 \x01(\x08\x12\x10\n\x08\x61\x64mitted\x18\x04 \x01(\x08\x12\x0f\n\x07verdict\x18\x05 \x01(\t\x12\x15\n\rfailing_rules\x18\x06 \x03(\t\x12\x17\n\x0fsounding_frames\x18\x07 \x01(\x05\x12\x17\n\x0f\x65xpected_frames\x18\x08 \x01(\x05\x12\x0e\n\x06status\x18\t \x01(\t\x12\x18\n\x0btest_metric\x18\n \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0c\x64\x65tails_json\x18\x0b \x01(\t\x12\x0f\n\x07opening\x18\x0c \x01(\t\x12\x18\n\x10\x66irst_measure_ok\x18\r \x01(\x08\x42\x0e\n\x0c_test_metric\"K\n\x11ScoreBatchRequest\x12\x36\n\x08requests\x18\x01 \x03(\x0b\x32$.counterpoint.grader.v1.ScoreRequest\"F\n\x0fScoreBatchReply\x12\x33\n\x07replies\x18\x01 \x03(\x0b\x32\".counterpoint.grader.v1.ScoreReply2\xe6\x02\n\x06Grader\x12T\n\x06Health\x12%.counterpoint.grader.v1.HealthRequest\x1a#.counterpoint.grader.v1.HealthReply\x12Q\n\x05\x43\x61ses\x12$.counterpoint.grader.v1.CasesRequest\x1a\".counterpoint.grader.v1.CasesReply\x12Q\n\x05Score\x12$.counterpoint.grader.v1.ScoreRequest\x1a\".counterpoint.grader.v1.ScoreReply\x12`\n\nScoreBatch\x12).counterpoint.grader.v1.ScoreBatchRequest\x1a\'.counterpoint.grader.v1.ScoreBatchReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -28,29 +28,29 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_COUNTERS']._serialized_start=71
   _globals['_COUNTERS']._serialized_end=162
   _globals['_HEALTHREPLY']._serialized_start=165
-  _globals['_HEALTHREPLY']._serialized_end=539
-  _globals['_HEALTHREPLY_OPENINGSHISTOGRAMENTRY']._serialized_start=483
-  _globals['_HEALTHREPLY_OPENINGSHISTOGRAMENTRY']._serialized_end=539
-  _globals['_CASESREQUEST']._serialized_start=541
-  _globals['_CASESREQUEST']._serialized_end=585
-  _globals['_CHATMESSAGE']._serialized_start=587
-  _globals['_CHATMESSAGE']._serialized_end=631
-  _globals['_CHORD']._serialized_start=633
-  _globals['_CHORD']._serialized_end=679
-  _globals['_PROGRESSION']._serialized_start=681
-  _globals['_PROGRESSION']._serialized_end=754
-  _globals['_CASE']._serialized_start=757
-  _globals['_CASE']._serialized_end=1000
-  _globals['_CASESREPLY']._serialized_start=1002
-  _globals['_CASESREPLY']._serialized_end=1078
-  _globals['_SCOREREQUEST']._serialized_start=1080
-  _globals['_SCOREREQUEST']._serialized_end=1131
-  _globals['_SCOREREPLY']._serialized_start=1134
-  _globals['_SCOREREPLY']._serialized_end=1429
-  _globals['_SCOREBATCHREQUEST']._serialized_start=1431
-  _globals['_SCOREBATCHREQUEST']._serialized_end=1506
-  _globals['_SCOREBATCHREPLY']._serialized_start=1508
-  _globals['_SCOREBATCHREPLY']._serialized_end=1578
-  _globals['_GRADER']._serialized_start=1581
-  _globals['_GRADER']._serialized_end=1939
+  _globals['_HEALTHREPLY']._serialized_end=561
+  _globals['_HEALTHREPLY_OPENINGSHISTOGRAMENTRY']._serialized_start=505
+  _globals['_HEALTHREPLY_OPENINGSHISTOGRAMENTRY']._serialized_end=561
+  _globals['_CASESREQUEST']._serialized_start=563
+  _globals['_CASESREQUEST']._serialized_end=607
+  _globals['_CHATMESSAGE']._serialized_start=609
+  _globals['_CHATMESSAGE']._serialized_end=653
+  _globals['_CHORD']._serialized_start=655
+  _globals['_CHORD']._serialized_end=701
+  _globals['_PROGRESSION']._serialized_start=703
+  _globals['_PROGRESSION']._serialized_end=776
+  _globals['_CASE']._serialized_start=779
+  _globals['_CASE']._serialized_end=1044
+  _globals['_CASESREPLY']._serialized_start=1046
+  _globals['_CASESREPLY']._serialized_end=1122
+  _globals['_SCOREREQUEST']._serialized_start=1124
+  _globals['_SCOREREQUEST']._serialized_end=1175
+  _globals['_SCOREREPLY']._serialized_start=1178
+  _globals['_SCOREREPLY']._serialized_end=1473
+  _globals['_SCOREBATCHREQUEST']._serialized_start=1475
+  _globals['_SCOREBATCHREQUEST']._serialized_end=1550
+  _globals['_SCOREBATCHREPLY']._serialized_start=1552
+  _globals['_SCOREBATCHREPLY']._serialized_end=1622
+  _globals['_GRADER']._serialized_start=1625
+  _globals['_GRADER']._serialized_end=1983
 # @@protoc_insertion_point(module_scope)

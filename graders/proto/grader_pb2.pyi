@@ -22,7 +22,7 @@ class Counters(_message.Message):
     def __init__(self, scored: _Optional[int] = ..., unparsed: _Optional[int] = ..., admitted: _Optional[int] = ..., first_measure_wrong: _Optional[int] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("task", "pool_size", "pool_source", "voices", "style", "checker", "counters", "heldout_pool_size", "openings_histogram", "version", "replica")
+    __slots__ = ("task", "pool_size", "pool_source", "voices", "style", "checker", "counters", "heldout_pool_size", "openings_histogram", "version", "replica", "details_json")
     class OpeningsHistogramEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class HealthReply(_message.Message):
     OPENINGS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_JSON_FIELD_NUMBER: _ClassVar[int]
     task: str
     pool_size: int
     pool_source: str
@@ -52,7 +53,8 @@ class HealthReply(_message.Message):
     openings_histogram: _containers.ScalarMap[int, int]
     version: str
     replica: str
-    def __init__(self, task: _Optional[str] = ..., pool_size: _Optional[int] = ..., pool_source: _Optional[str] = ..., voices: _Optional[int] = ..., style: _Optional[str] = ..., checker: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., heldout_pool_size: _Optional[int] = ..., openings_histogram: _Optional[_Mapping[int, int]] = ..., version: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
+    details_json: str
+    def __init__(self, task: _Optional[str] = ..., pool_size: _Optional[int] = ..., pool_source: _Optional[str] = ..., voices: _Optional[int] = ..., style: _Optional[str] = ..., checker: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., heldout_pool_size: _Optional[int] = ..., openings_histogram: _Optional[_Mapping[int, int]] = ..., version: _Optional[str] = ..., replica: _Optional[str] = ..., details_json: _Optional[str] = ...) -> None: ...
 
 class CasesRequest(_message.Message):
     __slots__ = ("limit", "split")
@@ -87,7 +89,7 @@ class Progression(_message.Message):
     def __init__(self, key: _Optional[str] = ..., chords: _Optional[_Iterable[_Union[Chord, _Mapping]]] = ...) -> None: ...
 
 class Case(_message.Message):
-    __slots__ = ("id", "split", "task", "voices", "style", "chords", "messages", "openings", "prefixes", "progression")
+    __slots__ = ("id", "split", "task", "voices", "style", "chords", "messages", "openings", "prefixes", "progression", "details_json")
     ID_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +100,7 @@ class Case(_message.Message):
     OPENINGS_FIELD_NUMBER: _ClassVar[int]
     PREFIXES_FIELD_NUMBER: _ClassVar[int]
     PROGRESSION_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_JSON_FIELD_NUMBER: _ClassVar[int]
     id: str
     split: str
     task: str
@@ -108,7 +111,8 @@ class Case(_message.Message):
     openings: _containers.RepeatedScalarFieldContainer[str]
     prefixes: _containers.RepeatedScalarFieldContainer[str]
     progression: Progression
-    def __init__(self, id: _Optional[str] = ..., split: _Optional[str] = ..., task: _Optional[str] = ..., voices: _Optional[int] = ..., style: _Optional[str] = ..., chords: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., openings: _Optional[_Iterable[str]] = ..., prefixes: _Optional[_Iterable[str]] = ..., progression: _Optional[_Union[Progression, _Mapping]] = ...) -> None: ...
+    details_json: str
+    def __init__(self, id: _Optional[str] = ..., split: _Optional[str] = ..., task: _Optional[str] = ..., voices: _Optional[int] = ..., style: _Optional[str] = ..., chords: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., openings: _Optional[_Iterable[str]] = ..., prefixes: _Optional[_Iterable[str]] = ..., progression: _Optional[_Union[Progression, _Mapping]] = ..., details_json: _Optional[str] = ...) -> None: ...
 
 class CasesReply(_message.Message):
     __slots__ = ("cases", "pool_size")

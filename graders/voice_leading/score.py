@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from config.grader import GraderConfig
 from graders.voice_leading.jsnum import value_to_string
 from graders.voice_leading.openings import opening_string
 from graders.voice_leading.parser import parse_completion
@@ -19,6 +20,7 @@ from graders.voice_leading.rules import STYLES, verify
 
 CHECKERS: Final = ("reference", "strict")
 STRUCTURE: Final = "structure"
+_DEFAULTS = GraderConfig()  # the schema is the one place the verifier's defaults live
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +90,9 @@ def check_progression(progression: Any) -> None:
 def score(
     progression: Mapping[str, Any],
     completion: str,
-    voices: int = 2,
-    style: str = "common-practice",
-    checker: str = "reference",
+    voices: int = _DEFAULTS.voices,
+    style: str = _DEFAULTS.style,
+    checker: str = _DEFAULTS.checker,
 ) -> ScoreResult:
     """Score one completion against one progression. Never raises on the completion."""
     check_options(voices, style, checker)
