@@ -1,14 +1,13 @@
-"""Code-execution grader section. Pydantic only: this module must stay import-light.
-
-Not wired into config/run.py yet (the config is being restructured); the registry that
-serves `code-exec` composes it when it lands.
+"""The code-exec grader's section (`grader.code_exec` of GraderConfig). Pydantic only: this
+module must stay import-light. Read by graders/code_exec/ (sandbox, verifier, the `code-exec`
+task); every default of the code-exec grader lives here and nowhere else.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Isolation = Literal["none", "namespaces"]
 Split = Literal["val", "test"]
@@ -96,3 +95,11 @@ class CodeExecConfig(BaseModel):
         "$COUNTERPOINT_CACHE (or ~/.cache/counterpoint)/code-exec/tasks-seed<seed>."
     )
     seed: int = Field(0, ge=0, description="Seed of the bundled tasks' data and splits.")
+
+    @field_validator("work_root", "tasks_dir")
+    @classmethod
+    def _absolute(cls, value: str | None, info) -> str | None:
+        # Serve replicas and the sandbox run in other directories: a relative path would move.
+        if value is not None and not value.startswith("/"):
+            raise ValueError(f"code_exec.{info.field_name} must be an absolute path, got {value!r}")
+        return value

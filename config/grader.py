@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from config.code_exec import CodeExecConfig
+
 Style = Literal["common-practice", "lead-sheet", "film-ambient"]
 Checker = Literal["reference", "strict"]
 
@@ -15,7 +17,11 @@ class GraderConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    task: Literal["voice-leading"] = Field("voice-leading", description="Verifier task name.")
+    task: str = Field(
+        "voice-leading", min_length=1,
+        description="Verifier task: a registered name (graders/tasks.py: 'voice-leading', 'code-exec') or "
+        "'module:factory' for an unregistered one the grader process can import.",
+    )
     fixture: str | None = Field(
         None,
         description="Path to a p4-progressions/1 training pool; None = the shipped default "
@@ -50,7 +56,16 @@ class GraderConfig(BaseModel):
     target_ongoing_requests: float = Field(
         8.0, gt=0, description="Serve autoscaling target of in-flight requests per replica."
     )
-    num_cpus: float = Field(0.1, gt=0, description="CPUs reserved per grader replica.")
+    num_cpus: float = Field(
+        0.1, gt=0, description="CPUs reserved per grader replica (Ray Serve). For code-exec, "
+        "about code_exec.max_concurrent: each running script is one single-threaded interpreter.",
+    )
+    replica_memory_mb: int | None = Field(
+        None, ge=1,
+        description="Memory reserved per grader replica (Ray's `memory` resource, MiB; None = "
+        "none reserved). For code-exec, about code_exec.max_concurrent x (interpreter baseline "
+        "+ code_exec.memory_mb): Ray then places no more replicas on a node than it can hold.",
+    )
     host: str = Field("127.0.0.1", description="Bind address of a grader server.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free one).")
     max_retries: int = Field(4, ge=0, description="Retries of a failed grader call (backoff).")
@@ -93,6 +108,12 @@ class GraderConfig(BaseModel):
         "DeploymentHandle (binds `host`, caps messages, checks the token); 'proxy' = Ray "
         "Serve's own gRPC proxy on [::]:port (all interfaces: Ray 2.60 has no host option), "
         "as the cluster manifests use.",
+    )
+
+    code_exec: CodeExecConfig = Field(
+        default_factory=CodeExecConfig,
+        description="The code-exec task's settings (task: code-exec): sandbox limits, isolation, "
+        "concurrency per replica, reward sentinel and split, which tasks (config/code_exec.py).",
     )
 
     @model_validator(mode="after")

@@ -17,22 +17,35 @@ from graders import progressions  # light: the generator's defaults
 
 app = typer.Typer(no_args_is_help=True, help="Verifiers: serve over gRPC, score JSONL.")
 
-TaskOpt = Annotated[Optional[str], typer.Option(help="Verifier task (voice-leading).")]
+TaskOpt = Annotated[Optional[str], typer.Option(help="Verifier task: voice-leading | code-exec (graders/tasks.py).")]
 VoicesOpt = Annotated[Optional[int], typer.Option(help="Voices per chord (2-4).")]
 StyleOpt = Annotated[
     Optional[str], typer.Option(help="common-practice | lead-sheet | film-ambient.")
 ]
 CheckerOpt = Annotated[Optional[str], typer.Option(help="reference | strict.")]
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", help="A grader setting as dotted KEY=VALUE (repeatable; GraderConfig "
+                 "fields), e.g. code_exec.max_concurrent=4, code_exec.tasks_dir=/abs/dir."),
+]
 
 
-def _config(**given):
-    """A GraderConfig from the options that were given; exits 2 naming a bad value."""
+def _config(sets: list[str] | None = None, **given):
+    """A GraderConfig from the options that were given plus ``--set`` overrides (applied last);
+    exits 2 naming a bad value."""
     from pydantic import ValidationError
 
     from config.grader import GraderConfig
+    from config.run import ConfigError, apply_override
 
+    tree = {k: v for k, v in given.items() if v is not None}
     try:
-        return GraderConfig(**{k: v for k, v in given.items() if v is not None})
+        for assignment in sets or ():
+            apply_override(tree, assignment)
+        return GraderConfig(**tree)
+    except ConfigError as exc:
+        typer.echo(f"error: --set: {exc}", err=True)
+        raise typer.Exit(2) from None
     except ValidationError as exc:
         typer.echo(f"error: invalid grader options: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -79,13 +92,15 @@ def serve(
     token_file: Annotated[
         Optional[Path], typer.Option(help="Require the shared token held by this file.")
     ] = None,
+    sets: SetOpt = None,
 ) -> None:
     """Serve the grader over gRPC (plain grpcio server, or --ray for a Ray Serve app)."""
     import signal
     import threading
 
     from graders.auth import TokenError, resolve_token
-    from graders.fixtures import FixtureError, PoolTooSmall, load_pool, require_pool as check
+    from graders.fixtures import FixtureError, PoolTooSmall
+    from graders.tasks import make_task
     from graders.serve_app import port_taken
 
     cfg = _config(
@@ -95,13 +110,12 @@ def serve(
         require_pool=require_pool, voices=voices, style=style, checker=checker, bars=bars,
         replicas=replicas, app_name=app_name, metrics_port=metrics_port, serve_ingress=ingress,
         max_message_bytes=max_message_bytes, token_env=token_env,
-        token_file=str(token_file.resolve()) if token_file else None,
+        token_file=str(token_file.resolve()) if token_file else None, sets=sets,
     )
     try:
-        pool = load_pool(cfg.fixture, cfg.heldout_fixture, cfg.voices, cfg.style, cfg.bars)
-        check(pool, cfg.require_pool)
+        task_ = make_task(cfg)  # the pool loads (and --require-pool holds) before anything starts
         token = resolve_token(cfg.token_env, cfg.token_file)
-    except (FixtureError, PoolTooSmall, TokenError) as exc:
+    except (FixtureError, PoolTooSmall, TokenError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     # Before anything starts (Ray above all): a second server on a held port would share it.
@@ -124,7 +138,7 @@ def serve(
         return
     from graders.service import GraderCore, start_server
 
-    core = GraderCore(pool, cfg.voices, cfg.style, cfg.checker, cfg.task)
+    core = GraderCore(task_)
     try:
         server = start_server(core, cfg.host, cfg.port, max_message_bytes=cfg.max_message_bytes,
                               token=token)
@@ -133,7 +147,7 @@ def serve(
         raise typer.Exit(2) from None
     typer.echo(
         f"grader {cfg.task} serving on {server.address} "
-        f"(pool {pool.size()} {pool.source}, voices {cfg.voices}, {cfg.style}, {cfg.checker})",
+        f"({_describe(core.health_record())})",
     )
     sys.stdout.flush()
     try:
@@ -142,6 +156,13 @@ def serve(
     except KeyboardInterrupt:
         pass
     server.stop(grace=2)
+
+
+def _describe(health) -> str:
+    """One line on what is served: the pool, and the task's settings."""
+    settings = (f", voices {health.voices}, {health.style}, {health.checker}" if health.voices
+                else "".join(f", {k} {v}" for k, v in sorted(health.details.items())))
+    return f"pool {health.pool_size} {health.pool_source}{settings}"
 
 
 def _serve_ray(cfg, stop) -> None:
@@ -209,20 +230,87 @@ def _score_line(text: str, voices: int, style: str, checker: str) -> dict:
     }
 
 
+def _code_exec_rows(lines: list[str], cfg) -> list[dict]:
+    """`grader score --task code-exec`: the rows of JSONL input, scored concurrently within
+    code_exec.max_concurrent, in input order. A malformed line or unknown task id yields
+    {"line": k, "error": "..."}."""
+    from graders.code_exec.service import code_exec_task, score_row
+
+    task_ = code_exec_task(cfg)
+    tasks = task_.verifier.tasks
+    rows: list[dict | None] = []
+    pairs, where = [], []
+    for k, text in lines:
+        try:
+            row = json.loads(text)
+            if not isinstance(row, dict):
+                raise ValueError("each line must be a JSON object")
+            if not isinstance(row.get("completion"), str):
+                raise ValueError("'completion' must be a string")
+            if row.get("task_id") not in tasks:
+                raise ValueError(f"unknown task_id {row.get('task_id')!r}; one of {', '.join(sorted(tasks))}")
+        except (ValueError, KeyError) as exc:  # JSONDecodeError is a ValueError
+            rows.append({"line": k, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        where.append(len(rows))
+        rows.append(None)
+        pairs.append((row["task_id"], row["completion"]))
+    for i, result in zip(where, task_.verifier.score_many(pairs, score=task_.score_one), strict=True):
+        rows[i] = score_row(result)
+    return rows  # type: ignore[return-value]
+
+
+@app.command("list")
+def list_(task: TaskOpt = None, sets: SetOpt = None) -> None:
+    """One JSON line per case of the task: for code-exec, each task ({"id", "metric",
+    "direction", ...}); otherwise each train case's id and split."""
+    cfg = _config(task=task, sets=sets)
+    try:
+        if cfg.task == "code-exec":
+            from graders.code_exec.service import list_tasks
+
+            rows = list_tasks(cfg)
+        else:
+            from graders.tasks import make_task
+
+            rows = [{"id": c.id, "split": c.split, "task": c.task} for c in make_task(cfg).cases(0, "train")]
+    except ValueError as exc:  # TaskError, FixtureError, an unknown task
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for row in rows:
+        sys.stdout.write(json.dumps(row, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
 @app.command()
 def score(
     task: TaskOpt = None,
     voices: VoicesOpt = None,
     style: StyleOpt = None,
     checker: CheckerOpt = None,
+    sets: SetOpt = None,
 ) -> None:
     """Score JSONL from stdin; one JSON line out per input line, in order.
 
-    Input lines: {"progression": {key, chords}, "completion": "...", optional "voices",
-    optional "style"}. A malformed line yields {"line": k, "error": "..."}; the rest go on.
+    voice-leading lines: {"progression": {key, chords}, "completion": "...", optional "voices",
+    optional "style"}. code-exec lines: {"task_id": "...", "completion": "..."} (the script is
+    extracted from the completion); out: status, reward, test_metric, val_metric, oriented,
+    exec_time, term_tail, exc_type, message, isolation, limits. A malformed line yields
+    {"line": k, "error": "..."}; the rest go on.
     """
-    cfg = _config(task=task, voices=voices, style=style, checker=checker)
+    cfg = _config(task=task, voices=voices, style=style, checker=checker, sets=sets)
     out = sys.stdout
+    if cfg.task == "code-exec":
+        lines = [(k, text) for k, text in enumerate(sys.stdin, start=1) if text.strip()]
+        try:
+            rows = _code_exec_rows(lines, cfg)
+        except ValueError as exc:  # IsolationRefused, TaskError
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        for row in rows:
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+        out.flush()
+        return
     for k, text in enumerate(sys.stdin, start=1):
         if not text.strip():
             continue

@@ -5,6 +5,14 @@
   rejected it). Never a per-request label.
 - `counterpoint_grader_latency_seconds{task, rpc}`: wall time per RPC (`rpc` is one of the four
   method names).
+Code-exec (graders/code_exec/service.py), one sample per script:
+- `counterpoint_grader_executions_total{task, status}`: `status` is one of EXEC_STATUSES
+  (`ok`, `no_code`, `crashed`, `timeout`, `invalid_submission`, and `overloaded` for a request
+  refused with RESOURCE_EXHAUSTED after its queue wait).
+- `counterpoint_grader_exec_seconds{task, status}`: a script's wall time in the sandbox.
+- `counterpoint_grader_queue_wait_seconds{task}`: time waiting for an execution slot.
+- `counterpoint_grader_isolation_level{task}`: the sandbox level in force, as an index of
+  ISOLATION_LEVELS (0 = none, 1 = namespaces); set when the task starts.
 The metric objects live in the process's default registry, created once per process (several
 servers in one process share them). Inside Ray Serve replicas `use_ray_metrics()` swaps them for
 `ray.util.metrics` objects of the same names: Ray's per-node metrics agent exports them (as
@@ -17,15 +25,18 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-VERDICT_CLASSES = ("admitted", "structure", "rule_failure")
+EXEC_STATUSES = ("ok", "no_code", "crashed", "timeout", "invalid_submission", "overloaded")
+ISOLATION_LEVELS = ("none", "namespaces")  # graders/code_exec/sandbox.py LEVELS, in order
+VERDICT_CLASSES = ("admitted", "structure", "rule_failure", *EXEC_STATUSES[:-1])
+EXEC_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+WAIT_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
 
 def verdict_class(verdict: str) -> str:
-    """Map a verdict string to one of three bounded label values."""
-    if verdict == "admitted":
-        return "admitted"
-    if verdict == "structure":
-        return "structure"
+    """Map a verdict string to a bounded label value: voice-leading's admitted | structure |
+    rule_failure (any rule list), or code-exec's status (its verdict is its status)."""
+    if verdict in ("admitted", "structure") or verdict in EXEC_STATUSES[:-1]:
+        return verdict
     return "rule_failure"
 
 
@@ -94,6 +105,9 @@ class _RayLabelled:
     def observe(self, value: float) -> None:
         self._metric.observe(value, tags=self._tags)
 
+    def set(self, value: float) -> None:
+        self._metric.set(value, tags=self._tags)
+
 
 class _RayMetric:
     def __init__(self, metric) -> None:
@@ -105,7 +119,7 @@ class _RayMetric:
 
 def use_ray_metrics() -> None:
     """Record through Ray's metrics agent from now on (call once in a Serve replica)."""
-    global _metrics
+    global _metrics, _exec_metrics
     from ray.util.metrics import Counter, Histogram
 
     with _metrics_lock:
@@ -121,6 +135,70 @@ def use_ray_metrics() -> None:
             tag_keys=("task", "rpc"),
         )
         _metrics = (_RayMetric(requests), _RayMetric(latency))
+        _exec_metrics = _ray_exec_metrics()
+
+
+_exec_metrics: dict | None = None
+
+
+def _prometheus_exec_metrics() -> dict:
+    from prometheus_client import Counter, Gauge, Histogram
+
+    return {
+        "executions": Counter("counterpoint_grader_executions_total",
+                              "Code-exec scripts by outcome status.", ["task", "status"]),
+        "exec_seconds": Histogram("counterpoint_grader_exec_seconds",
+                                  "Code-exec script wall time in the sandbox.", ["task", "status"],
+                                  buckets=EXEC_BUCKETS),
+        "queue_wait": Histogram("counterpoint_grader_queue_wait_seconds",
+                                "Code-exec wait for an execution slot.", ["task"], buckets=WAIT_BUCKETS),
+        "isolation": Gauge("counterpoint_grader_isolation_level",
+                           "Code-exec sandbox isolation in force (0 = none, 1 = namespaces).", ["task"]),
+    }
+
+
+def _ray_exec_metrics() -> dict:
+    from ray.util.metrics import Counter, Gauge, Histogram
+
+    return {
+        "executions": _RayMetric(Counter("counterpoint_grader_executions_total",
+                                         "Code-exec scripts by outcome status.", tag_keys=("task", "status"))),
+        "exec_seconds": _RayMetric(Histogram("counterpoint_grader_exec_seconds",
+                                             "Code-exec script wall time in the sandbox.",
+                                             boundaries=list(EXEC_BUCKETS), tag_keys=("task", "status"))),
+        "queue_wait": _RayMetric(Histogram("counterpoint_grader_queue_wait_seconds",
+                                           "Code-exec wait for an execution slot.",
+                                           boundaries=list(WAIT_BUCKETS), tag_keys=("task",))),
+        "isolation": _RayMetric(Gauge("counterpoint_grader_isolation_level",
+                                      "Code-exec sandbox isolation in force (0 = none, 1 = namespaces).",
+                                      tag_keys=("task",))),
+    }
+
+
+def exec_metrics() -> dict:
+    """The code-exec metric objects (prometheus_client, or Ray's after `use_ray_metrics`)."""
+    global _exec_metrics
+    with _metrics_lock:
+        if _exec_metrics is None:
+            _exec_metrics = _prometheus_exec_metrics()
+        return _exec_metrics
+
+
+def observe_execution(task: str, status: str, exec_seconds: float | None, queue_wait_s: float | None) -> None:
+    """One script (or one request refused after its queue wait: status ``overloaded``, no exec
+    time; or one with no code: neither). ``status`` outside EXEC_STATUSES is a programming error."""
+    if status not in EXEC_STATUSES:
+        raise ValueError(f"unknown execution status {status!r}; one of {EXEC_STATUSES}")
+    m = exec_metrics()
+    m["executions"].labels(task=task, status=status).inc()
+    if exec_seconds is not None:
+        m["exec_seconds"].labels(task=task, status=status).observe(exec_seconds)
+    if queue_wait_s is not None:
+        m["queue_wait"].labels(task=task).observe(queue_wait_s)
+
+
+def set_isolation(task: str, level: str) -> None:
+    exec_metrics()["isolation"].labels(task=task).set(ISOLATION_LEVELS.index(level))
 
 
 def observe_scores(task: str, verdicts: list[str]) -> None:

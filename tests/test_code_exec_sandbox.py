@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 from graders.code_exec import sandbox as sb
-from graders.code_exec.config import CodeExecConfig
+from config.code_exec import CodeExecConfig
 
 
 def _cfg(**kw) -> CodeExecConfig:

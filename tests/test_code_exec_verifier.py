@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from graders.code_exec.build import build_tasks
-from graders.code_exec.config import CodeExecConfig
+from config.code_exec import CodeExecConfig
 from graders.code_exec.grading import reward_of
 from graders.code_exec.ladder import RUNGS, run_ladder
 from graders.code_exec.verifier import CodeExecTask

@@ -136,7 +136,7 @@ def main() -> None:
     ladder.json beside them; prints the table."""
     import argparse
 
-    from graders.code_exec.config import CodeExecConfig
+    from config.code_exec import CodeExecConfig
     from graders.code_exec.verifier import CodeExecTask
 
     ap = argparse.ArgumentParser(description=main.__doc__)

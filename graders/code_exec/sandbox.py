@@ -52,7 +52,12 @@ _BASELINE_PROBE = (
 
 
 class ResourceExhausted(RuntimeError):
-    """No execution slot freed up within the queue wait (gRPC: RESOURCE_EXHAUSTED)."""
+    """No execution slot freed up within the queue wait (gRPC: RESOURCE_EXHAUSTED).
+    ``waited_s``: how long the request queued before giving up."""
+
+    def __init__(self, message: str, waited_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.waited_s = waited_s
 
 
 class IsolationUnavailable(RuntimeError):
@@ -95,6 +100,7 @@ class ExecResult:
     uid: int | None
     stragglers_killed: int
     limits: dict = field(default_factory=dict)
+    queue_wait: float = 0.0  # seconds it waited for an execution slot
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -419,14 +425,18 @@ class Sandbox:
         """
         t_wait = time.monotonic()
         if not self._slots.acquire(timeout=self.cfg.queue_wait_s):
+            waited = time.monotonic() - t_wait
             raise ResourceExhausted(
                 f"code-exec: all {self.cfg.max_concurrent} execution slots busy for "
-                f"{self.cfg.queue_wait_s:.1f}s (waited {time.monotonic() - t_wait:.1f}s)"
+                f"{self.cfg.queue_wait_s:.1f}s (waited {waited:.1f}s)", waited
             )
+        waited = time.monotonic() - t_wait
         try:
-            return self._run(script, files_dir, collect, collect_max_bytes)
+            res, data, why = self._run(script, files_dir, collect, collect_max_bytes)
         finally:
             self._slots.release()
+        res.queue_wait = waited
+        return res, data, why
 
     def _run(self, script, files_dir, collect, collect_max_bytes):
         lease = None

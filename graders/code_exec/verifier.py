@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 import pandas as pd
 
-from graders.code_exec.config import CodeExecConfig
+from config.code_exec import CodeExecConfig
 from graders.code_exec.extract import extract_code
 from graders.code_exec.grading import InvalidSubmission, grade, oriented, reward_of
 from graders.code_exec.sandbox import ResourceExhausted, Sandbox  # noqa: F401 (re-export)
@@ -52,6 +52,7 @@ class ScoreResult:
     isolation: str
     limits: dict
     code: str
+    queue_wait: float = 0.0  # seconds waited for an execution slot (0 when nothing ran)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -118,6 +119,7 @@ class CodeExecTask:
             term_tail=res.tail if res else "", exc_type=res.exc_type if res else None,
             message=message, isolation=self.isolation,
             limits=res.limits if res else asdict(self.sandbox.limits), code=code or "",
+            queue_wait=res.queue_wait if res else 0.0,
         )
 
     def score(self, case_id: str, completion: str) -> ScoreResult:
@@ -153,12 +155,20 @@ class CodeExecTask:
             task_id=case_id, status="ok", reward=reward_of(t.metric, m), test_metric=g.test,
             val_metric=g.val, oriented=oriented(t.metric, m), exec_time=res.exec_time,
             term_tail=res.tail, exc_type=None, message=None, isolation=self.isolation,
-            limits=res.limits, code=code,
+            limits=res.limits, code=code, queue_wait=res.queue_wait,
         )
 
-    def score_many(self, items: list[tuple[str, str]]) -> list[ScoreResult]:
-        """Score (case_id, completion) pairs, at most `max_concurrent` at once, in input order."""
+    def score_many(self, items: list[tuple[str, str]], score=None) -> list[ScoreResult]:
+        """Score (case_id, completion) pairs, at most `max_concurrent` at once, in input order.
+
+        ``score(case_id, completion)`` replaces `self.score` (the service wraps it to record
+        metrics). The first exception (ResourceExhausted) is raised once the scripts already
+        running have finished; those not yet started are cancelled."""
         if not items:
             return []
-        with ThreadPoolExecutor(max_workers=min(len(items), self.cfg.max_concurrent)) as pool:
-            return list(pool.map(lambda it: self.score(*it), items))
+        score = score or self.score
+        pool = ThreadPoolExecutor(max_workers=min(len(items), self.cfg.max_concurrent))
+        try:
+            return list(pool.map(lambda it: score(*it), items))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,139 @@
+"""The `code-exec` grader task (graders/tasks.py): CodeExecTask as the grader service's records.
+
+- cases: one per bundled (or user) task, the same for every split (the task's own val/test
+  rows are its held-out data); ``messages`` are the prompt, ``details`` the task's metadata
+  (id, metric, direction, id_column, target_columns, reward, rows, dir).
+- score: the batch's scripts run concurrently, at most ``code_exec.max_concurrent`` at once in
+  this process (`CodeExecTask.score_many`); every id is checked first (NOT_FOUND). A script
+  that waits past ``code_exec.queue_wait_s`` for a slot (other requests hold them) fails the
+  request with `Overloaded` (RESOURCE_EXHAUSTED; not retried by the client: the replica already
+  waited, see graders/records.py). Score: ``status`` (no_code | crashed | timeout |
+  invalid_submission | ok), ``reward`` (the sentinel for every failure), ``format_ok`` and
+  ``admitted`` = status ok, ``verdict`` = status, ``test_metric``; ``details`` holds val_metric,
+  oriented, exec_time, term_tail, exc_type, message, isolation, limits and ``worker`` (host:pid
+  of the process that ran it).
+- health: the isolation level in force (and why), the limits that matter to callers.
+
+The factory refuses to build the task (a ValueError naming the cause, so `grader serve` exits 2
+before anything starts and a Serve replica fails its constructor) when the host offers less
+isolation than ``code_exec.min_isolation``.
+
+Which process runs a batch: the one that received the ScoreBatch. Spreading one batch over
+Serve replicas is the caller's split (graders/code_exec/spread.py): see deploy/README.md.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+
+from graders import metrics
+from graders.code_exec.sandbox import IsolationUnavailable, ResourceExhausted
+from graders.code_exec.task import load_tasks, resolve_tasks_dir
+from graders.code_exec.verifier import CodeExecTask, ScoreResult
+from graders.records import CaseInfo, Overloaded, PoolError, PoolTooSmall, Score, TaskInfo, UnknownCase, UnknownSplit
+from graders.tasks import register_task
+
+NAME = "code-exec"
+SPLITS = ("train", "heldout")  # both list every task; a task's val/test rows are inside it
+WORKER = f"{socket.gethostname()}:{os.getpid()}"
+
+
+class IsolationRefused(ValueError):
+    """The host is below ``code_exec.min_isolation``: the grader must not start."""
+
+
+def score_record(case_id: str, r: ScoreResult) -> Score:
+    """A verifier result as the service's Score (pure)."""
+    ok = r.status == "ok"
+    return Score(
+        case_id=case_id, reward=r.reward, format_ok=ok, admitted=ok, verdict=r.status, status=r.status,
+        test_metric=r.test_metric,
+        details={"val_metric": r.val_metric, "oriented": r.oriented, "exec_time": r.exec_time,
+                 "term_tail": r.term_tail, "exc_type": r.exc_type, "message": r.message,
+                 "isolation": r.isolation, "limits": r.limits, "worker": WORKER},
+    )
+
+
+def score_row(r: ScoreResult) -> dict:
+    """The JSON row `grader score --task code-exec` prints for one input (the script left out)."""
+    row = r.as_dict()
+    row.pop("code")
+    return row
+
+
+def list_tasks(cfg) -> list[dict]:
+    """The tasks' summaries ({"id", "metric", "direction", ...}) from a GraderConfig, without
+    starting a sandbox (`grader list --task code-exec`)."""
+    ce = cfg.code_exec
+    return [t.summary() for _, t in sorted(load_tasks(resolve_tasks_dir(ce.tasks_dir, ce.seed)).items())]
+
+
+class CodeExecGraderTask:
+    """A CodeExecTask behind the registry's protocol (info / cases / score)."""
+
+    name = NAME
+
+    def __init__(self, verifier: CodeExecTask) -> None:
+        self.verifier = verifier
+        self._cases = [
+            CaseInfo(id=c["id"], split="", task=NAME, messages=c["prompt_messages"], details=c["task"])
+            for c in verifier.cases()
+        ]
+        metrics.set_isolation(NAME, verifier.isolation)
+
+    def info(self) -> TaskInfo:
+        cfg, sandbox = self.verifier.cfg, self.verifier.sandbox
+        return TaskInfo(
+            pool_size=len(self._cases), heldout_pool_size=len(self._cases),
+            pool_source=str(self.verifier.tasks_dir),
+            details={"isolation": sandbox.isolation, "isolation_reason": sandbox.isolation_reason,
+                     "min_isolation": cfg.min_isolation, "max_concurrent": cfg.max_concurrent,
+                     "queue_wait_s": cfg.queue_wait_s, "timeout_s": cfg.timeout_s,
+                     "reward_split": cfg.reward_split, "sentinel": cfg.sentinel,
+                     "tasks": [c.id for c in self._cases], "worker": WORKER},
+        )
+
+    def cases(self, limit: int, split: str) -> list[CaseInfo]:
+        if split not in SPLITS:
+            raise UnknownSplit(f"unknown split {split!r}; one of {list(SPLITS)}")
+        if limit < 0:
+            raise PoolError(f"limit must be >= 0, got {limit}")
+        if limit > len(self._cases):
+            raise PoolTooSmall(f"asked for {limit} cases but code-exec holds {len(self._cases)} tasks")
+        return [CaseInfo(id=c.id, split=split, task=NAME, messages=[dict(m) for m in c.messages],
+                         details=dict(c.details)) for c in self._cases[: limit or None]]
+
+    def score_one(self, case_id: str, completion: str) -> ScoreResult:
+        try:
+            r = self.verifier.score(case_id, completion)
+        except ResourceExhausted as exc:
+            metrics.observe_execution(NAME, "overloaded", None, exc.waited_s)
+            raise
+        ran = r.status != "no_code"
+        metrics.observe_execution(NAME, r.status, r.exec_time if ran else None, r.queue_wait if ran else None)
+        return r
+
+    def score(self, pairs: Sequence[tuple[str, str]]) -> list[Score]:
+        for i, (case_id, _) in enumerate(pairs):  # every id before any script runs
+            if case_id not in self.verifier.tasks:
+                where = f"requests[{i}]: " if len(pairs) > 1 else ""
+                raise UnknownCase(f"{where}unknown case_id {case_id!r}; code-exec tasks: "
+                                  f"{', '.join(sorted(self.verifier.tasks))}")
+        try:
+            results = self.verifier.score_many(list(pairs), score=self.score_one)
+        except ResourceExhausted as exc:
+            raise Overloaded(str(exc)) from None
+        return [score_record(case_id, r) for (case_id, _), r in zip(pairs, results, strict=True)]
+
+
+@register_task(NAME)
+def code_exec_task(cfg) -> CodeExecGraderTask:
+    """From a GraderConfig: its ``code_exec`` section. Raises IsolationRefused (a ValueError)
+    when the host is below ``code_exec.min_isolation``, TaskError for a bad tasks dir."""
+    try:
+        verifier = CodeExecTask(cfg.code_exec)
+    except IsolationUnavailable as exc:
+        raise IsolationRefused(f"code-exec refuses to start: {exc}") from None
+    return CodeExecGraderTask(verifier)

@@ -1,0 +1,36 @@
+"""Spread one batch of scripts over grader replicas: the caller splits it.
+
+A ScoreBatch reaches one replica (the front's DeploymentHandle call or Serve's gRPC proxy
+routes each request as a whole), which runs it at most ``code_exec.max_concurrent`` at a
+time. To use every replica, the caller sends the batch as chunks of that size, concurrently,
+each its own ScoreBatch; Serve's router (power of two choices over in-flight requests) sends
+concurrent chunks to different replicas. The split is on the caller's side because it works
+the same through either ingress (front or proxy) and over the plain server, and because each
+chunk keeps its own retry: a replica dying under a chunk costs that chunk's resend, not the
+batch's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+
+def chunk_bounds(n: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) of consecutive chunks of at most ``size`` covering range(n)."""
+    if size < 1:
+        raise ValueError(f"chunk size must be >= 1, got {size}")
+    return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def score_spread(client, pairs: Sequence[tuple[str, str]], chunk: int, max_in_flight: int | None = None):
+    """``client.score_batch`` over chunks of ``chunk`` pairs sent concurrently (at most
+    ``max_in_flight`` at once; None = all); scores in the order of ``pairs``. ``client`` is a
+    graders.client.GraderClient (its channel is thread-safe). The first failed chunk's error
+    is raised."""
+    bounds = chunk_bounds(len(pairs), chunk)
+    if not bounds:
+        return []
+    with ThreadPoolExecutor(max_workers=max_in_flight or len(bounds)) as pool:
+        parts = list(pool.map(lambda b: client.score_batch(list(pairs[b[0]:b[1]])), bounds))
+    return [s for part in parts for s in part]
