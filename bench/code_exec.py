@@ -7,8 +7,14 @@
   2x limit    2 * max_concurrent scripts of `--hold` seconds submitted at once, with a queue wait
               shorter than one script (-> RESOURCE_EXHAUSTED for the surplus) and longer (-> all
               queue and finish; the queued ones' latency)
+  service     the same scripts through the gRPC service (plain grpcio server on 127.0.0.1,
+              the registered `code-exec` task, max_concurrent = cores): executions/s for one
+              ScoreBatch of N, and for the batch sent as chunks of max_concurrent at once
+              (graders/code_exec/spread.py); trivial = `print(1)` (no submission:
+              invalid_submission), constant = the ladder's constant rung (reads the data,
+              writes and grades a submission)
 
-    python bench/code_exec.py [--n 20] [--hold 1.5] [--markdown]
+    python bench/code_exec.py [--n 20] [--hold 1.5] [--only service]
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from graders.code_exec import sandbox as sb  # noqa: E402
-from graders.code_exec.config import CodeExecConfig  # noqa: E402
+from config.code_exec import CodeExecConfig  # noqa: E402
 
 
 def _times(box, script: str, n: int) -> list[float]:
@@ -105,18 +111,58 @@ def overload(hold: float) -> list[str]:
     return rows
 
 
+def service(n: int) -> list[str]:
+    from config.grader import GraderConfig
+    from graders.client import GraderClient
+    from graders.code_exec.ladder import as_completion, ladder_script
+    from graders.code_exec.spread import score_spread
+    from graders.service import GraderCore, start_server
+    from graders.tasks import make_task
+
+    cores = os.cpu_count() or 1
+    task = make_task(GraderConfig(task="code-exec", code_exec={"max_concurrent": cores}))
+    server = start_server(GraderCore(task), "127.0.0.1", 0)
+    rows = ["| script | executions | how sent | status | wall s | exec/s | exec/s/core |",
+            "|---|---|---|---|---|---|---|"]
+    scripts = {"trivial": "```python\nprint(1)\n```",
+               "constant": as_completion(ladder_script("constant", "roc_auc"))}
+    try:
+        with GraderClient(server.address, max_retries=0, timeout_s=600) as client:
+            client.score_batch([("tabular-binary", scripts["trivial"])] * cores)  # warm
+            for name, completion in scripts.items():
+                pairs = [("tabular-binary", completion)] * n
+                for how, send in (("one ScoreBatch", client.score_batch),
+                                  (f"chunks of {cores}", lambda p: score_spread(client, p, cores))):
+                    t0 = time.perf_counter()
+                    got = send(pairs)
+                    wall = time.perf_counter() - t0
+                    statuses = ",".join(sorted({s.status for s in got}))
+                    rows.append(f"| {name} | {n} | {how} | {statuses} | {wall:.2f} | {n / wall:.2f} | "
+                                f"{n / wall / cores:.2f} |")
+    finally:
+        server.stop(None)
+    rows.append(f"\nOne grpcio server process, isolation {task.verifier.isolation}, "
+                f"max_concurrent = {cores} = cores; wall time is the client's, gRPC included.")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=20, help="trivial executions per measurement")
     ap.add_argument("--hold", type=float, default=1.5, help="seconds each 2x-limit script sleeps")
+    ap.add_argument("--only", choices=("trivial", "ladder", "overload", "service"), help="one section")
     args = ap.parse_args()
     level, why = sb.detect_isolation()
     print(f"host: {os.cpu_count()} cores, uid {os.geteuid()}, best isolation {level} ({why}), "
           f"interpreter baseline {sb.baseline_bytes() / 2**20:.0f} MiB VmPeak\n")
-    for title, rows in (("Trivial script", trivial(args.n)), ("Reference ladder", ladder()),
-                        ("2x the concurrency limit", overload(args.hold))):
-        print(f"## {title}\n")
-        print("\n".join(rows) + "\n")
+    sections = {"trivial": ("Trivial script", lambda: trivial(args.n)),
+                "ladder": ("Reference ladder", ladder),
+                "overload": ("2x the concurrency limit", lambda: overload(args.hold)),
+                "service": ("Through the gRPC service", lambda: service(args.n))}
+    for key, (title, run) in sections.items():
+        if args.only in (None, key):
+            print(f"## {title}\n")
+            print("\n".join(run()) + "\n")
 
 
 if __name__ == "__main__":

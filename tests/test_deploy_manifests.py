@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from config import load_config
+from config import GraderConfig, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -70,19 +70,38 @@ def test_rayservice_graders():
     assert service["apiVersion"] == "ray.io/v1"
     serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
     ServeDeploySchema.model_validate(serve_config)
-    (app,) = serve_config["applications"]
-    assert app["import_path"] == "graders.serve_app:build_app"
+    app, code_exec = serve_config["applications"]
+    assert app["import_path"] == code_exec["import_path"] == "graders.serve_app:build_app"
     assert IMPORT_PATH.match(app["import_path"])
     assert (REPO / "graders").is_dir()
     assert set(app["args"]) == {"voices", "style", "checker", "fixture", "token_env"}
-    for deployment in app["deployments"]:
-        scaling = deployment["autoscaling_config"]
-        assert 1 <= scaling["min_replicas"] <= scaling["max_replicas"]
-        assert 0 < scaling["target_ongoing_requests"] <= deployment["max_ongoing_requests"]
+    for application in (app, code_exec):
+        # the args are GraderConfig fields (build_app's own parse)
+        assert GraderConfig(**application["args"]).token_env == "COUNTERPOINT_GRADER_TOKEN"
+        for deployment in application["deployments"]:
+            scaling = deployment["autoscaling_config"]
+            assert 1 <= scaling["min_replicas"] <= scaling["max_replicas"]
+            assert 0 < scaling["target_ongoing_requests"] <= deployment["max_ongoing_requests"]
+    assert len({a["route_prefix"] for a in serve_config["applications"]}) == 2
+    assert GraderConfig(**code_exec["args"]).code_exec.min_isolation == "namespaces"
     # Serve's gRPC proxy imports these by path: they must import here too.
     for path in serve_config["grpc_options"]["grpc_servicer_functions"]:
         module, _, name = path.rpartition(".")
         assert callable(getattr(importlib.import_module(module), name))
+    # code-exec replicas land only on the sandbox group, whose pods hold the isolation's context
+    (deployment,) = code_exec["deployments"]
+    actor = deployment["ray_actor_options"]
+    groups = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    offering = [g for g in groups if "sandbox" in json.loads(yaml.safe_load(
+        g["rayStartParams"].get("resources", '"{}"')))]
+    assert [g["groupName"] for g in offering] == ["sandbox"] and actor["resources"] == {"sandbox": 1}
+    (container,) = offering[0]["template"]["spec"]["containers"]
+    context = container["securityContext"]
+    assert "SYS_ADMIN" in context["capabilities"]["add"] and not context.get("privileged")
+    assert context.get("allowPrivilegeEscalation") is not False  # the API refuses it beside SYS_ADMIN
+    pod_cpu = float(container["resources"]["limits"]["cpu"])
+    assert actor["num_cpus"] <= pod_cpu and actor["num_cpus"] >= GraderConfig(
+        **code_exec["args"]).code_exec.max_concurrent
     grpc_service = kind_doc(DEPLOY / "kuberay" / "rayservice-graders.yaml", "Service")
     assert grpc_service["spec"]["ports"][0]["port"] == serve_config["grpc_options"]["port"]
 
