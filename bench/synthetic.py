@@ -52,8 +52,8 @@ def make_lora_payload(
     target_modules: list[str] | str = "all-linear",
     b_std: float = 0.0,
     seed: int = 0,
-) -> AdapterPayload:
-    """A LoRA adapter for the model in `model_dir`, built with peft (tests, benches, smoke runs).
+):
+    """A LoRA AdapterPayload for the model in `model_dir`, built with peft (tests, benches).
 
     b_std 0 gives peft's own init (B = 0: the adapter changes nothing); b_std > 0 draws B from
     N(0, b_std^2) so the adapter moves the distribution.

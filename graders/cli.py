@@ -101,7 +101,7 @@ def serve(
     from graders.auth import TokenError, resolve_token
     from graders.fixtures import FixtureError, PoolTooSmall
     from graders.tasks import make_task
-    from graders.serve_app import port_taken
+    from graders.ports import port_taken
 
     cfg = _config(
         # Absolute: with --ray the pool is loaded by Serve replicas in other directories.
@@ -175,16 +175,17 @@ def _serve_ray(cfg, stop) -> None:
 
     from config.runtime_env import apply_defaults
 
+    from graders.ports import free_port
     from graders.service import PortInUse
 
     if cfg.port == 0:  # Serve's proxy cannot report a port it picked: choose one here
-        cfg = cfg.model_copy(update={"port": serve_app.free_port()})
+        cfg = cfg.model_copy(update={"port": free_port()})
     if not ray.is_initialized():
         ray.init(include_dashboard=False, runtime_env={"env_vars": apply_defaults()})
         # ray.init replaces the SIGTERM handler with sys.exit(15): stop Serve cleanly instead.
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:  # Serve's HTTP proxy (proxy ingress only) gets a free port, never a taken 8000
-        serve_app.start(cfg, grpc_port=cfg.port, http_port=serve_app.free_port())
+        serve_app.start(cfg, grpc_port=cfg.port, http_port=free_port())
     except PortInUse as exc:  # taken while Ray started
         typer.echo(f"error: --port {cfg.port}: {exc}", err=True)
         serve.shutdown()

@@ -42,6 +42,7 @@ from typing import Any
 from ray import serve
 
 from config.grader import GraderConfig
+from graders.ports import port_taken
 
 GRPC_SERVICER_FN = "graders.serve_app.add_grader_to_proxy"
 DEPLOYMENT_NAME = "Grader"
@@ -246,31 +247,3 @@ def stop_front(app_name: str) -> None:
     front = _FRONTS.pop(app_name, None)
     if front is not None:
         front.stop(grace=1.0)
-
-
-def port_taken(host: str, port: int) -> bool:
-    """Whether host:port is held by another socket (bound without SO_REUSEPORT, so a grpcio
-    server that set it is seen too). ``::`` covers every IPv4 and IPv6 address."""
-    import errno
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as sock:
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                return True
-            raise
-    return False
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing holds now (for Serve's proxies, which cannot report one they picked)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]

@@ -82,7 +82,7 @@ def train_command(
 ) -> None:
     """Train a LoRA adapter with GRPO against the grader (the step loop of DESIGN.md)."""
     from config import ConfigError, load_config
-    from services.train import TrainOptions, new_run_dir, resume_config, train
+    from services.train import TrainOptions, new_run_dir, resume_config
 
     _setup_logging()
     overrides = list(set_)
@@ -239,11 +239,10 @@ def probe_options_command(
     from rich.console import Console
     from rich.table import Table
 
-    from rollout.adapters import payload_from_dir
-    from rollout.types import BASE_MODEL_VERSION, FIRST_ADAPTER_VERSION, Prompt, SamplingParams
+    from rollout.types import Prompt, SamplingParams
     from config import ConfigError, load_config
     from evals.records import read_eval
-    from services.launch import start_grader, start_ray, start_rollout
+    from services.launch import serve_adapter, start_grader, start_ray, start_rollout
     from evals.probe import ProbeItem, parse_options, probe_messages, summarize
 
     _setup_logging()
@@ -256,12 +255,7 @@ def probe_options_command(
         start_ray(cfg, stack)
         grader = start_grader(cfg, stack)
         rollout = start_rollout(cfg, stack)
-        version = BASE_MODEL_VERSION
-        if adapter is not None:
-            payload = payload_from_dir(adapter, version=FIRST_ADAPTER_VERSION)
-            rollout.publish(payload)
-            rollout.sync(payload.version)
-            version = payload.version
+        version = serve_adapter(rollout, adapter)
         cases = grader.cases(limit=limit or 0, split=split)
         prompts = [Prompt(tuple(probe_messages(c.messages, c.progression["chords"][0]["measure"], c.voices)))
                    for c in cases]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout.types import BASE_MODEL_VERSION, FIRST_ADAPTER_VERSION, SamplingParams
+from rollout.types import SamplingParams
 from config import RunConfig, resolved
 
 
@@ -65,10 +65,10 @@ def last_adapter_of(run_dir: Path) -> Path:
 
 def run_eval(opts: EvalOptions):
     """Returns (EvalSummary, path of EVAL.jsonl)."""
-    from rollout.adapters import payload_from_dir
     from evals.records import GenerationSettings, ScoringSettings, header_for, summarize, write_eval
     from evals.heldout import evaluate_heldout
-    from services.launch import check_resources, start_grader, start_ray, start_rollout, stop_token_report
+    from services.launch import (check_resources, serve_adapter, start_grader, start_ray, start_rollout,
+                                 stop_token_report)
     from services.receipt import Receipt
 
     cfg, ecfg = opts.config, opts.config.eval
@@ -88,12 +88,7 @@ def run_eval(opts: EvalOptions):
         rollout = start_rollout(cfg, stack)
         stops = stop_token_report(cfg)
         receipt.update(rollout_stop_tokens=stops)
-        version = BASE_MODEL_VERSION
-        if adapter_dir is not None:
-            payload = payload_from_dir(adapter_dir, version=FIRST_ADAPTER_VERSION)
-            rollout.publish(payload)
-            rollout.sync(payload.version)
-            version = payload.version
+        version = serve_adapter(rollout, adapter_dir)
         cases = grader.cases(limit=ecfg.limit or 0, split=ecfg.split)
         result = evaluate_heldout(grader, rollout, cases, params, version, cfg.trainer.prefix_mode)
         items = result.items()

@@ -8,6 +8,7 @@ from typing import Any
 
 from config import RunConfig
 from config.runtime_env import apply_defaults
+from graders.ports import free_port
 
 
 def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
@@ -32,7 +33,7 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
         context = ray.init(address=cfg.trainer.ray_address, **kwargs)
         _link_session_logs(context, logs)
         return None
-    metrics_port = cfg.trainer.ray_metrics_port or _free_port()
+    metrics_port = cfg.trainer.ray_metrics_port or free_port()
     context = ray.init(num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False,
                        _metrics_export_port=metrics_port, **kwargs)
     session_logs = _link_session_logs(context, logs)
@@ -97,21 +98,13 @@ def start_grader(cfg: RunConfig, stack: ExitStack):
     if address is None:
         from graders import serve_app
 
-        port = serve_app.free_port()
-        serve_app.start(cfg.grader, grpc_port=port, http_port=_free_port())
+        port = free_port()
+        serve_app.start(cfg.grader, grpc_port=port, http_port=free_port())
         stack.callback(serve_app.stop_front, cfg.grader.app_name)  # the loopback front, if any
         address = f"127.0.0.1:{port}"
     client = GraderClient.from_config(cfg.grader, address=address)
     stack.callback(client.close)
     return client
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_rollout(cfg: RunConfig, stack: ExitStack, seed: int | None = None):
@@ -134,3 +127,17 @@ def stop_token_report(cfg: RunConfig) -> dict[str, Any]:
     if report.warning:
         logging.getLogger("counterpoint").warning("stop tokens: %s", report.warning)
     return report.as_dict()
+
+
+def serve_adapter(rollout, adapter_dir) -> int:
+    """Make a saved adapter dir live on every rollout replica (eval, probe); returns the version
+    to sample with: the first adapter version, or the bare base model's when ``adapter_dir`` is None."""
+    from rollout.adapters import payload_from_dir
+    from rollout.types import BASE_MODEL_VERSION, FIRST_ADAPTER_VERSION
+
+    if adapter_dir is None:
+        return BASE_MODEL_VERSION
+    payload = payload_from_dir(adapter_dir, version=FIRST_ADAPTER_VERSION)
+    rollout.publish(payload)
+    rollout.sync(payload.version)
+    return payload.version

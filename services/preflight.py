@@ -7,12 +7,11 @@ worker's NCCL set-up) is not guessed at here.
 
 from __future__ import annotations
 
-import errno
 import os
-import socket
 from pathlib import Path
 
 from config import RunConfig
+from graders.ports import port_taken
 
 
 class PreflightError(ValueError):
@@ -64,24 +63,12 @@ def check_grader_pool(cfg: RunConfig) -> None:
         raise PreflightError(f"grader pool: {first}") from None
 
 
-def port_in_use(host: str, port: int) -> bool:
-    """True when host:port cannot be bound (without SO_REUSEPORT: another server holds it)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError as err:
-            if err.errno in (errno.EADDRINUSE, errno.EACCES):
-                return True
-            raise
-    return False
-
-
 def check_ports(cfg: RunConfig) -> None:
     t = cfg.trainer
-    if t.metrics_port and port_in_use(t.metrics_host, t.metrics_port):
+    if t.metrics_port and port_taken(t.metrics_host, t.metrics_port):
         raise PreflightError(f"trainer.metrics_port={t.metrics_port}: {t.metrics_host}:{t.metrics_port} is in use "
                              "(another run?); pick another with --metrics-port or 0 for a free one")
-    if t.ray_metrics_port and not t.ray_address and port_in_use("127.0.0.1", t.ray_metrics_port):
+    if t.ray_metrics_port and not t.ray_address and port_taken("127.0.0.1", t.ray_metrics_port):
         raise PreflightError(f"trainer.ray_metrics_port={t.ray_metrics_port}: the port is in use")
 
 

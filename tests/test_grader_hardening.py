@@ -18,8 +18,6 @@ import pytest
 from graders.auth import TOKEN_METADATA, TokenError, resolve_token, token_ok
 from graders.client import GraderClient, GraderRequestError, GraderUnavailable, retryable
 from config.grader import GraderConfig
-from graders.fixtures import load_pool
-from config.grader import GraderConfig
 from graders.tasks import make_task
 from graders.service import SERVICE_NAME, GraderCore, PortInUse, start_server
 from graders.voice_leading import score

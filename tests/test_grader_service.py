@@ -19,7 +19,6 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from graders.client import GraderClient, GraderRequestError, GraderUnavailable
-from graders.fixtures import load_pool
 from graders.metrics import start_metrics_server
 from graders.proto import grader_pb2 as pb
 from graders.proto import grader_pb2_grpc as pb_grpc

@@ -81,7 +81,7 @@ def test_metrics_port_in_use_is_refused():
 
 
 def _receipt(tmp_path: Path, pid: int) -> dict:
-    receipt = Receipt(tmp_path / "run.json").start(config={})
+    Receipt(tmp_path / "run.json").start(config={})
     data = json.loads((tmp_path / "run.json").read_text())
     data["pid"] = pid
     (tmp_path / "run.json").write_text(json.dumps(data))
@@ -140,6 +140,7 @@ def test_resume_refuses_a_run_that_is_still_alive(tmp_path: Path):
     try:
         cfg = load_config(SMOKE)
         receipt = Receipt(run / "run.json").start(config=cfg.model_dump(mode="json"))
+        assert receipt.data["status"] == "running"
         receipt.data["pid"] = live.pid
         receipt.write()
         done = _cli(tmp_path, "train", "--resume", "runs/r")
