@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from config.grader import GraderConfig
 from config.learner import LearnerConfig
 from config.rollout import ModelConfig, RolloutConfig
+from config.search import SearchConfig
 
 
 class TrainerConfig(BaseModel):
@@ -44,6 +45,15 @@ class TrainerConfig(BaseModel):
     )
     mode: Literal["sync", "one_step_off"] = Field(
         "sync", description="On-policy, or generation for step t+1 overlapping update t."
+    )
+    rollout_mode: Literal["flat", "tree"] = Field(
+        "flat",
+        description="How a step's completions are collected. 'flat': group_size completions of "
+        "each of prompts_per_step prompts, one GRPO group per prompt. 'tree': one round of tree "
+        "search (the `search` section) on one task per step: search.nodes_per_round nodes in "
+        "search.expansions_per_round expansions, each expansion's siblings one GRPO group "
+        "(group_size is then unused); needs grader.task 'code-exec', mode 'sync' and "
+        "prompts_per_step 1.",
     )
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at the end).")
     metrics_host: str = Field("127.0.0.1", description="Bind address of /metrics.")
@@ -92,6 +102,27 @@ class RunConfig(BaseModel):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    search: SearchConfig = Field(
+        default_factory=SearchConfig, description="Tree search (used when trainer.rollout_mode is 'tree')."
+    )
+
+    @model_validator(mode="after")
+    def _tree_mode_fits(self) -> "RunConfig":
+        t = self.trainer
+        if t.rollout_mode == "tree":
+            if self.grader.task != "code-exec":
+                raise ValueError(f"trainer.rollout_mode 'tree' grows scripts for grader.task 'code-exec', "
+                                 f"not {self.grader.task!r}")
+            if t.mode != "sync":
+                raise ValueError("trainer.rollout_mode 'tree' needs trainer.mode 'sync' (a round's "
+                                 "expansions depend on the grades before them)")
+            if t.prompts_per_step != 1:
+                raise ValueError(f"trainer.rollout_mode 'tree' grows one task's tree per step: "
+                                 f"trainer.prompts_per_step must be 1, got {t.prompts_per_step}")
+            if t.eval_heldout:
+                raise ValueError("trainer.eval_heldout evaluates flat completions; a tree run's held-out "
+                                 "figure is each round's honest_test_metric (round summaries, metrics.jsonl)")
+        return self
 
 
 class ConfigError(ValueError):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from search.config import SearchConfig
+from config.search import SearchConfig
 from search.tree import Tree
 
 

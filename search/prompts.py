@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from search.config import SearchConfig
+from config.search import SearchConfig
 from search.tree import Node
 
 FORMAT_INSTRUCTION = (

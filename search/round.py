@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from search.config import SearchConfig
+from config.search import SearchConfig
 from search.policy import choose_expansion
 from search.prompts import render_prompt
 from search.tree import Node, Tree, oriented_value

@@ -1,9 +1,9 @@
 """Archive rows of tree nodes: the run directory's node-row fields (DESIGN.md, the ones
 services.archive.NODE_FIELDS lists) plus the tree fields of mle-tree-spec.md.
 
-The archive's `check_node_rows` accepts exactly NODE_FIELDS today, so `node_row` here returns
-the core fields and the tree fields together and `core_row` the archive's subset; the driver
-writes full rows once the archive accepts TREE_FIELDS (see the report of issue 14's search core).
+The archive's `check_node_rows` accepts exactly CORE_FIELDS for flat rows (mode sample) and
+CORE_FIELDS + TREE_FIELDS for tree rows (draft|improve|debug); the driver (services/tree_round.py)
+writes these full rows.
 
 For a tree node: `verdict` is its status (so the archive's pass_rate counts `ok` when called with
 pass_verdicts=("ok",)), `failing_rules` is empty (code execution has no rules), `is_buggy` is
@@ -65,11 +65,6 @@ def node_row(node: Node, exp_id: str, advantage: float | None = None) -> dict[st
     }
     assert tuple(row) == ROW_FIELDS  # one list of fields, kept in step with the dict above
     return row
-
-
-def core_row(row: dict[str, Any]) -> dict[str, Any]:
-    """The subset today's archive (services.archive.check_node_rows) accepts."""
-    return {k: row[k] for k in CORE_FIELDS}
 
 
 def round_rows(nodes: Sequence[Node], exp_id: str,

@@ -35,6 +35,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from search.rows import TREE_FIELDS
 from services.step_timer import PHASES
 
 
@@ -65,6 +66,10 @@ NODE_FIELDS = (
 )
 
 NodeMode = Literal["sample", "draft", "improve", "debug"]
+TREE_MODES = ("draft", "improve", "debug")
+# Tree rows (modes draft|improve|debug) carry NODE_FIELDS and then search.rows.TREE_FIELDS
+# (expansion, debug_depth, val_metric, oriented, code, plan, thinking, term_tail, limits, ...).
+TREE_NODE_FIELDS = (*NODE_FIELDS, *TREE_FIELDS)
 
 
 class ArchiveError(ValueError):
@@ -163,6 +168,7 @@ def node_row(
     test_metric: float | None = None,
     exec_time: float | None = None,
     n_children: int = 0,
+    tree: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One archived completion/node with exactly the DESIGN.md node-row fields.
 
@@ -179,6 +185,9 @@ def node_row(
     """
     if mode not in ("sample", "draft", "improve", "debug"):
         raise ArchiveError(f"node mode must be sample|draft|improve|debug, got {mode!r}")
+    if (mode in TREE_MODES) != (tree is not None) or tree is not None and set(tree) != set(TREE_FIELDS):
+        raise ArchiveError(f"node {id}: a {mode} row needs exactly the tree fields {list(TREE_FIELDS)} "
+                           f"(tree rows only), got {sorted(tree or {})}")
     if not prompt_token_ids:
         raise ArchiveError(f"node {id}: no prompt_token_ids (what the model was conditioned on)")
     if len(response_logprobs) != len(response_token_ids):
@@ -210,13 +219,15 @@ def node_row(
         "advantage": None if advantage is None else float(advantage),
         "exec_time": exec_time,
         "n_children": n_children,
+        **{k: (tree or {})[k] for k in (TREE_FIELDS if tree is not None else ())},
     }
 
 
 def check_node_rows(rows: Iterable[Mapping[str, Any]]) -> None:
-    expected = set(NODE_FIELDS)
+    """Flat rows (mode sample) hold exactly NODE_FIELDS; tree rows exactly TREE_NODE_FIELDS."""
     for i, row in enumerate(rows):
         keys = set(row)
+        expected = set(TREE_NODE_FIELDS if row.get("mode") in TREE_MODES else NODE_FIELDS)
         if keys != expected:
             missing, extra = sorted(expected - keys), sorted(keys - expected)
             raise ArchiveError(f"node row {i}: missing fields {missing}, unexpected fields {extra}")
@@ -294,11 +305,23 @@ def render_transcript(step: int, task: str, epoch: int, rows: Sequence[Mapping[s
                 f"mode {row['mode']}, failing rules: {rules}, "
                 f"{len(row['prompt_token_ids'])} prompt + {len(row['response_token_ids'])} response tokens",
                 "",
+                *_tree_lines(row),
                 *forced,
                 *_fenced(row["raw_completion"]),
                 "",
             ]
     return "\n".join(out)
+
+
+def _tree_lines(row: Mapping[str, Any]) -> list[str]:
+    if row["mode"] not in TREE_MODES:
+        return []
+    lines = [f"parent {row['parent_id'] or '-'}, {'ok' if not row['is_buggy'] else 'BUGGY'}, "
+             f"val {_fmt(row['val_metric'])}, test {_fmt(row['test_metric'])}, "
+             f"exec {_fmt(row['exec_time'])} s, exception {row['exc_type'] or '-'}", ""]
+    if row["is_buggy"] and row["term_tail"]:
+        lines += ["output tail:", "", *_fenced(row["term_tail"][-1000:]), ""]
+    return lines
 
 
 def render_tree(step: int, task: str, epoch: int, rows: Sequence[Mapping[str, Any]]) -> str:
@@ -310,6 +333,14 @@ def render_tree(step: int, task: str, epoch: int, rows: Sequence[Mapping[str, An
         children[parent].append(row)
 
     def label(row: Mapping[str, Any]) -> str:
+        if row["mode"] in TREE_MODES:  # mode, ok/BUGGY and the test value (mle-tree-spec.md)
+            parent = row["parent_id"]
+            outside = f" (parent {parent})" if parent is not None and parent not in ids else ""
+            return (
+                f"{row['id']} [{row['mode']}] {'ok' if not row['is_buggy'] else 'BUGGY'} "
+                f"{row['status']} test {_fmt(row['test_metric'])} reward {_fmt(row['reward'])} "
+                f"adv {_fmt(row['advantage'], signed=True)}{outside}"
+            )
         return (
             f"{row['id']} [{row['mode']}] reward {_fmt(row['reward'])} "
             f"adv {_fmt(row['advantage'], signed=True)} {row['verdict']}"
@@ -378,6 +409,10 @@ class RunDir:
 
     def round_dir(self, step: int) -> Path:
         return self.root / f"round_{step}"
+
+    def tree_path(self, step: int) -> Path:
+        """The search tree after step ``step``'s round (tree mode; what search.carry_tree continues)."""
+        return self.round_dir(step) / "tree.json"
 
     def round_paths(self, step: int, task: str, epoch: int) -> dict[str, Path]:
         base = self.round_dir(step)
@@ -494,9 +529,13 @@ class RunDir:
         epoch: int,
         rows: Sequence[Mapping[str, Any]],
         pass_verdicts: Collection[str] = ("admitted",),
+        search_summary: Mapping[str, Any] | None = None,
+        tree_json: str | None = None,
     ) -> dict[str, Path]:
         """Write the rollouts of one step: rows, transcript, tree and summary. Files are written
-        whole (atomic replace), so re-running a step after a resume overwrites cleanly."""
+        whole (atomic replace), so re-running a step after a resume overwrites cleanly.
+        Tree mode adds the search round's summary (its keys merged in; its ``task``, the case,
+        as ``case``) and the tree itself as round_<step>/tree.json."""
         if not rows:
             raise ArchiveError(f"round {step}: no rows to write")
         check_node_rows(rows)
@@ -509,7 +548,13 @@ class RunDir:
         _atomic_write_text(paths["transcript"], render_transcript(step, task, epoch, rows))
         _atomic_write_text(paths["tree"], render_tree(step, task, epoch, rows))
         summary = {"step": step, "task": task, "epoch": epoch, **round_summary(rows, pass_verdicts)}
+        if search_summary is not None:
+            summary["case"] = search_summary.get("task")
+            summary.update({k: v for k, v in search_summary.items() if k not in summary})
         _atomic_write_text(paths["summary"], json.dumps(summary, indent=2) + "\n")
+        if tree_json is not None:
+            paths["tree_json"] = self.tree_path(step)
+            _atomic_write_text(paths["tree_json"], tree_json if tree_json.endswith("\n") else tree_json + "\n")
         return paths
 
     def read_round(self, step: int, task: str, epoch: int) -> list[dict[str, Any]]:

@@ -75,6 +75,41 @@ METRIC_NAMES: tuple[str, ...] = (
     "counterpoint_last_step_timestamp_seconds",
 )
 
+# Tree mode (issue 14): the round diagnostics of search/diagnostics.py, exported by
+# ``record_search`` from the step's `search_*` scalars. Key (without `search_`) -> (name, help).
+SEARCH_GAUGES: dict[str, tuple[str, str]] = {
+    "valid_share": ("counterpoint_search_valid_share", "Share of the round's nodes with status ok."),
+    "debug_success_rate": (
+        "counterpoint_search_debug_success_rate", "Share of the round's debug nodes that are ok."
+    ),
+    "improve_success_rate": (
+        "counterpoint_search_improve_success_rate",
+        "Share of the round's improve nodes that are ok and beat their parent on the selection metric.",
+    ),
+    "reward_mean": ("counterpoint_search_reward_mean", "Mean reward of the round's nodes."),
+    "reward_std": ("counterpoint_search_reward_std", "Population std of the round's node rewards."),
+    "frac_groups_zero_reward_std": (
+        "counterpoint_search_frac_groups_zero_reward_std",
+        "Share of the round's sibling groups whose rewards all tie (no learning signal).",
+    ),
+    "model_families": (
+        "counterpoint_search_model_families", "Distinct model families among the round's valid nodes."
+    ),
+    "honest_test_metric": (
+        "counterpoint_search_honest_test_metric",
+        "Test metric of the node the search chose on the selection metric (task's own scale).",
+    ),
+    "tree_nodes": ("counterpoint_search_tree_nodes", "Nodes of the search tree after the round."),
+}
+SEARCH_STATUSES = ("ok", "no_code", "crashed", "timeout", "invalid_submission")  # bounded label values
+SEARCH_MODES = ("draft", "improve", "debug")
+SEARCH_METRIC_NAMES: tuple[str, ...] = (
+    *(name for name, _ in SEARCH_GAUGES.values()),
+    "counterpoint_search_nodes",
+    "counterpoint_search_mode_nodes",
+    "counterpoint_search_gen_seconds",
+)
+
 # Step phases span milliseconds (adv) to many minutes (gen/update on a big model).
 PHASE_BUCKETS: tuple[float, ...] = (
     0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, float("inf"),
@@ -195,6 +230,36 @@ class TrainerMetrics:
                 "counterpoint_last_step_timestamp_seconds",
             ):
                 self._points[name] += 1
+
+    def record_search(self, scalars: Mapping[str, float | int | None]) -> None:
+        """Export a tree round's diagnostics (the step's `search_*` scalars). The gauges are
+        registered on the first call, so a flat run never shows counterpoint_search_* at 0."""
+        with self._lock:
+            if not hasattr(self, "_search"):
+                reg = self.registry
+                self._search = {k: Gauge(n, doc, registry=reg) for k, (n, doc) in SEARCH_GAUGES.items()}
+                self._search_nodes = Gauge("counterpoint_search_nodes", "Nodes of the last round per status.",
+                                           ["status"], registry=reg)
+                self._search_modes = Gauge("counterpoint_search_mode_nodes", "Nodes of the last round per mode.",
+                                           ["mode"], registry=reg)
+                self._search_seconds = Gauge(
+                    "counterpoint_search_gen_seconds",
+                    "Seconds of the last round spent generating (part=llm) and executing (part=exec).",
+                    ["part"], registry=reg)
+            for key, gauge in self._search.items():
+                value = scalars.get(f"search_{key}")
+                if value is not None:  # None = not defined this round (no debug nodes, ...)
+                    gauge.set(float(value))
+                    self._points[SEARCH_GAUGES[key][0]] += 1
+            for status in SEARCH_STATUSES:
+                self._search_nodes.labels(status=status).set(float(scalars.get(f"search_status_{status}") or 0))
+                self._points[f'counterpoint_search_nodes{{status="{status}"}}'] += 1
+            for mode in SEARCH_MODES:
+                self._search_modes.labels(mode=mode).set(float(scalars.get(f"search_mode_{mode}") or 0))
+                self._points[f'counterpoint_search_mode_nodes{{mode="{mode}"}}'] += 1
+            for part in ("llm", "exec"):
+                self._search_seconds.labels(part=part).set(float(scalars.get(f"search_gen_{part}_seconds") or 0))
+                self._points[f'counterpoint_search_gen_seconds{{part="{part}"}}'] += 1
 
     def series_counts(self) -> dict[str, int]:
         """Series name (with labels where it has some) -> points recorded, sorted by name."""

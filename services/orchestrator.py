@@ -8,6 +8,11 @@ staleness is a metric.
 
 The services are passed in (`RunParts`): this module knows their typed interfaces, not how
 they are started (services/launch.py does that), so the loop stays on one screen.
+
+How a step's completions are collected is chosen once per run (`RunParts.collect`):
+`collect_flat` (G completions per prompt, then one ScoreBatch) or, with
+trainer.rollout_mode = "tree", services/tree_round.py's `TreeRounds` (one round of tree search
+whose generation and execution interleave; it reports its own gen and score seconds).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class RunParts:
     learner: Learner
     record: Callable[["StepRecord"], None]  # archive + metrics + progress, one call per step
     version: int = 0  # adapter version live on every replica
+    collect: Callable[..., tuple["Rollouts", list[Any]]] | None = None  # None = collect_flat
 
 
 @dataclass
@@ -67,6 +73,7 @@ class Rollouts:
     samples: list[Sample]
     groups: list[int]
     gen_seconds: float = 0.0
+    search: Any = None  # tree mode: the search.round.Round these samples are the nodes of
 
 
 @dataclass
@@ -152,6 +159,16 @@ def score(parts: RunParts, ro: Rollouts) -> list[Any]:
     return replies
 
 
+def collect_flat(parts: RunParts, step: int, version: int, timer: PhaseTimer,
+                 ahead: Future[Rollouts] | None = None) -> tuple[Rollouts, list[Any]]:
+    """Flat GRPO: G completions per prompt (or those generated ahead), then one ScoreBatch."""
+    with timer("gen"):
+        ro = ahead.result() if ahead is not None else generate(parts, step, version)
+    with timer("score"):
+        scores = score(parts, ro)
+    return ro, scores
+
+
 def advantages(cfg: RunConfig, rewards: list[float], groups: list[int], valid: list[bool]) -> torch.Tensor:
     lc = cfg.learner
     return compute_advantages(
@@ -178,13 +195,11 @@ def run_steps(parts: RunParts, first_step: int) -> None:
     overlap = cfg.trainer.mode == "one_step_off"
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gen") if overlap else None
     ahead: Future[Rollouts] | None = None
+    collect = parts.collect or collect_flat
     try:
         for step in range(first_step, cfg.trainer.steps + 1):
             timer = PhaseTimer()
-            with timer("gen"):
-                ro = ahead.result() if ahead is not None else generate(parts, step, parts.version)
-            with timer("score"):
-                scores = score(parts, ro)
+            ro, scores = collect(parts, step, parts.version, timer, ahead)
             with timer("adv"):
                 rewards = [float(s.reward) for s in scores]
                 valid = [bool(s.format_ok) for s in scores]

@@ -108,8 +108,14 @@ class StepRecorder:
 
     def __call__(self, rec: StepRecord) -> None:
         ro = rec.rollouts
+        epoch = self.progress.epoch_of(rec.step)
+        search_scalars = {}
+        if ro.search is not None:  # tree mode: tree rows, merged summary, tree.json, diagnostics
+            from services.tree_round import tree_round_record
+
+            search_scalars = tree_round_record(self.run, rec, self.task, epoch)
         # What the model saw (prompt tokens: template + forced prefix) and wrote, row by row.
-        rows = [
+        rows = [] if ro.search is not None else [
             node_row(
                 id=node_id(rec.step, g, i - ro.groups.index(g)), step=rec.step, exp_id=self.run.root.name,
                 sibling_group=g, prompt_messages=list(p.messages), assistant_prefix=p.assistant_prefix,
@@ -120,8 +126,8 @@ class StepRecorder:
             )
             for i, (g, p, s, sc, a) in enumerate(zip(ro.groups, ro.prompts, ro.samples, rec.scores, rec.advantages))
         ]
-        epoch = self.progress.epoch_of(rec.step)
-        self.run.write_round(rec.step, self.task, epoch, rows)
+        if rows:
+            self.run.write_round(rec.step, self.task, epoch, rows)
         generated = sum(len(s.token_ids) for s in ro.samples)
         scalars = {
             **rec.learner_metrics, **rec.extra,
@@ -133,12 +139,15 @@ class StepRecorder:
             "stopped_share": sum(s.finish_reason == "stop" for s in ro.samples) / len(ro.samples),
             "adapter_version": float(rec.adapter_version),
             "step_seconds": rec.total_s,
+            **search_scalars,
         }
         if rec.phases_s.get("gen"):
             scalars["tokens_per_second"] = generated / rec.phases_s["gen"]
         self.run.append_metrics(rec.step, scalars)
         self.run.append_timing(rec.step, rec.total_s, rec.phases_s)
         self.metrics.record_step(rec.step, scalars, {**rec.phases_s, "total": rec.total_s}, generated, rec.adapter_version)
+        if search_scalars:
+            self.metrics.record_search(search_scalars)
         self.progress.advance(rec.step, scalars, rec.phases_s)
 
 
@@ -231,8 +240,14 @@ def train(opts: TrainOptions) -> RunDir:
             stages.done("eval before")
         progress = StepProgress(cfg.trainer.steps, first_step, lambda s: sampler.position(s)["epoch"])
         stack.callback(progress.close)
+        collect = None
+        if cfg.trainer.rollout_mode == "tree":
+            from services.tree_round import TreeRounds
+
+            collect = TreeRounds(run.root)
         parts = RunParts(cfg=cfg, cases=cases, sampler=sampler, grader=grader, rollout=rollout,
-                         learner=learner, record=StepRecorder(run, metrics, progress, health.task), version=adapter.version)
+                         learner=learner, record=StepRecorder(run, metrics, progress, health.task), version=adapter.version,
+                         collect=collect)
         try:
             run_steps(parts, first_step)
         finally:

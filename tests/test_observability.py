@@ -247,3 +247,28 @@ def test_dashboard_shows_every_exported_series():
     text = " ".join(dashboard_exprs(DASHBOARD))
     missing = {n for n in {*METRIC_NAMES, *others} if not re.search(rf"\b{n}(_bucket)?\b", text)}
     assert not missing, f"no dashboard panel queries {sorted(missing)}"
+
+
+SEARCH_DASHBOARD = DASHBOARD.with_name("counterpoint-search.json")
+
+
+def test_search_dashboard_queries_exactly_what_tree_rounds_export():
+    """The tree-search dashboard (a row of its own file, so flat runs' "every query answers"
+    checks stay about flat runs) queries every counterpoint_search_* series that
+    TrainerMetrics.record_search exports, and nothing it does not."""
+    from prometheus_client import generate_latest
+
+    from services.metrics import SEARCH_METRIC_NAMES, TrainerMetrics
+
+    metrics = TrainerMetrics(port=0)
+    assert b"counterpoint_search" not in generate_latest(metrics.registry)  # flat runs export none
+    metrics.record_search({"search_valid_share": 0.5, "search_status_ok": 2, "search_mode_draft": 4,
+                           "search_gen_llm_seconds": 1.0, "search_gen_exec_seconds": 2.0,
+                           "search_debug_success_rate": None})
+    exported = set(re.findall(r"^(counterpoint_search_\w+)", generate_latest(metrics.registry).decode(), re.M))
+    assert exported == set(SEARCH_METRIC_NAMES)
+    text = " ".join(dashboard_exprs(SEARCH_DASHBOARD))
+    queried = set(re.findall(r"counterpoint_search_\w+", text))
+    assert queried == set(SEARCH_METRIC_NAMES), (queried ^ set(SEARCH_METRIC_NAMES))
+    panels = json.loads(SEARCH_DASHBOARD.read_text())["panels"]
+    assert [p["type"] for p in panels][0] == "row" and len({p["id"] for p in panels}) == len(panels)

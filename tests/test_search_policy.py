@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 from pydantic import ValidationError
 
-from search.config import SearchConfig
+from config.search import SearchConfig
 from search.policy import Choice, choose_expansion
 from search.tree import Node, Tree
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from search.config import SearchConfig
+from config.search import SearchConfig
 from search.prompts import FORMAT_INSTRUCTION, HEADINGS, fenced, mode_of, render_prompt
 from search.tree import Node
 

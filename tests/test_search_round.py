@@ -11,19 +11,20 @@ f00-f09 val 0.588 / test 0.498: the best on validation is not the best on test.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from graders.code_exec.build import build_tasks
 from config.code_exec import CodeExecConfig
 from graders.code_exec.verifier import CodeExecTask
-from search.config import SearchConfig
+from config.search import SearchConfig
 from search.diagnostics import round_diagnostics
 from search.prompts import mode_of
 from search.round import RoundError, grow_round
-from search.rows import CORE_FIELDS, ROW_FIELDS, core_row, round_rows
+from search.rows import CORE_FIELDS, ROW_FIELDS, TREE_FIELDS, round_rows
 from search.tree import Generation, Tree
-from services.archive import NODE_FIELDS, RunDir, check_node_rows, node_row
+from services.archive import NODE_FIELDS, TREE_NODE_FIELDS, ArchiveError, RunDir, check_node_rows, node_row
 
 TASK = "tabular-binary"
 
@@ -180,16 +181,24 @@ def test_diagnostics_of_the_real_round(grown):
 def test_rows_fit_the_archive(grown, tmp_path):
     rnd, _, _ = grown
     rows = round_rows(rnd.nodes, "run-x", advantages=[0.1] * 12)
-    assert tuple(rows[0]) == ROW_FIELDS and set(CORE_FIELDS) == set(NODE_FIELDS)
-    core = [core_row(r) for r in rows]
-    check_node_rows(core)
-    for r in core:  # the archive's own constructor accepts every core field as we fill it
-        assert node_row(**{k: v for k, v in r.items() if k != "is_buggy"}, is_buggy=r["is_buggy"]) == r
-    paths = RunDir(tmp_path / "run").create().write_round(5, TASK, 0, core, pass_verdicts=("ok",))
+    assert tuple(rows[0]) == ROW_FIELDS and CORE_FIELDS == NODE_FIELDS and ROW_FIELDS == TREE_NODE_FIELDS
+    check_node_rows(rows)
+    with pytest.raises(ArchiveError, match="missing fields"):  # a tree row without its tree fields
+        check_node_rows([{k: rows[0][k] for k in CORE_FIELDS}])
+    for r in rows:  # the archive's own constructor builds the same row from the core and tree fields
+        core = {k: v for k, v in r.items() if k in CORE_FIELDS and k != "is_buggy"}
+        assert node_row(**core, is_buggy=r["is_buggy"], tree={k: r[k] for k in TREE_FIELDS}) == r
+    with pytest.raises(ArchiveError, match="tree fields"):
+        node_row(**{k: v for k, v in rows[0].items() if k in CORE_FIELDS})
+    paths = RunDir(tmp_path / "run").create().write_round(5, TASK, 0, rows, pass_verdicts=("ok",),
+                                                          tree_json=rnd.tree.dumps())
+    assert Tree.loads(paths["tree_json"].read_text()).to_dict() == rnd.tree.to_dict()
     summary = json.loads(paths["summary"].read_text())
     assert summary["pass_rate"] == 0.5 and summary["mode_counts"] == {"draft": 4, "debug": 4, "improve": 4}
     tree_txt = paths["tree"].read_text()
     assert "s5-r0-g1-0 [debug]" in tree_txt
+    assert re.search(r"s5-r0-g0-0 \[draft\] ok ok test \d", tree_txt) and "[draft] BUGGY" in tree_txt
+    assert "output tail:" in paths["transcript"].read_text()
     row = {r["id"]: r for r in rows}
     assert row["s5-r0-g0-3"]["plan"] == "I would train a random forest on the features."
     assert row["s5-r0-g0-0"]["val_metric"] is not None and row["s5-r0-g0-0"]["grade_error"] is None
@@ -237,3 +246,24 @@ def test_collaborators_breaking_the_contract_fail_the_round(verifier, case):
         grow_round(None, case, tiny, ScriptedPolicy(), lambda items: [], round_index=1)
     with pytest.raises(ValueError, match="tree is of task"):
         grow_round(Tree("docs-topic", "log_loss", "lower"), case, tiny, ScriptedPolicy(), Executor(verifier), 1)
+
+
+def test_driver_adapters_give_the_same_round_as_the_verifier(grown, verifier, case):
+    """services/tree_round.py feeds grow_round from the grader's wire records: the case from a
+    CaseInfo, each result from a Score (its details) plus the script the driver extracts itself.
+    A round grown through them is the round grown on the verifier's own results."""
+    from graders.code_exec.service import CodeExecGraderTask, score_record
+    from services.tree_round import case_dict, result_of
+
+    (info,) = [c for c in CodeExecGraderTask(verifier).cases(0, "train") if c.id == TASK]
+    assert case_dict(info) == {k: case[k] for k in ("id", "prompt_messages", "task")}
+
+    def execute(items):
+        return [result_of(score_record(cid, r), text)
+                for (cid, text), r in zip(items, verifier.score_many(items))]
+
+    rnd, _, _ = grown
+    again = grow_round(None, case_dict(info), CFG, ScriptedPolicy(version=4), execute, round_index=5)
+    keys = ("id", "parent_id", "mode", "status", "reward", "val_metric", "test_metric", "oriented", "code",
+            "exc_type", "limits", "isolation", "debug_depth", "n_children")
+    assert [[getattr(n, k) for k in keys] for n in again.nodes] == [[getattr(n, k) for k in keys] for n in rnd.nodes]

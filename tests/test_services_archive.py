@@ -237,12 +237,45 @@ def test_write_round_files(tmp_path: Path) -> None:
 def test_tree_nests_children_under_parents(tmp_path: Path) -> None:
     rows = flat_rows(2, [[0.0]])
     child = node_row(**{**rows[0], "id": "child", "parent_id": rows[0]["id"], "mode": "debug",
-                        "reward": 1.0})
+                        "reward": 1.0, "status": "ok", "is_buggy": False, "test_metric": 0.25},
+                     tree=tree_fields())
     rows[0]["n_children"] = 1
     paths = RunDir(tmp_path).write_round(2, "voice-leading", 0, [rows[0], child])
     tree = paths["tree"].read_text().splitlines()
     assert tree[2].startswith("    └── s2-r0-g0-0 [sample]")
-    assert tree[3].startswith("        └── child [debug] reward 1.000")
+    # A tree row shows its mode, ok/BUGGY and the test value.
+    assert tree[3].startswith("        └── child [debug] ok ok test 0.250 reward 1.000")
+
+
+def tree_fields(**kw):
+    from search.rows import TREE_FIELDS
+
+    return {**{k: None for k in TREE_FIELDS}, "limits": {}, "code": "", "term_tail": "", **kw}
+
+
+def test_tree_rows_need_the_tree_fields_and_flat_rows_refuse_them(tmp_path: Path) -> None:
+    row = flat_rows(1, [[1.0]])[0]
+    with pytest.raises(ArchiveError, match="tree fields"):
+        node_row(**{**row, "mode": "draft"})  # a draft row without the tree fields
+    with pytest.raises(ArchiveError, match="tree fields"):
+        node_row(**row, tree=tree_fields())  # a sample row with them
+    with pytest.raises(ArchiveError, match="tree fields"):
+        node_row(**{**row, "mode": "draft"}, tree={"code": ""})  # only some of them
+    draft = node_row(**{**row, "mode": "draft", "status": "crashed", "is_buggy": True},
+                     tree=tree_fields(term_tail="Traceback: boom", exc_type="ValueError"))
+    rd = RunDir(tmp_path)
+    with pytest.raises(ArchiveError, match="unexpected fields"):
+        rd.write_round(1, "code-exec", 0, [{**row, "code": ""}])
+    paths = rd.write_round(1, "code-exec", 0, [draft], pass_verdicts=("ok",),
+                           search_summary={"task": "pizza", "best_node_id": None, "nodes": 99},
+                           tree_json='{"format": 1}')
+    summary = json.loads(paths["summary"].read_text())
+    assert (summary["case"], summary["best_node_id"], summary["rows"]) == ("pizza", None, 1)
+    assert summary["task"] == "code-exec"  # the archive's keys win over the search summary's
+    assert rd.tree_path(1).read_text() == '{"format": 1}\n'
+    assert "[draft] BUGGY crashed test n/a" in paths["tree"].read_text()
+    transcript = paths["transcript"].read_text()
+    assert "exception ValueError" in transcript and "Traceback: boom" in transcript
 
 
 def test_write_round_rejects_bad_rows(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""The search section: how a round's tree grows. Pydantic only (import-light); the run config
-composes it when the driver wires tree search in."""
+"""The search section of a run (tree-search GRPO, issue 14): how a round's tree grows. Pydantic
+only (the config layer imports nothing of ours); search/ reads it, RunConfig composes it."""
 
 from __future__ import annotations
 

