@@ -189,6 +189,10 @@ def setup_script(tmp_bytes: int) -> str:
         f'fail() {{ echo "{SETUP_MARK}: $*" >&2; exit {SETUP_FAIL}; }}',
         'R="$1"; W="$2"; shift 2',
         'mount -t tmpfs -o mode=0755,size=8m,nosuid,nodev cp-root "$R" || fail tmpfs root',
+        # The private /tmp first: an interpreter or venv under the host's /tmp (a checkout in
+        # /tmp, as CI's may be) is bound inside it below instead of being hidden by it.
+        f'mkdir -p "$R/tmp" && mount -t tmpfs -o mode=1777,size={tmp_bytes},nosuid,nodev cp-tmp '
+        '"$R/tmp" || fail tmp',
     ]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):
@@ -212,8 +216,6 @@ def setup_script(tmp_bytes: int) -> str:
         'ln -s /proc/self/fd/1 "$R/dev/stdout"; ln -s /proc/self/fd/2 "$R/dev/stderr"',
         f'mkdir -p "$R/dev/shm" && mount -t tmpfs -o mode=1777,size={tmp_bytes},nosuid,nodev '
         'cp-shm "$R/dev/shm" || fail shm',
-        f'mkdir -p "$R/tmp" && mount -t tmpfs -o mode=1777,size={tmp_bytes},nosuid,nodev cp-tmp '
-        '"$R/tmp" || fail tmp',
         'mkdir -p "$R/proc" && mount -t proc -o nosuid,nodev,noexec proc "$R/proc" || fail proc',
         f'mkdir -p "$R{_WORKSPACE}" && mount --bind -o nosuid,nodev "$W" "$R{_WORKSPACE}" '
         "|| fail workspace",
