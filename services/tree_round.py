@@ -21,13 +21,16 @@ the per-round diagnostics (metrics.jsonl `search_*`, Prometheus counterpoint_sea
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from graders.code_exec.build import BUILD_VERSION
 from graders.code_exec.extract import extract_code
 from graders.code_exec.spread import score_spread
+from graders.code_exec.task import cache_root
 from rollout.types import Prompt
 from search.diagnostics import round_diagnostics
 from search.round import Round, grow_round
@@ -56,6 +59,20 @@ def result_of(score: Any, completion: str) -> dict[str, Any]:
             "code": extract_code(completion) or ""}
 
 
+def task_ladder(cfg: Any, case_id: str) -> dict[str, Any]:
+    """The case's entry of the tasks' reference ladder (ladder.json beside the tasks, written by
+    `grader ladder`), read where the driver can see it: code_exec.tasks_dir, or the bundled
+    tasks' build in the cache. {} when there is none here (a remote grader's tasks): the
+    diagnostics then have no best_vs_<rung> values."""
+    ce = cfg.grader.code_exec
+    root = Path(ce.tasks_dir) if ce.tasks_dir else cache_root() / "code-exec" / f"tasks-v{BUILD_VERSION}-seed{ce.seed}"
+    try:
+        return dict(json.loads((root / "ladder.json").read_text()).get(case_id) or {})
+    except (OSError, ValueError) as err:
+        log.debug("no ladder for %s under %s: %s", case_id, root, err)
+        return {}
+
+
 class TreeRounds:
     """The `collect` of tree mode: holds the trees between rounds (search.carry_tree)."""
 
@@ -63,6 +80,7 @@ class TreeRounds:
         self.run_dir = run_dir
         self.trees: dict[str, Tree] = {}
         self.last: Round | None = None
+        self.ladders: dict[str, dict[str, Any]] = {}
 
     def _tree(self, parts: RunParts, case_id: str, step: int) -> Tree | None:
         if not parts.cfg.search.carry_tree:
@@ -115,6 +133,10 @@ class TreeRounds:
         rnd = grow_round(self._tree(parts, case_id, step), case, cfg.search, generate, execute, step)
         self.trees[case_id] = rnd.tree
         self.last = rnd
+        if case_id not in self.ladders:
+            self.ladders[case_id] = task_ladder(cfg, case_id)
+        rnd.summary["diagnostics"] = round_diagnostics(rnd.nodes, rnd.tree, cfg.search.select_on,
+                                                       self.ladders[case_id])
         timer.add({"gen": rnd.summary["gen_llm_seconds"], "score": rnd.summary["gen_exec_seconds"]})
         ro = Rollouts(step=step, case_ids=[case_id] * len(samples), prompts=prompts, samples=samples,
                       groups=list(rnd.groups), gen_seconds=rnd.summary["gen_llm_seconds"], search=rnd)
@@ -126,13 +148,13 @@ def tree_round_record(run: RunDir, rec: StepRecord, task: str, epoch: int) -> di
     tree.json) and return its diagnostics as `search_*` scalars for metrics.jsonl."""
     rnd: Round = rec.rollouts.search
     tree = rnd.tree
-    diag = round_diagnostics(rnd.nodes, tree, rnd.summary["select_on"])
+    diag = rnd.summary["diagnostics"]  # computed by TreeRounds, against the task's ladder
     rows = round_rows(rnd.nodes, run.root.name, rec.advantages)
     # n_children as of the end of the round (a node's children may come in later expansions).
     for row in rows:
         row["n_children"] = tree.get(row["id"]).n_children
     run.write_round(rec.step, task, epoch, rows, pass_verdicts=("ok",),
-                    search_summary={**rnd.summary, "expansion_choices": rnd.expansions, "diagnostics": diag},
+                    search_summary={**rnd.summary, "expansion_choices": rnd.expansions},
                     tree_json=tree.dumps())
     out = {f"search_{k}": v for k, v in diag.items() if v is None or isinstance(v, (int, float))}
     out["search_gen_llm_seconds"] = rnd.summary["gen_llm_seconds"]

@@ -38,3 +38,17 @@ def test_shipped_tree_configs(name):
     cfg = load_config(REPO / "configs" / name)
     assert cfg.trainer.rollout_mode == "tree" and cfg.grader.task == "code-exec"
     assert cfg.rollout.max_tokens < cfg.rollout.max_model_len
+
+
+def test_task_ladder_is_read_where_the_driver_sees_it(tmp_path):
+    """Tree diagnostics compare a round with the task's reference ladder (ladder.json beside the
+    tasks); a driver that cannot see one gets {} (no best_vs_<rung> values), never an error."""
+    import json
+
+    from services.tree_round import task_ladder
+
+    cfg = load_config(None, [f"grader.code_exec.tasks_dir={tmp_path}"])
+    assert task_ladder(cfg, "tabular-binary") == {}
+    entry = {"gbm": {"status": "ok", "val_metric": 0.72, "test_metric": 0.8}}
+    (tmp_path / "ladder.json").write_text(json.dumps({"tabular-binary": entry}))
+    assert task_ladder(cfg, "tabular-binary") == entry and task_ladder(cfg, "docs-topic") == {}

@@ -101,3 +101,15 @@ def test_tree_rounds_train_end_to_end(tmp_path: Path):
     receipt = json.loads((run / "run.json").read_text())
     assert receipt["status"] == "completed" and receipt["config"]["trainer"]["rollout_mode"] == "tree"
     assert receipt["prometheus_series"].get("counterpoint_search_valid_share") == STEPS
+
+    # Resume in a new process for one more step: the tree continues from round_2/tree.json.
+    proc = cli("train", "--resume", str(run), "--set", f"trainer.steps={STEPS + 1}", timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert [t["step"] for t in read_jsonl(run / "timing.jsonl")] == [1, 2, 3]
+    rows3 = read_jsonl(next((run / "round_3").glob("code-exec__*[0-9].jsonl")))
+    assert all(r["round"] == 2 and r["step"] == 3 for r in rows3)
+    tree3 = Tree.loads((run / "round_3" / "tree.json").read_text())
+    assert len(tree3.nodes) == 3 * N and tree3.rounds == 3
+    assert {n.id for n in tree3.nodes.values()} >= all_ids  # the earlier rounds' nodes are in it
+    assert rows3[0]["parent_id"] in all_ids  # its first expansion debugs a node of an earlier round
+    assert read_jsonl(run / "metrics.jsonl")[-1]["search_tree_nodes"] == 3 * N
