@@ -146,6 +146,9 @@ def copy_logs(src: Path, dest: Path) -> None:
 
 
 # ---------------------------------------------------------------- the run's logs
+RAY_PREFIXED = re.compile(r"(\x1b\[[0-9;]*m)?\((raylet|gcs_server|pid=\d+|[A-Za-z_][\w:.]* pid=\d+)[^)]*\)")
+
+
 class _MainThreadStdout:
     """sys.stdout of a run: the main thread's writes (print, typer.echo, rich tables) reach the
     terminal; other threads' (Ray's error listener prints raylet notices such as "Task
@@ -158,6 +161,10 @@ class _MainThreadStdout:
         return self.console if threading.current_thread() is threading.main_thread() else self.log
 
     def write(self, text: str) -> int:
+        # Ray also prints its processes' lines ("(raylet) Task ... failed", "(ServeReplica pid=..)")
+        # from the main thread, e.g. while ray.shutdown() drains them: those go to the log too.
+        if RAY_PREFIXED.match(text):
+            return self.log.write(text)
         return self._sink().write(text)
 
     def flush(self) -> None:

@@ -186,3 +186,19 @@ def test_a_replica_failing_in_its_constructor_shows_its_cause_and_the_log_paths(
     assert Path(full.removeprefix("full log: ")).is_file()
     service = [Path(line.split(": ", 1)[1]) for line in lines if line.startswith("service log with a traceback: ")]
     assert service and all(p.is_file() and p.is_relative_to(run / "logs" / "ray") for p in service)
+
+
+def test_ray_prefixed_lines_from_the_main_thread_go_to_the_log(tmp_path: Path):
+    """Ray prints its processes' lines ('(raylet) Task ... failed', '(ServeReplica:.. pid=..)') from
+    the main thread too, e.g. while ray.shutdown() drains them: they belong in driver.log."""
+    import io
+
+    from services.console import _MainThreadStdout
+
+    console, log = io.StringIO(), io.StringIO()
+    out = _MainThreadStdout(console, log)
+    out.write("\x1b[33m(raylet)\x1b[0m Task ServeController.listen_for_change failed.\n")
+    out.write("(ServeReplica:grader:Grader pid=4242) INFO ready\n")
+    out.write("step 1/3  reward 0.000\n")
+    assert console.getvalue() == "step 1/3  reward 0.000\n"
+    assert "(raylet)" in log.getvalue() and "pid=4242" in log.getvalue()
