@@ -101,3 +101,26 @@ def test_ladder_orders_constant_below_gbm_and_is_written(verifier, tasks_dir):
         assert best > rungs["constant"]["reward"], (tid, rungs)
     assert out["tabular-binary"]["constant"]["test_metric"] == 0.5
     assert pd.read_csv(tasks_dir / "tabular-binary" / "public" / "train.csv").shape[0] == 960
+
+
+def test_a_users_mlebench_style_task_dir_works_unchanged(tmp_path):
+    """An MLE-bench prepared competition: public/ and private/test.csv (answers with no split
+    column) as MLE-bench lays them out, plus only a task.json naming its grading rule and answers
+    file. Every answer row is test: test_metric is reported, there is no val_metric."""
+    comp = tmp_path / "tasks" / "my-comp"
+    (comp / "public").mkdir(parents=True)
+    (comp / "private").mkdir()
+    ids = [f"r{i:03d}" for i in range(40)]
+    pd.DataFrame({"id": [f"t{i}" for i in range(80)], "x": range(80), "y": [i % 2 for i in range(80)]}).to_csv(
+        comp / "public" / "train.csv", index=False)
+    pd.DataFrame({"id": ids, "x": range(40)}).to_csv(comp / "public" / "test.csv", index=False)
+    pd.DataFrame({"id": ids, "y": 0.5}).to_csv(comp / "public" / "sample_submission.csv", index=False)
+    (comp / "public" / "description.md").write_text("Predict y.\n")
+    pd.DataFrame({"id": ids, "y": [i % 2 for i in range(40)]}).to_csv(comp / "private" / "test.csv", index=False)
+    (comp / "task.json").write_text(json.dumps({"id": "my-comp", "metric": "roc_auc", "id_column": "id",
+                                                "target_columns": ["y"], "answers": "private/test.csv"}))
+    v = CodeExecTask(CodeExecConfig(tasks_dir=str(tmp_path / "tasks"), timeout_s=20.0, grace_s=0.5))
+    r = v.score("my-comp", _py(
+        "import pandas as pd\nt = pd.read_csv('test.csv')\n"
+        "pd.DataFrame({'id': t['id'], 'y': t['x'] % 2}).to_csv('submission.csv', index=False)"))
+    assert (r.status, r.test_metric, r.val_metric, r.reward) == ("ok", 1.0, None, 1.0)
