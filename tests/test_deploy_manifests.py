@@ -55,6 +55,13 @@ def test_rayjob_train():
     assert gpu_limit(head) == 0
     (head_container,) = head["template"]["spec"]["containers"]
     assert cfg.trainer.metrics_port in {p["containerPort"] for p in head_container["ports"]}
+    # The graders it calls refuse calls without their token: the driver (on the head) sends the
+    # same secret's value under the env var its config names.
+    graders = kind_doc(DEPLOY / "kuberay" / "rayservice-graders.yaml", "RayService")
+    grader_envs = {a["args"]["token_env"] for a in yaml.safe_load(graders["spec"]["serveConfigV2"])["applications"]}
+    assert cfg.grader.address and grader_envs == {cfg.grader.token_env}
+    (env,) = [e for e in head_container.get("env", []) if e["name"] == cfg.grader.token_env]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "counterpoint-grader-token", "key": "token"}
     workers = cluster["workerGroupSpecs"]
     assert workers and all(gpu_limit(group) >= 1 for group in workers)
     needed = cfg.rollout.replicas * cfg.rollout.num_gpus + (
