@@ -53,6 +53,13 @@ class GraderConfig(BaseModel):
     replicas: int = Field(1, ge=1, description="Serve replicas when the trainer starts the grader.")
     min_replicas: int | None = Field(None, ge=1, description="Autoscaling lower bound (Serve).")
     max_replicas: int | None = Field(None, ge=1, description="Autoscaling upper bound (Serve).")
+    score_chunk: int | None = Field(
+        None, ge=1,
+        description="Completions per ScoreBatch the trainer sends; the chunks go out concurrently "
+        "because Serve routes each request whole to ONE replica, so a single batch would never use "
+        "a second replica. None = code_exec.max_concurrent for code-exec (what one replica runs at "
+        "once), else the step's batch split evenly over max_replicas (or replicas).",
+    )
     target_ongoing_requests: float = Field(
         8.0, gt=0, description="Serve autoscaling target of in-flight requests per replica."
     )
@@ -121,3 +128,12 @@ class GraderConfig(BaseModel):
         if self.token_env is not None and self.token_file is not None:
             raise ValueError("set grader.token_env or grader.token_file, not both")
         return self
+
+    def chunk_for(self, n: int) -> int:
+        """ScoreBatch size for a batch of n completions (see score_chunk)."""
+        if self.score_chunk is not None:
+            return self.score_chunk
+        if self.task == "code-exec":
+            return self.code_exec.max_concurrent
+        replicas = max(self.replicas, self.max_replicas or 0)
+        return max(1, -(-n // replicas))

@@ -29,6 +29,7 @@ from learner.advantages import compute_advantages, frac_reward_zero_std
 from learner.types import TrainBatch
 from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
 from config import RunConfig
+from graders.code_exec.spread import score_spread
 from services.step_timer import PhaseTimer
 
 log = logging.getLogger("counterpoint.train")
@@ -153,7 +154,9 @@ def completion_text(prompt: Prompt, sample: Sample) -> str:
 
 def score(parts: RunParts, ro: Rollouts) -> list[Any]:
     items = [(cid, completion_text(p, s)) for cid, p, s in zip(ro.case_ids, ro.prompts, ro.samples)]
-    replies = parts.grader.score_batch(items)  # retried inside; raises rather than return partial
+    # Chunks sent concurrently spread over the grader replicas; each is retried inside the client,
+    # and a failed chunk raises rather than return a partial batch.
+    replies = score_spread(parts.grader, items, parts.cfg.grader.chunk_for(len(items)))
     if len(replies) != len(items):
         raise RuntimeError(f"grader returned {len(replies)} scores for {len(items)} completions")
     return replies

@@ -300,3 +300,47 @@ def test_cli_serve_prints_address_and_serves(tiny_fixture):
         assert proc.wait(timeout=30) == 0
         proc.stdout.close()
         proc.stderr.close()
+
+
+class CountingClient(GraderClient):
+    """The real client, counting the ScoreBatch requests it sends."""
+
+    def __init__(self, address: str):
+        super().__init__(address)
+        self.batches: list[int] = []
+
+    def score_batch(self, pairs):
+        self.batches.append(len(pairs))
+        return super().score_batch(pairs)
+
+
+def test_grader_config_chunks_a_batch_for_its_replicas():
+    assert GraderConfig(replicas=3).chunk_for(7) == 3
+    assert GraderConfig(replicas=2, max_replicas=8).chunk_for(64) == 8
+    assert GraderConfig().chunk_for(64) == 64  # one replica: one request
+    assert GraderConfig(replicas=4, score_chunk=5).chunk_for(64) == 5
+    assert GraderConfig(task="code-exec", replicas=4).chunk_for(64) == GraderConfig(task="code-exec").code_exec.max_concurrent
+
+
+def test_driver_scores_a_step_in_concurrent_chunks_in_order(server):
+    """Serve routes a ScoreBatch whole to one replica, so the driver sends a step's batch as
+    chunks (one per replica) at once; the replies come back in the batch's order."""
+    from types import SimpleNamespace
+
+    from rollout.types import Prompt, Sample
+    from services.orchestrator import Rollouts, score as driver_score
+
+    texts = [ADMITTED, "no json here", *COMPLETIONS]
+    case_ids = [("rest-between", "cadence")[i % 2] for i in range(len(texts))]
+    samples = [Sample(i, 0, t, [1], [2], [-0.1], "stop", 1) for i, t in enumerate(texts)]
+    ro = Rollouts(1, case_ids, [Prompt(messages=({"role": "user", "content": "x"},))] * len(texts), samples,
+                  list(range(len(texts))))
+    with CountingClient(server.address) as client:
+        parts = SimpleNamespace(cfg=SimpleNamespace(grader=GraderConfig(replicas=3)), grader=client)
+        got = driver_score(parts, ro)
+        batches = list(client.batches)
+        one_by_one = [client.score(c, t) for c, t in zip(case_ids, texts)]
+    n = len(texts)
+    chunk = -(-n // 3)
+    assert sorted(batches, reverse=True) == [chunk, chunk, n - 2 * chunk]
+    assert [(s.case_id, s.reward, s.verdict) for s in got] == [(s.case_id, s.reward, s.verdict) for s in one_by_one]
