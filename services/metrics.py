@@ -11,6 +11,7 @@ Only prometheus_client is imported here: no Ray, no torch.
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections import Counter as _Tally
@@ -103,11 +104,19 @@ SEARCH_GAUGES: dict[str, tuple[str, str]] = {
 }
 SEARCH_STATUSES = ("ok", "no_code", "crashed", "timeout", "invalid_submission")  # bounded label values
 SEARCH_MODES = ("draft", "improve", "debug")
+# The round against the task's reference ladder (search/diagnostics.py `<stat>_vs_<rung>`): one
+# series per (rung, stat), labelled rather than named per rung. Rungs are the ladder's (ladder.json
+# beside the tasks: a handful), so the label stays bounded.
+SEARCH_LADDER_STATS = ("best", "median", "honest")
+_LADDER_KEY = re.compile(rf"search_({'|'.join(SEARCH_LADDER_STATS)})_vs_(\w+)")
+_SELECTION_KEY = re.compile(r"search_(best|median)_(val|test)_metric")
 SEARCH_METRIC_NAMES: tuple[str, ...] = (
     *(name for name, _ in SEARCH_GAUGES.values()),
     "counterpoint_search_nodes",
     "counterpoint_search_mode_nodes",
     "counterpoint_search_gen_seconds",
+    "counterpoint_search_vs_ladder",
+    "counterpoint_search_selection_metric",
 )
 
 # Step phases span milliseconds (adv) to many minutes (gen/update on a big model).
@@ -246,6 +255,16 @@ class TrainerMetrics:
                     "counterpoint_search_gen_seconds",
                     "Seconds of the last round spent generating (part=llm) and executing (part=exec).",
                     ["part"], registry=reg)
+                self._search_ladder = Gauge(
+                    "counterpoint_search_vs_ladder",
+                    "Last round against each rung of the task's reference ladder, oriented (positive = "
+                    "better than the rung): stat=best|median is the round's best|median selection metric "
+                    "minus the rung's, stat=honest the chosen node's test metric minus the rung's.",
+                    ["rung", "stat"], registry=reg)
+                self._search_selection = Gauge(
+                    "counterpoint_search_selection_metric",
+                    "Best|median selection metric (search.select_on) of the last round's valid nodes, on "
+                    "the task's own scale.", ["stat", "split"], registry=reg)
             for key, gauge in self._search.items():
                 value = scalars.get(f"search_{key}")
                 if value is not None:  # None = not defined this round (no debug nodes, ...)
@@ -260,6 +279,25 @@ class TrainerMetrics:
             for part in ("llm", "exec"):
                 self._search_seconds.labels(part=part).set(float(scalars.get(f"search_gen_{part}_seconds") or 0))
                 self._points[f'counterpoint_search_gen_seconds{{part="{part}"}}'] += 1
+            # Per-round values that a round may lack (no valid node: None): the series is removed
+            # rather than left at an earlier round's value, so a panel shows the gap.
+            for key, value in scalars.items():
+                if m := _LADDER_KEY.fullmatch(key):
+                    self._set_or_remove(self._search_ladder, "counterpoint_search_vs_ladder", value,
+                                        rung=m.group(2), stat=m.group(1))
+                elif m := _SELECTION_KEY.fullmatch(key):
+                    self._set_or_remove(self._search_selection, "counterpoint_search_selection_metric", value,
+                                        stat=m.group(1), split=m.group(2))
+
+    def _set_or_remove(self, gauge: Gauge, name: str, value: float | int | None, **labels: str) -> None:
+        if value is None:
+            try:
+                gauge.remove(*labels.values())
+            except KeyError:  # never set
+                pass
+            return
+        gauge.labels(**labels).set(float(value))
+        self._points[name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"] += 1
 
     def series_counts(self) -> dict[str, int]:
         """Series name (with labels where it has some) -> points recorded, sorted by name."""

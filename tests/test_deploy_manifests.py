@@ -165,6 +165,19 @@ def test_grafana_dashboard_and_provisioning():
     assert provider["type"] == "file" and provider["options"]["path"]
 
 
+def test_search_dashboard_plots_the_ladder_by_rung():
+    """The tree dashboard draws the round against the task's reference ladder from the labelled
+    series (one line per rung and stat), with 0 (= the rung) marked."""
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "counterpoint-search.json").read_text())
+    (panel,) = [p for p in dashboard["panels"]
+                if any(t.get("expr") == "counterpoint_search_vs_ladder" for t in p.get("targets", []))]
+    (target,) = panel["targets"]
+    assert "{{rung}}" in target["legendFormat"] and "{{stat}}" in target["legendFormat"]
+    assert [s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]] == [None, 0]
+    assert any(t.get("expr") == "counterpoint_search_selection_metric"
+               for p in dashboard["panels"] for t in p.get("targets", []))
+
+
 def test_ppl_ratio_panel_draws_alert_band():
     dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "counterpoint.json").read_text())
     (panel,) = [p for p in dashboard["panels"]

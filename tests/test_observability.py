@@ -264,7 +264,8 @@ def test_search_dashboard_queries_exactly_what_tree_rounds_export():
     assert b"counterpoint_search" not in generate_latest(metrics.registry)  # flat runs export none
     metrics.record_search({"search_valid_share": 0.5, "search_status_ok": 2, "search_mode_draft": 4,
                            "search_gen_llm_seconds": 1.0, "search_gen_exec_seconds": 2.0,
-                           "search_debug_success_rate": None})
+                           "search_debug_success_rate": None, "search_best_val_metric": 0.6,
+                           "search_best_vs_constant": 0.1})
     exported = set(re.findall(r"^(counterpoint_search_\w+)", generate_latest(metrics.registry).decode(), re.M))
     assert exported == set(SEARCH_METRIC_NAMES)
     text = " ".join(dashboard_exprs(SEARCH_DASHBOARD))

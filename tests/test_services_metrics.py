@@ -137,3 +137,40 @@ def test_port_in_use_is_named(served):
     other = TrainerMetrics(host="127.0.0.1", port=port)
     with pytest.raises(OSError, match=f"cannot serve /metrics on 127.0.0.1:{port}"):
         other.start()
+
+
+# Tree rounds against the task's reference ladder (search/diagnostics.py `<stat>_vs_<rung>`):
+# one labelled series per (rung, stat), not one metric name per rung. Spelled out here so a
+# dropped export fails.
+LADDER_SCALARS = {
+    "search_valid_share": 0.5, "search_best_val_metric": 0.59, "search_median_val_metric": 0.51,
+    "search_best_vs_constant": 0.09, "search_median_vs_constant": 0.01, "search_honest_vs_constant": -0.002,
+    "search_best_vs_gbm": -0.2, "search_median_vs_gbm": -0.28, "search_honest_vs_gbm": -0.25,
+}
+
+
+def test_ladder_gaps_are_exported_by_rung(served):
+    metrics, port = served
+    metrics.record_search(LADDER_SCALARS)
+    samples = scrape(port)
+    ladder = {(s.labels["rung"], s.labels["stat"]): s.value for s in samples["counterpoint_search_vs_ladder"]}
+    assert ladder == {(rung, stat): pytest.approx(LADDER_SCALARS[f"search_{stat}_vs_{rung}"])
+                      for rung in ("constant", "gbm") for stat in ("best", "median", "honest")}
+    selection = {(s.labels["stat"], s.labels["split"]): s.value
+                 for s in samples["counterpoint_search_selection_metric"]}
+    assert selection == {("best", "val"): pytest.approx(0.59), ("median", "val"): pytest.approx(0.51)}
+    assert not [n for n in samples if re.search(r"vs_(constant|gbm)", n)]  # no name per rung
+    counts = metrics.series_counts()
+    assert counts['counterpoint_search_vs_ladder{rung="gbm",stat="honest"}'] == 1
+    assert counts['counterpoint_search_selection_metric{stat="best",split="val"}'] == 1
+
+    # A round without a valid node has no best/median: those series go (no stale value), the
+    # honest gap of a round that has one stays.
+    metrics.record_search({**LADDER_SCALARS, "search_best_val_metric": None, "search_best_vs_gbm": None,
+                           "search_median_vs_gbm": None, "search_honest_vs_gbm": -0.3})
+    samples = scrape(port)
+    ladder = {(s.labels["rung"], s.labels["stat"]): s.value for s in samples["counterpoint_search_vs_ladder"]}
+    assert ("gbm", "best") not in ladder and ("gbm", "median") not in ladder
+    assert ladder[("gbm", "honest")] == pytest.approx(-0.3) and ("constant", "best") in ladder
+    assert {s.labels["stat"] for s in samples["counterpoint_search_selection_metric"]} == {"median"}
+    assert metrics.series_counts()['counterpoint_search_vs_ladder{rung="gbm",stat="honest"}'] == 2
