@@ -1,31 +1,77 @@
 """`counterpoint replicate`: N training runs that differ only in seed, each followed by the same
-held-out eval, so `counterpoint compare` can put an interval over runs.
+held-out eval, so `counterpoint compare` can put an interval over runs; with `--grid`, the same
+for every cell of a grid over config keys, aggregated per cell across seeds (evals/grid.py).
 
 Each arm is its own `counterpoint train` + `counterpoint eval --run` subprocess: a failed arm
 is reported (and recorded in the replicate receipt), never hidden, and never takes the other
-arms down. With `--pin-init` every arm starts from the first arm's saved init adapter, so the
-seed varies only sampling and data order; each arm's receipt says which init it used.
+arms down. With `--pin-init` every arm (of a cell) starts from the first arm's saved init adapter,
+so the seed varies only sampling and data order; each arm's receipt says which init it used.
 Arms run one after another on one box, or `--parallel K` at a time against a cluster
 (`--address`), each arm's Ray driver joining it.
+
+A grid (`--grid learner.lr=3e-5,1e-4 --grid learner.advantage=...`) is the cartesian product of
+its axes; cell i is named c<i>_<key>-<value>... and its arms <cell>__seed<s>. Every cell's config
+is loaded and checked for every seed before anything runs. Tree cells (trainer.rollout_mode
+"tree") get no `counterpoint eval` (their held-out figure is each round's honest_test_metric);
+flat cells get one base-model eval per seed and eval settings ("before"), shared by every cell
+whose model, grader, rollout, eval and prefix settings are the same, so after − before needs no
+extra training.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
+
+# Keys replicate sets itself for every arm: a grid over them would be overwritten or collide.
+OWNED_KEYS = {"seed": "the seed is --seeds", "run_name": "replicate names each arm",
+              "trainer.runs_dir": "replicate places each arm under --out"}
+
+
+class GridSpecError(ValueError):
+    """A --grid option that cannot define a grid; the message names it."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str  # "" for a plain replicate (no grid)
+    overrides: tuple[str, ...] = ()  # this cell's grid values as key=value, in axis order
 
 
 @dataclass
 class Arm:
     seed: int
     run_dir: Path
-    eval_file: Path
+    eval_file: Path | None
     status: str = "pending"  # completed | failed
     error: str | None = None
     init_adapter: str | None = None
+    cell: str = ""
+    overrides: list[str] = field(default_factory=list)
+    mode: str = "flat"  # the cell's trainer.rollout_mode
+    before_file: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return self.run_dir.name
+
+
+@dataclass
+class BeforeEval:
+    """One base-model eval (no adapter) that flat arms' after − before is taken against."""
+
+    seed: int
+    overrides: list[str]
+    out: Path
+    status: str = "pending"
+    error: str | None = None
 
 
 @dataclass
@@ -38,6 +84,135 @@ class ReplicatePlan:
     address: str | None = None
     parallel: int = 1
     eval_args: list[str] = field(default_factory=list)
+    cells: list[Cell] = field(default_factory=lambda: [Cell("")])
+    modes: dict[str, str] = field(default_factory=dict)  # cell name -> trainer.rollout_mode
+    before_keys: dict[str, str] = field(default_factory=dict)  # flat cell name -> base-eval settings key
+    before: bool = False
+
+
+# ------------------------------------------------------------------------------- grid spec (pure)
+
+
+def _split_values(text: str) -> list[str]:
+    """Split on commas outside brackets, so a YAML list value ([1,2]) stays one value."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "[{"
+        depth -= ch in "]}"
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [*out, cur]
+
+
+def parse_grid(specs: list[str], sets: list[str] = ()) -> list[tuple[str, list[str]]]:
+    """--grid KEY=v1,v2 options as (key, values) axes. Refuses a malformed option, an empty or
+    repeated value, a key given twice (or inside another axis' key), a key also given by --set,
+    and the keys replicate sets itself."""
+    axes: list[tuple[str, list[str]]] = []
+    set_keys = [s.partition("=")[0].strip() for s in sets]
+    for spec in specs:
+        key, eq, raw = spec.partition("=")
+        key = key.strip()
+        if not eq or not key or not raw.strip():
+            raise GridSpecError(f"--grid {spec!r}: expected KEY=v1,v2,...")
+        values = [v.strip() for v in _split_values(raw)]
+        if any(v == "" for v in values):
+            raise GridSpecError(f"--grid {spec!r}: an empty value")
+        if len(set(values)) != len(values):
+            raise GridSpecError(f"--grid {spec!r}: a value is repeated")
+        if key in OWNED_KEYS:
+            raise GridSpecError(f"--grid {key}: {OWNED_KEYS[key]}, not a grid key")
+        for other in [k for k, _ in axes]:
+            if _overlap(key, other):
+                raise GridSpecError(f"--grid {key}: overlaps --grid {other} (one axis per key)")
+        for other in set_keys:
+            if _overlap(key, other):
+                raise GridSpecError(f"--grid {key}: also given by --set {other}=...; give it in one place")
+        axes.append((key, values))
+    return axes
+
+
+def _overlap(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._+-]+", "-", text).strip("-") or "x"
+
+
+def grid_cells(axes: list[tuple[str, list[str]]]) -> list[Cell]:
+    """The cartesian product of the axes, first axis slowest. Cell i is named
+    c<i>_<leaf>-<value>_... (<leaf> the key's last part, or the whole key where two axes share
+    a leaf); no axes gives the one unnamed cell of a plain replicate."""
+    if not axes:
+        return [Cell("")]
+    leaves = [k.split(".")[-1] for k, _ in axes]
+    names = [leaf if leaves.count(leaf) == 1 else key.replace(".", "-") for leaf, (key, _) in zip(leaves, axes)]
+    cells = []
+    for i, combo in enumerate(itertools.product(*(values for _, values in axes)), start=1):
+        label = "_".join(f"{_slug(n)}-{_slug(v)}" for n, v in zip(names, combo))
+        cells.append(Cell(f"c{i}_{label}", tuple(f"{k}={v}" for (k, _), v in zip(axes, combo))))
+    return cells
+
+
+def arm_name(cell: Cell, seed: int) -> str:
+    return f"{cell.name}__seed{seed}" if cell.name else f"seed{seed}"
+
+
+BEFORE_SECTIONS = ("model", "grader", "rollout", "eval")
+
+
+def before_key(resolved_config: dict[str, Any]) -> str:
+    """What a base-model eval depends on (so cells that vary only training share it): the model,
+    grader, rollout and eval sections and the prefix mode of the resolved config."""
+    part = {k: resolved_config[k] for k in BEFORE_SECTIONS}
+    part["prefix_mode"] = resolved_config["trainer"]["prefix_mode"]
+    return json.dumps(part, sort_keys=True)
+
+
+def one_line(err: Exception) -> str:
+    """A (possibly multi-line) config error as one line."""
+    return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+
+
+def check_grid(config: Path, sets: list[str], specs: list[str], seeds: list[int]
+               ) -> tuple[list[Cell], dict[str, str], dict[str, str]]:
+    """Load every cell's config for every seed and run the checks that need no service, so bad
+    grid input fails in one line before any arm runs. Returns the cells, each cell's
+    trainer.rollout_mode and each cell's base-eval settings key (before_key)."""
+    from config import ConfigError, load_config, resolved
+    from services.preflight import PreflightError, preflight
+
+    cells = grid_cells(parse_grid(specs, sets))
+    modes: dict[str, str] = {}
+    keys: dict[str, str] = {}
+    for cell in cells:
+        for seed in seeds:
+            try:
+                cfg = load_config(config, [*sets, *cell.overrides, f"seed={seed}"])
+                preflight(cfg, ports=False)
+            except (ConfigError, PreflightError, ValueError) as err:
+                where = f"grid cell {cell.name} ({' '.join(cell.overrides)})" if cell.name else "config"
+                raise GridSpecError(f"{where}: {one_line(err)}") from None
+        modes[cell.name] = cfg.trainer.rollout_mode
+        keys[cell.name] = before_key(resolved(cfg))
+    return cells, modes, keys
+
+
+def grid_report(out_dir: Path, cells: list[Cell], arms: list[Arm], last_k: int | None = None) -> dict[str, str]:
+    """Aggregate the arms per cell (evals/grid.py): grid.json and grid.png in out_dir."""
+    from evals.grid import LAST_K, ArmFiles, aggregate, write_grid_json, write_grid_png
+
+    files = [ArmFiles(a.cell, a.seed, a.status, a.run_dir, a.eval_file, a.before_file, a.mode, a.error) for a in arms]
+    report = aggregate([{"cell": c.name, "overrides": list(c.overrides)} for c in cells], files, last_k or LAST_K)
+    return {"grid_json": str(write_grid_json(report, out_dir / "grid.json")),
+            "grid_png": str(write_grid_png(report, out_dir / "grid.png"))}
+
+
+# ------------------------------------------------------------------------------- running arms
 
 
 def _cli() -> list[str]:
@@ -53,11 +228,16 @@ def _run(cmd: list[str], log: Path) -> None:
         raise RuntimeError(f"`{' '.join(cmd[2:5])} ...` exited {done.returncode} (log: {log})")
 
 
-def run_arm(plan: ReplicatePlan, arm: Arm, init_adapter: Path | None) -> Arm:
-    log = plan.out_dir / f"seed{arm.seed}.log"
-    common = ["--set", f"seed={arm.seed}", *sum((["--set", o] for o in plan.overrides), [])]
+def _common(plan: ReplicatePlan, seed: int, overrides: list[str]) -> list[str]:
+    common = ["--set", f"seed={seed}", *sum((["--set", o] for o in [*plan.overrides, *overrides]), [])]
     if plan.address:
         common += ["--set", f"trainer.ray_address={plan.address}"]
+    return common
+
+
+def run_arm(plan: ReplicatePlan, arm: Arm, init_adapter: Path | None) -> Arm:
+    log = plan.out_dir / f"{arm.name}.log"
+    common = _common(plan, arm.seed, arm.overrides)
     train = [*_cli(), "train", "--config", str(plan.config), "--run-name", arm.run_dir.name,
              "--set", f"trainer.runs_dir={arm.run_dir.parent}", "--set", "trainer.metrics_port=0", *common]
     if init_adapter is not None:
@@ -67,44 +247,85 @@ def run_arm(plan: ReplicatePlan, arm: Arm, init_adapter: Path | None) -> Arm:
         arm.init_adapter = "seeded"
     try:
         _run(train, log)
-        _run([*_cli(), "eval", "--config", str(plan.config), *common, "--run", str(arm.run_dir),
-              "--seed", str(arm.seed), "--out", str(arm.eval_file), *plan.eval_args], log)
+        if arm.eval_file is not None:
+            _run([*_cli(), "eval", "--config", str(plan.config), *common, "--run", str(arm.run_dir),
+                  "--seed", str(arm.seed), "--out", str(arm.eval_file), *plan.eval_args], log)
         arm.status = "completed"
     except Exception as err:  # one failed arm is reported, the others go on
         arm.status, arm.error = "failed", str(err)
     return arm
 
 
-def replicate(plan: ReplicatePlan) -> list[Arm]:
+def run_before(plan: ReplicatePlan, before: BeforeEval) -> BeforeEval:
+    """The base model (no adapter) evaluated with an arm's settings and seed."""
+    log = before.out.with_suffix(".log")
+    try:
+        _run([*_cli(), "eval", "--config", str(plan.config), *_common(plan, before.seed, before.overrides),
+              "--seed", str(before.seed), "--out", str(before.out), *plan.eval_args], log)
+        before.status = "completed"
+    except Exception as err:  # reported; the arms' after-figures stand without it
+        before.status, before.error = "failed", str(err)
+    return before
+
+
+def plan_arms(plan: ReplicatePlan) -> tuple[list[Arm], list[BeforeEval]]:
+    """Every arm (cells × seeds, cell-major) and the base-model evals the flat ones pair with."""
+    arms: list[Arm] = []
+    befores: dict[tuple[str, int], BeforeEval] = {}
+    for cell in plan.cells:
+        mode = plan.modes.get(cell.name, "flat")
+        for s in plan.seeds:
+            name = arm_name(cell, s)
+            arm = Arm(s, plan.out_dir / "runs" / name, None if mode == "tree" else plan.out_dir / f"eval_{name}.jsonl",
+                      cell=cell.name, overrides=list(cell.overrides), mode=mode)
+            if plan.before and mode != "tree":
+                key = (plan.before_keys.get(cell.name, ""), s)
+                if key not in befores:
+                    befores[key] = BeforeEval(s, list(cell.overrides), plan.out_dir / f"eval_before_{name}.jsonl")
+                arm.before_file = befores[key].out
+            arms.append(arm)
+    return arms, list(befores.values())
+
+
+def _cell_arms(plan: ReplicatePlan, arms: list[Arm]) -> list[tuple[Arm, Path]]:
+    """The arms of one cell, pinned: the first runs now and saves adapters/init, the rest start
+    from it. Returns the (arm, init) still to run."""
+    first = run_arm(plan, arms[0], None)
+    init = first.run_dir / "adapters" / "init"
+    if not (init / "adapter_config.json").exists():
+        for arm in arms[1:]:
+            arm.status, arm.error = "failed", f"no pinned init: the first arm (seed {first.seed}) failed"
+        return []
+    first.init_adapter = f"{init} (saved by this arm)"
+    return [(arm, init) for arm in arms[1:]]
+
+
+def replicate(plan: ReplicatePlan) -> tuple[list[Arm], list[BeforeEval]]:
     plan.out_dir.mkdir(parents=True, exist_ok=True)
-    arms = [Arm(s, plan.out_dir / "runs" / f"seed{s}", plan.out_dir / f"eval_seed{s}.jsonl") for s in plan.seeds]
-    init: Path | None = None
-    rest = arms
+    arms, befores = plan_arms(plan)
+    jobs: list[tuple[Arm, Path | None]] = [(arm, None) for arm in arms]
     if plan.pin_init:
-        # The first arm saves adapters/init; every other arm starts from exactly that file.
-        first = run_arm(plan, arms[0], None)
-        init = first.run_dir / "adapters" / "init"
-        if not (init / "adapter_config.json").exists():
-            for arm in arms[1:]:
-                arm.status, arm.error = "failed", f"no pinned init: the first arm (seed {first.seed}) failed"
-            return arms
-        first.init_adapter = f"{init} (saved by this arm)"
-        rest = arms[1:]
+        jobs = []
+        for cell in plan.cells:  # an init adapter is pinned per cell (a cell may change the LoRA shape)
+            jobs += _cell_arms(plan, [a for a in arms if a.cell == cell.name])
     with ThreadPoolExecutor(max_workers=max(1, plan.parallel)) as pool:
-        list(pool.map(lambda arm: run_arm(plan, arm, init), rest))
-    return arms
+        list(pool.map(lambda b: run_before(plan, b), befores))
+        list(pool.map(lambda job: run_arm(plan, *job), jobs))
+    return arms, befores
 
 
 def arms_table(arms: list[Arm]):
     from rich.table import Table
 
     table = Table(title="replicates")
-    for col in ("seed", "status", "init", "run", "eval", "error"):
-        table.add_column(col)
+    grid = any(a.cell for a in arms)
+    for col in (*(["cell"] if grid else []), "seed", "status", "init", "run", "eval", "error"):
+        table.add_column(col, overflow="fold")
     for a in arms:
-        table.add_row(str(a.seed), a.status, a.init_adapter or "", str(a.run_dir), str(a.eval_file), a.error or "")
+        table.add_row(*([a.cell] if grid else []), str(a.seed), a.status, a.init_adapter or "", str(a.run_dir),
+                      str(a.eval_file or "(tree: round summaries)"), a.error or "")
     return table
 
 
-def as_records(arms: list[Arm]) -> list[dict]:
-    return [{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(a).items()} for a in arms]
+def as_records(items: list[Any]) -> list[dict]:
+    return [{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(a).items()} for a in items]
