@@ -48,7 +48,31 @@ class LearnerConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward.")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward (when micro_batch_tokens is None).")
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="Micro-batches by token budget instead of by count: consecutive rows "
+        "while rows x longest row stays within this many tokens, a group kept whole where it fits, a "
+        "longer row alone (learner/microbatch.py). Same loss and gradients as any other cut. None = "
+        "micro_batch_size sequences each."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each layer's activations in the backward instead of keeping "
+        "them: less memory, ~1/3 more compute. Turn on only when the update does not fit in memory; "
+        "it runs without share_prompt_prefix (the prompt's KV cache cannot cross a checkpoint)."
+    )
+    autocast: bool = Field(
+        True, description="On CUDA with a bfloat16/float16 base, run the learner's forward under "
+        "torch.autocast in the base dtype, so peft's float32 LoRA matrices multiply in bf16 like the "
+        "base weights (master weights and optimizer state stay float32). Ignored on CPU."
+    )
+    fused_optimizer: bool = Field(
+        True, description="AdamW's fused CUDA kernel (one launch for every LoRA tensor) when the "
+        "parameters are on a GPU; the for-each implementation on CPU."
+    )
+    peak_flops: float = Field(
+        989e12, gt=0, description="Peak FLOP/s of one device for the learner's MFU metric: the "
+        "H100/H200 SXM dense bf16 datasheet rate by default (MFU = model FLOPs / seconds / this)."
+    )
     share_prompt_prefix: bool = Field(
         True, description="Run the tokens all rows of a micro-batch share (a group's prompt) once "
         "and reuse their KV cache with gradients, instead of once per row (learner/shared_prefix.py). "

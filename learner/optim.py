@@ -32,13 +32,20 @@ def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int) -> 
 
 
 def build_optimizer(params, cfg) -> torch.optim.AdamW:
-    """AdamW from a LearnerConfig over the given (trainable) parameters."""
+    """AdamW from a LearnerConfig over the given (trainable) parameters; its fused CUDA kernel
+    when ``cfg.fused_optimizer`` and every parameter is on a GPU (build after moving the model)."""
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
         raise ValueError("no trainable parameters: the LoRA adapter was not attached")
+    fused = use_fused(trainable, cfg.fused_optimizer)
     return torch.optim.AdamW(
-        trainable, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+        trainable, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, fused=fused or None
     )
+
+
+def use_fused(params, wanted: bool) -> bool:
+    """Fused AdamW needs floating-point CUDA tensors throughout; elsewhere the default applies."""
+    return wanted and all(p.is_cuda and p.is_floating_point() for p in params)
 
 
 def build_scheduler(optimizer, cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

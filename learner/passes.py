@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from learner.losses import LossInputs, LossNorm, ObjectiveParams, policy_loss
+from learner.microbatch import computed_tokens, count_bounds, token_budget_bounds
 from learner.rollout_correction import merge_sums, rollout_mismatch_sums
 from learner.shared_prefix import shared_prefix_len
 from learner.types import TrainBatch
@@ -35,16 +36,29 @@ class MicroBatch:
     rollout_logprobs: torch.Tensor  # [B, W] float
     advantages: torch.Tensor  # [B] float
     shared_prefix: int = 0  # c <= s leading tokens every row has; computed once (0 = off)
+    tokens: int = 0  # real (unpadded) tokens one forward runs, the shared prefix counted once
 
 
 def make_micro_batches(
-    batch: TrainBatch, size: int, device: torch.device | str = "cpu", pad_id: int = 0, share_prefix: bool = True
+    batch: TrainBatch,
+    size: int,
+    device: torch.device | str = "cpu",
+    pad_id: int = 0,
+    share_prefix: bool = True,
+    token_budget: int | None = None,
 ) -> list[MicroBatch]:
-    """Consecutive rows in micro-batches of ``size``; the orchestrator orders rows by group, so
-    a micro-batch of G rows is one group and shares its whole prompt."""
+    """Consecutive rows in micro-batches of ``size``, or, with ``token_budget``, of at most that
+    many padded tokens (learner/microbatch.py: groups kept whole where they fit). The
+    orchestrator orders rows by group, so a micro-batch of G rows is one group and shares its
+    whole prompt."""
+    if token_budget is None:
+        bounds = count_bounds(len(batch), size)
+    else:
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        bounds = token_budget_bounds(lengths, token_budget, batch.group_ids)
     out = []
-    for lo in range(0, len(batch), size):
-        rows = range(lo, min(lo + size, len(batch)))
+    for lo, hi in bounds:
+        rows = range(lo, hi)
         prompts = [batch.prompt_ids[i] for i in rows]
         resps = [batch.response_ids[i] for i in rows]
         width = max(len(p) + len(r) for p, r in zip(prompts, resps))
@@ -71,25 +85,37 @@ def make_micro_batches(
                 rollout_logprobs=rlp.to(device),
                 advantages=torch.tensor([batch.advantages[i] for i in rows], dtype=torch.float32).to(device),
                 shared_prefix=shared,
+                tokens=computed_tokens([len(p) + len(r) for p, r in zip(prompts, resps)], shared),
             )
         )
     return out
 
 
+def amp_context(amp_dtype: torch.dtype | None):
+    """torch.autocast on CUDA in ``amp_dtype`` (the base dtype), or nothing."""
+    if amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type="cuda", dtype=amp_dtype)
+
+
 def forward_logprobs(
-    model, mb: MicroBatch, temperature: float, entropy: str = "none"
+    model, mb: MicroBatch, temperature: float, entropy: str = "none", amp_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, W] of the scored tokens, and entropies [B, W]: ``entropy`` = "none" (not
     computed), "detached" (for the metric only) or "grad" (the bonus is in the loss).
+    ``amp_dtype``: the model's forward runs under CUDA autocast in that dtype (learner.autocast).
 
     log_softmax(logits / T) at the positions that produced each scored token; one log-softmax
     over the [B, W, V] logits serves log-probs and entropy, and T = 1 skips the division: each
     full pass over a 49k vocabulary costs as much as a transformer layer here.
     """
     keep = mb.input_ids.shape[1] - mb.start
-    logits = model(
-        input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=keep, shared_prefix=mb.shared_prefix
-    )[:, :-1, :].float()
+    with amp_context(amp_dtype):
+        logits = model(
+            input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=keep,
+            shared_prefix=mb.shared_prefix,
+        )
+    logits = logits[:, :-1, :].float()
     if temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -130,12 +156,12 @@ def response_logprobs(
 
 @torch.no_grad()
 def old_log_prob(
-    model, mbs: list[MicroBatch], temperature: float, with_entropy: bool
+    model, mbs: list[MicroBatch], temperature: float, with_entropy: bool, amp_dtype: torch.dtype | None = None
 ) -> tuple[list[torch.Tensor], dict[str, float], float]:
     """Pre-update log-probs per micro-batch, rollout-agreement sums, and the entropy token sum."""
     olds, sums, ent_sum = [], {}, 0.0
     for mb in mbs:
-        logp, ent = forward_logprobs(model, mb, temperature, "detached" if with_entropy else "none")
+        logp, ent = forward_logprobs(model, mb, temperature, "detached" if with_entropy else "none", amp_dtype)
         olds.append(logp)
         sums = merge_sums(sums, rollout_mismatch_sums(mb.rollout_logprobs, logp, mb.mask))
         if ent is not None:
@@ -144,10 +170,12 @@ def old_log_prob(
 
 
 @torch.no_grad()
-def ref_log_prob(lm, peft_model, mbs: list[MicroBatch], temperature: float) -> list[torch.Tensor]:
+def ref_log_prob(
+    lm, peft_model, mbs: list[MicroBatch], temperature: float, amp_dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
     """Reference log-probs: the same model (``lm`` wraps ``peft_model``) with the adapter off."""
     with peft_model.disable_adapter():
-        return [forward_logprobs(lm, mb, temperature)[0] for mb in mbs]
+        return [forward_logprobs(lm, mb, temperature, amp_dtype=amp_dtype)[0] for mb in mbs]
 
 
 @dataclass
@@ -196,6 +224,7 @@ def update_actor(
     old: list[torch.Tensor] | None,
     ref: list[torch.Tensor] | None,
     entropy_bonus: bool,
+    amp_dtype: torch.dtype | None = None,
 ) -> UpdateResult:
     """``epochs`` optimizer steps over the shard, gradients accumulated over micro-batches.
 
@@ -210,7 +239,7 @@ def update_actor(
     for _ in range(epochs):
         epoch_loss = 0.0
         for i, mb in enumerate(mbs):
-            logp, ent = forward_logprobs(model, mb, temperature, "grad" if entropy_bonus else "detached")
+            logp, ent = forward_logprobs(model, mb, temperature, "grad" if entropy_bonus else "detached", amp_dtype)
             if old is None:
                 old_mb = logp.detach()
                 rollout_sums = merge_sums(rollout_sums, rollout_mismatch_sums(mb.rollout_logprobs, old_mb, mb.mask))

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from learner import checkpoint
 from learner.losses import LossNorm, ObjectiveParams, entropy_bonus_active
 from learner.lora import adapter_payload, attach_lora, load_base_model, save_adapter
+from learner.microbatch import mfu, model_flops
 from learner.optim import build_optimizer, build_scheduler, rebase_lr
 from learner.passes import GradSync, ddp_grad_sync, make_micro_batches, old_log_prob, ref_log_prob, update_actor
 from learner.rollout_correction import finalize
@@ -120,6 +121,12 @@ class PolicyLearner:
         base = load_base_model(model_cfg, self.device)
         source = Path(resume_from) / "adapter" if resume_from is not None else init_adapter
         self.peft_model = attach_lora(base, cfg.lora, spec.seed, source).to(self.device)
+        if cfg.gradient_checkpointing:  # memory for compute; the shared prefix is then off
+            self.peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.num_params = sum(p.numel() for p in self.peft_model.parameters())  # for MFU (6 N per token)
+        base_dtype = next(base.parameters()).dtype
+        self.amp_dtype = (base_dtype if cfg.autocast and self.device.type == "cuda"
+                          and base_dtype in (torch.bfloat16, torch.float16) else None)
         self.optimizer = build_optimizer(self.peft_model.parameters(), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, spec.total_steps)
         self.lm = SharedPrefixLM(self.peft_model)  # the forward every phase runs
@@ -166,7 +173,9 @@ class PolicyLearner:
         cfg, temp = self.cfg, self.spec.temperature
         lo, hi = shard_bounds(len(batch), self.world_size, self.rank)
         shard = batch.rows(lo, hi)
-        mbs = make_micro_batches(shard, cfg.micro_batch_size, self.device, share_prefix=cfg.share_prompt_prefix)
+        mbs = make_micro_batches(shard, cfg.micro_batch_size, self.device,
+                                 share_prefix=cfg.share_prompt_prefix and not cfg.gradient_checkpointing,
+                                 token_budget=cfg.micro_batch_tokens)
         norm = LossNorm(
             loss_type=cfg.loss_type,
             global_tokens=float(batch.num_response_tokens()),
@@ -183,7 +192,7 @@ class PolicyLearner:
         old, rollout_sums, ent_sum = None, {}, 0.0
         if not fold:
             self.peft_model.eval()
-            old, rollout_sums, ent_sum = old_log_prob(self.lm, mbs, temp, gate_needs_entropy)
+            old, rollout_sums, ent_sum = old_log_prob(self.lm, mbs, temp, gate_needs_entropy, self.amp_dtype)
             phases["old_log_prob"] = time.perf_counter() - t
         bonus = cfg.entropy_coef > 0
         if gate_needs_entropy:
@@ -194,7 +203,7 @@ class PolicyLearner:
         ref = None
         if cfg.beta > 0:
             self.peft_model.eval()
-            ref = ref_log_prob(self.lm, self.peft_model, mbs, temp)
+            ref = ref_log_prob(self.lm, self.peft_model, mbs, temp, self.amp_dtype)
             phases["ref"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -203,11 +212,13 @@ class PolicyLearner:
         res = update_actor(
             self.model, mbs, self.grad_sync, norm, ObjectiveParams.from_config(cfg),
             temperature=temp, epochs=cfg.epochs_per_step, old=old, ref=ref, entropy_bonus=bonus,
+            amp_dtype=self.amp_dtype,
         )
         self.scheduler.step()
         self.step_count += 1
+        work = self._work(mbs, forward_passes=int(old is not None) + int(ref is not None))
         reduced = allreduce_sums({"policy": res.sums, "rollout": rollout_sums or res.rollout_sums,
-                                  "loss": {"loss": res.loss}}, self.device)
+                                  "loss": {"loss": res.loss}, "work": work}, self.device)
         phases["update_actor"] = time.perf_counter() - t
 
         policy, rollout = finalize(reduced["policy"]), finalize(reduced["rollout"])
@@ -222,7 +233,20 @@ class PolicyLearner:
             total_tokens=float(batch.num_total_tokens()),
             sequences=float(len(batch)),
         )
+        seconds = phases["old_log_prob"] + phases["ref"] + phases["update_actor"]
+        metrics.update(
+            learner_tokens_per_s=reduced["work"]["tokens"] / seconds if seconds > 0 else 0.0,
+            learner_mfu=mfu(reduced["work"]["flops"], seconds, cfg.peak_flops, self.world_size),
+        )
         return metrics, phases
+
+    def _work(self, mbs, forward_passes: int) -> dict[str, float]:
+        """This worker's tokens run by the step's passes and their model FLOPs
+        (learner/microbatch.py: 6 N per trained token, 2 N per forward-only token)."""
+        tokens = sum(mb.tokens for mb in mbs)
+        trained = tokens * self.cfg.epochs_per_step
+        return {"tokens": float(trained + tokens * forward_passes),
+                "flops": model_flops(self.num_params, trained, tokens * forward_passes)}
 
     # ------------------------------------------------------------------ adapters, checkpoints
 

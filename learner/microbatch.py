@@ -1,0 +1,94 @@
+"""How a worker's shard is cut into micro-batches, and what a step's learner work costs.
+
+Micro-batches by token budget (``learner.micro_batch_tokens``): a fixed count of sequences
+either wastes the GPU on short completions or runs out of memory on long ones. The cost of a
+micro-batch is its padded size, rows x longest row (what the forward allocates); consecutive
+rows are packed while that stays within the budget. A GRPO group is kept whole where it fits,
+so its rows share their prompt (learner.shared_prefix); a group too big for the budget is cut
+by rows; a single row longer than the budget goes alone (never dropped). The loss is the same
+for any cut: losses.py normalises by the GLOBAL token and sequence counts, so micro-batch
+losses add up to the one-batch loss (tests/test_learner_gpu_opts.py checks the gradients).
+
+Model FLOPs and MFU: the usual dense-transformer count, 2 x params per token for a forward,
+6 x params per token for forward + backward (attention's quadratic term left out). With LoRA
+the frozen weights get no weight gradients, so the real work of a training token is nearer
+4 x params: MFU by this convention states the work a full fine-tune of the same tokens would
+do, which is how TRL, verl and most papers report it. The peak is the device's dense bf16 rate
+(``learner.peak_flops``; ~989 TFLOP/s for an H100/H200 SXM by the datasheet).
+
+Plain functions, no torch: unit-tested on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def _runs(groups: Sequence[int], n: int) -> list[tuple[int, int]]:
+    """[lo, hi) runs of consecutive equal group ids (one run per row without groups)."""
+    if not groups:
+        return [(i, i + 1) for i in range(n)]
+    if len(groups) != n:
+        raise ValueError(f"{len(groups)} group ids for {n} rows")
+    out, lo = [], 0
+    for i in range(1, n + 1):
+        if i == n or groups[i] != groups[lo]:
+            out.append((lo, i))
+            lo = i
+    return out
+
+
+def token_budget_bounds(lengths: Sequence[int], budget: int, groups: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges covering every row in order, each with (hi - lo) * max(length) <=
+    ``budget`` unless it is a single row. Whole groups (runs of equal ``groups`` ids) stay in one
+    micro-batch where they fit; a group that does not fit is split by rows."""
+    if budget < 1:
+        raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
+    n = len(lengths)
+    atoms: list[tuple[int, int]] = []
+    for lo, hi in _runs(groups, n):
+        if (hi - lo) * max(lengths[lo:hi]) <= budget:
+            atoms.append((lo, hi))
+        else:
+            atoms.extend((i, i + 1) for i in range(lo, hi))
+    out: list[tuple[int, int]] = []
+    cur: tuple[int, int, int] | None = None  # lo, hi, longest
+    for lo, hi in atoms:
+        longest = max(lengths[lo:hi])
+        if cur is not None and (hi - cur[0]) * max(cur[2], longest) <= budget:
+            cur = (cur[0], hi, max(cur[2], longest))
+            continue
+        if cur is not None:
+            out.append((cur[0], cur[1]))
+        cur = (lo, hi, longest)
+    if cur is not None:
+        out.append((cur[0], cur[1]))
+    return out
+
+
+def count_bounds(n: int, size: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of ``size`` consecutive rows (the last may be shorter)."""
+    if size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {size}")
+    return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
+
+
+def computed_tokens(lengths: Sequence[int], shared_prefix: int) -> int:
+    """Tokens one forward of a micro-batch actually runs (padding excluded): a shared prefix of
+    c tokens once, then each row's remaining tokens."""
+    if not lengths:
+        return 0
+    c = shared_prefix if len(lengths) > 1 else 0
+    return c + sum(length - c for length in lengths)
+
+
+def model_flops(params: int, train_tokens: int, forward_tokens: int = 0) -> float:
+    """6 * params per token trained (forward + backward), 2 * params per forward-only token."""
+    return 6.0 * params * train_tokens + 2.0 * params * forward_tokens
+
+
+def mfu(flops: float, seconds: float, peak_flops: float, devices: int = 1) -> float:
+    """Model FLOPs utilisation: achieved FLOP/s over the peak of ``devices`` devices."""
+    if seconds <= 0 or peak_flops <= 0 or devices < 1:
+        return 0.0
+    return flops / seconds / (peak_flops * devices)

@@ -1,0 +1,191 @@
+"""The learner's GPU options, checked on CPU: micro-batches by token budget (learner/microbatch.py)
+give the same loss and gradients as one batch; gradient checkpointing gives the same update;
+the step reports tokens/s and MFU from the tokens it actually ran; fused AdamW only on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from config import RunConfig
+from config.learner import LearnerConfig
+from learner.losses import LossNorm, ObjectiveParams
+from learner.lora import adapter_state_dict
+from learner.microbatch import computed_tokens, count_bounds, mfu, model_flops, token_budget_bounds
+from learner.optim import use_fused
+from learner.passes import GradSync, make_micro_batches, update_actor
+from learner.policy import PolicyLearner
+from learner.shared_prefix import SharedPrefixLM
+from learner.types import TrainBatch
+from tests.test_shared_prefix import VOCAB, lora, tiny_llama
+
+
+# ------------------------------------------------------------------ pure functions
+def test_token_budget_keeps_groups_whole_where_they_fit():
+    lengths = [10, 12, 11, 9, 20, 21, 22, 20]
+    groups = [0, 0, 0, 0, 1, 1, 1, 1]
+    # group 0 costs 4 x 12 = 48, group 1 costs 4 x 22 = 88: together 8 x 22 = 176
+    assert token_budget_bounds(lengths, 176, groups) == [(0, 8)]
+    assert token_budget_bounds(lengths, 100, groups) == [(0, 4), (4, 8)]
+    # group 1 does not fit in 60: cut by rows, two rows of <= 22 per micro-batch
+    assert token_budget_bounds(lengths, 60, groups) == [(0, 4), (4, 6), (6, 8)]
+
+
+def test_token_budget_without_groups_and_long_rows():
+    assert token_budget_bounds([5, 5, 5, 5, 5], 10) == [(0, 2), (2, 4), (4, 5)]
+    # a row longer than the budget goes alone, never dropped; neighbours still pack
+    assert token_budget_bounds([3, 50, 3, 3], 10) == [(0, 1), (1, 2), (2, 4)]
+    # the padded size counts: a long row raises the cost of the rows beside it
+    assert token_budget_bounds([2, 2, 9], 12) == [(0, 2), (2, 3)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_token_budget_bounds_cover_rows_in_order_within_budget(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 40, (1,), generator=g))
+    lengths = torch.randint(1, 60, (n,), generator=g).tolist()
+    groups = sorted(torch.randint(0, 6, (n,), generator=g).tolist())
+    budget = int(torch.randint(1, 300, (1,), generator=g))
+    bounds = token_budget_bounds(lengths, budget, groups)
+    assert [lo for lo, _ in bounds] == [0] + [hi for _, hi in bounds[:-1]]
+    assert bounds[-1][1] == n
+    for lo, hi in bounds:
+        assert hi > lo
+        assert hi - lo == 1 or (hi - lo) * max(lengths[lo:hi]) <= budget
+
+
+def test_token_budget_refuses_nonsense():
+    with pytest.raises(ValueError, match="budget"):
+        token_budget_bounds([1, 2], 0)
+    with pytest.raises(ValueError, match="group ids"):
+        token_budget_bounds([1, 2], 10, [0])
+    assert count_bounds(5, 2) == [(0, 2), (2, 4), (4, 5)]
+
+
+def test_computed_tokens_and_mfu():
+    assert computed_tokens([10, 12, 11], 0) == 33
+    assert computed_tokens([10, 12, 11], 8) == 8 + 2 + 4 + 3
+    assert computed_tokens([10], 8) == 10  # one row shares nothing
+    assert model_flops(1_000, train_tokens=3, forward_tokens=2) == 6 * 1_000 * 3 + 2 * 1_000 * 2
+    assert mfu(989e12, 2.0, 989e12) == pytest.approx(0.5)
+    assert mfu(989e12, 1.0, 989e12, devices=4) == pytest.approx(0.25)
+    assert mfu(1.0, 0.0, 989e12) == 0.0
+
+
+def test_fused_adamw_only_for_cuda_parameters():
+    cpu = [torch.nn.Parameter(torch.zeros(3))]
+    assert not use_fused(cpu, True)
+    assert not use_fused(cpu, False)
+
+
+def test_new_fields_are_in_the_schema_with_descriptions():
+    fields = RunConfig.model_json_schema()["$defs"]["LearnerConfig"]["properties"]
+    for name in ("micro_batch_tokens", "gradient_checkpointing", "autocast", "fused_optimizer", "peak_flops"):
+        assert fields[name].get("description"), name
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        RunConfig.model_validate({"learner": {"micro_batch_tokens": 0}})
+
+
+# ------------------------------------------------------------------ the same gradients
+def two_groups(g: torch.Generator) -> TrainBatch:
+    """Two groups of four rows, prompts of 15 and 18 tokens, responses of 2-7 tokens."""
+    prompts, responses, lps, adv = [], [], [], []
+    for group in range(2):
+        prompt = torch.randint(0, VOCAB, (15 + 3 * group,), generator=g).tolist()
+        for i in range(4):
+            r = torch.randint(0, VOCAB, (2 + (3 * i + group) % 6,), generator=g).tolist()
+            prompts.append(prompt)
+            responses.append(r)
+            lps.append((torch.rand(len(r), generator=g) * -3).tolist())
+            adv.append(float(i) - 1.5 + 0.1 * group)
+    return TrainBatch(prompts, responses, lps, adv, rewards=[0.0] * 8, group_ids=[0] * 4 + [1] * 4)
+
+
+def gradients(peft_model, batch: TrainBatch, loss_type: str, **cut) -> tuple[int, float, dict[str, torch.Tensor]]:
+    """Micro-batch count, loss and LoRA gradients of one update_actor pass (no optimizer step)."""
+    lm = SharedPrefixLM(peft_model)
+    mbs = make_micro_batches(batch, cut.pop("size", len(batch)), **cut)
+    trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+    grads: dict[str, torch.Tensor] = {}
+
+    def step() -> float:
+        grads.update({n: p.grad.detach().clone() for n, p in trainable.items()})
+        for p in trainable.values():
+            p.grad = None
+        return 0.0
+
+    sync = GradSync(backward=lambda loss, last: loss.backward(), step=step)
+    norm = LossNorm(loss_type=loss_type, global_tokens=float(batch.num_response_tokens()), global_sequences=len(batch),
+                    local_tokens=float(batch.num_response_tokens()), max_completion_length=8, dp_size=1)
+    res = update_actor(lm, mbs, sync, norm, ObjectiveParams.from_config(LearnerConfig()),
+                       temperature=0.7, epochs=1, old=None, ref=None, entropy_bonus=False)
+    return len(mbs), res.loss, grads
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("budget", [30, 50, 90])
+def test_token_budget_micro_batches_give_the_gradients_of_one_batch(loss_type, budget):
+    peft_model = lora(tiny_llama())
+    batch = two_groups(torch.Generator().manual_seed(7))
+    one_n, one_loss, one = gradients(peft_model, batch, loss_type)
+    cut_n, cut_loss, cut = gradients(peft_model, batch, loss_type, token_budget=budget)
+    assert one_n == 1 and cut_n > 1  # the budget really cut the batch
+    assert cut_loss == pytest.approx(one_loss, rel=1e-5, abs=1e-7)
+    assert any(g.abs().max() > 0 for g in one.values())
+    for name, want in one.items():
+        torch.testing.assert_close(cut[name], want, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_token_budget_micro_batches_keep_each_groups_shared_prompt():
+    batch = two_groups(torch.Generator().manual_seed(2))
+    mbs = make_micro_batches(batch, 1, token_budget=4 * 25)  # a whole group fits, two do not
+    assert [mb.input_ids.shape[0] for mb in mbs] == [4, 4]
+    assert [mb.shared_prefix for mb in mbs] == [14, 17]
+    lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    assert [mb.tokens for mb in mbs] == [computed_tokens(lengths[:4], 14), computed_tokens(lengths[4:], 17)]
+
+
+# ------------------------------------------------------------------ the policy, wired from the config
+def policy_step(model_dir, **learner):
+    cfg = RunConfig.model_validate({
+        "seed": 0, "model": {"name_or_path": str(model_dir)},
+        "learner": {"lr": 1e-2, "micro_batch_size": 4, "lora": {"r": 4, "alpha": 8}, **learner},
+        "rollout": {"temperature": 0.7}, "trainer": {"steps": 2},
+    })
+    learner_ = PolicyLearner.for_run(cfg)
+    batch = two_groups(torch.Generator().manual_seed(3))
+    metrics, phases = learner_.step(batch)
+    return learner_, metrics, phases, adapter_state_dict(learner_.peft_model)
+
+
+def test_policy_token_budget_and_checkpointing_give_the_same_update(tmp_path):
+    tiny_llama(tmp_path)
+    _, base_m, _, base_a = policy_step(tmp_path)
+    _, budget_m, _, budget_a = policy_step(tmp_path, micro_batch_tokens=50)
+    ckpt_learner, ckpt_m, _, ckpt_a = policy_step(tmp_path, gradient_checkpointing=True)
+    assert ckpt_learner.peft_model.is_gradient_checkpointing
+    for metrics in (budget_m, ckpt_m):
+        for key in ("loss", "grad_norm", "ppl_ratio"):
+            assert metrics[key] == pytest.approx(base_m[key], rel=1e-4, abs=1e-6), key
+    moved = 0
+    for name, want in base_a.items():
+        torch.testing.assert_close(budget_a[name], want, atol=1e-6, rtol=1e-4, msg=name)
+        torch.testing.assert_close(ckpt_a[name], want, atol=1e-6, rtol=1e-4, msg=name)
+        moved += int("lora_B" in name and want.abs().max() > 0)
+    assert moved > 0
+
+
+def test_policy_reports_tokens_per_second_and_mfu_of_the_tokens_it_ran(tmp_path):
+    tiny_llama(tmp_path)
+    batch = two_groups(torch.Generator().manual_seed(3))
+    lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    for extra, forward_passes, shared in (({}, 0, (14, 17)), ({"fold_old_logprobs": False, "beta": 0.05}, 2, (14, 17)),
+                                          ({"gradient_checkpointing": True}, 0, (0, 0))):
+        learner, metrics, phases, _ = policy_step(tmp_path, **extra)
+        assert learner.amp_dtype is None  # CPU: no autocast
+        seconds = phases["old_log_prob"] + phases["ref"] + phases["update_actor"]
+        trained = computed_tokens(lengths[:4], shared[0]) + computed_tokens(lengths[4:], shared[1])
+        tokens = trained * (1 + forward_passes)
+        assert metrics["learner_tokens_per_s"] * seconds == pytest.approx(tokens, rel=1e-6), extra
+        want = model_flops(learner.num_params, trained, trained * forward_passes) / seconds / 989e12
+        assert metrics["learner_mfu"] == pytest.approx(want, rel=1e-6), extra
