@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -344,7 +345,8 @@ def write_grid_png(report: Mapping[str, Any], path: Path) -> Path:
 
     cells = report["cells"]
     names = sorted({n for c in cells for n in c["metrics"]})
-    headline = [n for n in names if n.split("/")[0] in HEADLINE]
+    headline = sorted((n for n in names if n.split("/")[0] in HEADLINE),
+                      key=lambda n: (HEADLINE.index(n.split("/")[0]), n))
     diagnostics = [n for n in DIAGNOSTIC_NAMES if n in names]
     panels = len(headline) + 1
     plt = pyplot()
@@ -353,7 +355,7 @@ def write_grid_png(report: Mapping[str, Any], path: Path) -> Path:
     for ax, name in zip(axes[0], headline):
         stats = [c["metrics"].get(name) for c in cells]
         interval_panel(ax, labels, stats)
-        ax.set_title(label_of(name, report["last_k"]), fontsize=9)
+        ax.set_title(textwrap.fill(label_of(name, report["last_k"]), 45), fontsize=9)
     ax = axes[0][-1]
     if diagnostics:
         width = 0.8 / len(diagnostics)

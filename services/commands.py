@@ -236,16 +236,20 @@ def replicate_command(
             receipt.update(artifacts={"arms": as_records(arms), "before_evals": as_records(befores), **artifacts})
     Console().print(arms_table(arms))
     if grid:
+        import sys
+
         from evals.grid import failed_lines, grid_table, read_grid_json
 
         report = read_grid_json(out / "grid.json")
-        Console().print(grid_table(report))
+        # Piped to a file or a log, the table keeps its rows whole rather than folding at 80 columns.
+        Console(width=None if sys.stdout.isatty() else 200).print(grid_table(report))
         for line in failed_lines(report):
             typer.echo(f"note: {line}", err=True)
         typer.echo(f"grid: {out / 'grid.json'}, {out / 'grid.png'}")
-    failed = [f"{a.cell}__seed{a.seed}" if a.cell else a.seed for a in arms if a.status != "completed"]
+    failed = [a.name if a.cell else a.seed for a in arms if a.status != "completed"]
     if failed:
-        typer.echo(f"{len(failed)} of {len(arms)} arms failed (seeds {failed}); see the table and logs", err=True)
+        which = f"arms {', '.join(failed)}" if grid else f"seeds {failed}"
+        typer.echo(f"{len(failed)} of {len(arms)} arms failed ({which}); see the table and logs", err=True)
     bad_before = [str(b.out) for b in befores if b.status != "completed"]
     if bad_before:
         typer.echo(f"{len(bad_before)} base-model eval(s) failed ({', '.join(bad_before)}): no after - before "

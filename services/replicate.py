@@ -175,7 +175,10 @@ def before_key(resolved_config: dict[str, Any]) -> str:
 
 def one_line(err: Exception) -> str:
     """A (possibly multi-line) config error as one line."""
-    return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    text = ""
+    for line in (x.strip() for x in str(err).splitlines() if x.strip()):
+        text += (" " if text.endswith(":") else "; " if text else "") + line
+    return text
 
 
 def check_grid(config: Path, sets: list[str], specs: list[str], seeds: list[int]
