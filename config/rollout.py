@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 
 class ModelConfig(BaseModel):
@@ -47,7 +47,11 @@ class RolloutConfig(BaseModel):
     )
     replicas: int = Field(1, ge=1, description="Serve replicas of the engine.")
     num_cpus: float = Field(1.0, gt=0, description="CPUs per replica.")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica.")
+    num_gpus: float = Field(
+        0.0, ge=0, description="GPUs per replica (Ray's accounting). A fraction shares one GPU with "
+        "the learner (e.g. 0.4 here with learner.gpus_per_worker=0.6): Ray places both on it and "
+        "each process takes the memory it uses; the fraction is a reservation, not a memory cap."
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (both sides).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(-1, description="Top-k sampling; -1 = off.")
@@ -67,6 +71,24 @@ class RolloutConfig(BaseModel):
     kv_cache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts.")
     gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM on GPU hosts.")
     enforce_eager: bool = Field(True, description="vLLM: skip CUDA graph capture.")
+    hf_decode: Literal["inductor", "graph", "eager"] = Field(
+        "inductor", description="hf engine on CUDA (rollout/engines/hf_fast.py): how the decode "
+        "step runs. 'inductor' compiles it with torch.compile and captures it as one CUDA graph "
+        "per bucket (H200, Qwen3-4B shapes, batch 8: 6.2 ms/step, 40 s compile per bucket); "
+        "'graph' captures the eager step (12.2 ms/step, 0.2-1.5 s capture); 'eager' captures "
+        "nothing. CPU hosts always run eager (bench/results/gpu-engine.md)."
+    )
+    hf_lora: Literal["merged", "unmerged"] = Field(
+        "merged", description="hf engine on CUDA: 'merged' writes W0 + scale*B@A into the weights "
+        "when an adapter loads (keeps a copy of the adapted layers' W0: ~the model's size again; "
+        "decode as fast as the base model); 'unmerged' adds scale*B(Ax) to each adapted layer's "
+        "output (no copy; 4B batch 8: 18.7 vs 12.2 ms/step with hf_decode=graph)."
+    )
+    hf_batch_buckets: list[PositiveInt] = Field(
+        [1, 2, 4, 8, 16, 32, 64, 128], min_length=1, description="hf engine on CUDA: batch sizes "
+        "a generate call is padded up to (one captured decode graph per bucket and cache length, "
+        "reused across steps); larger calls are split at the largest."
+    )
     adapters_kept: int = Field(
         2, ge=1, description="Published adapter versions the registry keeps reachable (the "
         "latest and the ones before it, for requests still naming an older version)."

@@ -41,7 +41,11 @@ def make_engine(
         return VllmEngine(model_dir, model_cfg, rollout_cfg, seed=seed)
     import torch
 
-    from rollout.engines.hf import HFEngine
+    from rollout.engines.hf import HFEngine, use_fast_path
 
     torch.manual_seed(seed)
+    if use_fast_path(rollout_cfg):  # CUDA: static cache + captured decode step (hf_fast.py)
+        from rollout.engines.hf_fast import HFFastEngine
+
+        return HFFastEngine(model_dir, model_cfg, rollout_cfg)
     return HFEngine(model_dir, model_cfg, rollout_cfg)

@@ -24,6 +24,12 @@ from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
 
 
 
+def use_fast_path(rollout_cfg: RolloutConfig) -> bool:
+    """The hf engine on a GPU runs rollout/engines/hf_fast.py (plain `generate` there is 4-9x
+    slower: bench/results/gpu-engine.md); on CPU this class, unchanged."""
+    return rollout_cfg.num_gpus > 0 and torch.cuda.is_available()
+
+
 class HFEngine(Engine):
     kind = "hf"
 
