@@ -119,9 +119,9 @@ class RunConfig(BaseModel):
             if t.prompts_per_step != 1:
                 raise ValueError(f"trainer.rollout_mode 'tree' grows one task's tree per step: "
                                  f"trainer.prompts_per_step must be 1, got {t.prompts_per_step}")
-            if t.eval_heldout:
-                raise ValueError("trainer.eval_heldout evaluates flat completions; a tree run's held-out "
-                                 "figure is each round's honest_test_metric (round summaries, metrics.jsonl)")
+            if t.eval_heldout and t.prefix_mode != "none":
+                raise ValueError("trainer.eval_heldout in tree mode samples drafts (with search.scaffold's "
+                                 "head when on): trainer.prefix_mode must be 'none'")
         return self
 
 

@@ -57,6 +57,13 @@ class SearchConfig(BaseModel):
         20000, ge=100, description="Longest parent script quoted in an improve/debug prompt; a "
         "longer one is cut in the middle with a marker."
     )
+    scaffold: bool = Field(
+        False, description="Write only the block of the task's template script (task.json "
+        "`scaffold`: head, tail, hint, stop; search/scaffold.py): the assistant turn is forced to "
+        "open with the head, generation stops at the block's end, and head + block + tail runs. "
+        "For small policies (the embedded default); a task without a scaffold is then an error. "
+        "False: the policy writes the whole script."
+    )
     seed: int = Field(
         0, ge=0, description="Seed of the policy's random choices; each expansion draws from "
         "Random(f'{seed}:{expansion index in the tree}'), so a resumed tree chooses the same way."

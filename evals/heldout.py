@@ -24,6 +24,7 @@ class HeldoutResult:
     samples: list[Sample]  # per completion, prompt order
     scores: list[Any]  # per completion
     generations: int
+    completions: list[str] | None = None  # what was scored, when not prefix + text (a scaffold)
 
     def items(self) -> list[Any]:
         """One EVAL.jsonl item per case (evals/records.py owns the statistics)."""
@@ -33,9 +34,12 @@ class HeldoutResult:
         out = []
         for i, case in enumerate(self.cases):
             prompts, samples = self.prompts[i * g:(i + 1) * g], self.samples[i * g:(i + 1) * g]
+            texts = (self.completions[i * g:(i + 1) * g] if self.completions is not None
+                     else [p.assistant_prefix + s.text for p, s in zip(prompts, samples)])
+            scores = self.scores[i * g:(i + 1) * g]
             out.append(item_record(
-                case.id, [p.assistant_prefix + s.text for p, s in zip(prompts, samples)],
-                [len(s.token_ids) for s in samples], self.scores[i * g:(i + 1) * g], len(case.openings)))
+                case.id, texts, [len(s.token_ids) for s in samples], scores, len(case.openings),
+                openings=[s.opening for s in scores] if self.completions is not None else None))
         return out
 
     def summary(self) -> dict[str, float]:
@@ -69,6 +73,81 @@ def evaluate_heldout(grader: Any, rollout: Any, cases: Sequence[Any], params: Sa
                              samples[case_index * generations:(case_index + 1) * generations])]
     scores = grader.score_batch(items)
     return HeldoutResult(adapter_version, list(cases), prompts, samples, scores, generations)
+
+
+# ---------------------------------------------------------------- tree mode (code-exec tasks)
+TREE_SCORING_STYLE = "code-exec test rows"  # ScoringSettings.style of a tree run's held-out evals
+
+
+@dataclass(frozen=True)
+class TestRowsScore:
+    """A code-exec grade as an EVAL.jsonl completion: admitted = a valid submission (status ok);
+    reward = the TEST rows' metric through the task's reward map, the sentinel for a failed
+    script. Never the validation rows, which choose nodes and give the training reward."""
+
+    admitted: bool
+    verdict: str
+    reward: float
+    opening: str  # the status again (code has no opening; keeps records' bookkeeping total)
+
+
+def test_rows_score(score: Any, metric: str, sentinel: float) -> TestRowsScore:
+    from graders.code_exec.grading import reward_of
+
+    ok = score.status == "ok" and score.test_metric is not None
+    reward = reward_of(metric, float(score.test_metric)) if ok else float(sentinel)
+    return TestRowsScore(admitted=ok, verdict=str(score.status), reward=float(reward), opening=str(score.status))
+
+
+def evaluate_tree_heldout(grader: Any, rollout: Any, cases: Sequence[Any], params: SamplingParams,
+                          adapter_version: int, search_cfg: Any, sentinel: float) -> HeldoutResult:
+    """`params.n` DRAFT completions per code-exec case (a task: its test rows are held out from
+    training and selection), rendered as a tree round renders a draft (search.prompts; with
+    search.scaffold the template's head forced and its block written), scored on the grader
+    and kept as TestRowsScore (valid share = pass rate; mean test reward)."""
+    from search.prompts import render_prompt
+    from search.scaffold import scaffold_of
+
+    g = params.n
+    prompts, scaffolds = [], []
+    for case in cases:
+        cd = {"id": case.id, "prompt_messages": [dict(m) for m in case.messages], "task": dict(case.details)}
+        sc = scaffold_of(cd["task"]) if search_cfg.scaffold else None
+        if search_cfg.scaffold and sc is None:
+            raise ValueError(f"search.scaffold is on but task {case.id!r} has no scaffold in its task.json")
+        messages = tuple(render_prompt("draft", cd, None, search_cfg, sc))
+        prompts += [Prompt(messages, sc.prefix if sc else "")] * g
+        scaffolds += [sc] * g
+    stop = tuple(dict.fromkeys(x for sc in scaffolds if sc for x in sc.stop))
+    single = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                            max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids,
+                            seed=params.seed, stop=stop)
+    samples = sorted(rollout.generate(prompts, single, adapter_version), key=lambda s: s.prompt_index)
+    texts = [sc.completion(s.text) if sc else p.assistant_prefix + s.text
+             for p, s, sc in zip(prompts, samples, scaffolds)]
+    ids = [case.id for case in cases for _ in range(g)]
+    raw = grader.score_batch(list(zip(ids, texts)))
+    metric = {case.id: case.details["metric"] for case in cases}
+    scores = [test_rows_score(r, metric[i], sentinel) for r, i in zip(raw, ids)]
+    return HeldoutResult(adapter_version, list(cases), prompts, samples, scores, g, completions=texts)
+
+
+def mean_reward_difference(before: Any, after: Any, n_boot: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """after - before of the per-item mean reward (items paired by id), with a 95 % percentile
+    bootstrap interval over items (evals/compare.py bootstrap_difference, paired)."""
+    import numpy as np
+
+    from evals.compare import bootstrap_difference
+
+    b = {i.item_id: float(np.mean(i.rewards)) for i in before.items}
+    a = {i.item_id: float(np.mean(i.rewards)) for i in after.items}
+    ids = sorted(set(a) & set(b))
+    base, arm = np.array([[b[k] for k in ids]]), np.array([[a[k] for k in ids]])
+    reps = bootstrap_difference(base, arm, paired=True, n_boot=n_boot, seed=seed)
+    low, high = np.percentile(reps, [2.5, 97.5])
+    return {"before": float(base.mean()), "after": float(arm.mean()), "difference": float(arm.mean() - base.mean()),
+            "low": float(low), "high": float(high), "n_items": len(ids),
+            "per_item": {k: {"before": b[k], "after": a[k]} for k in ids}}
 
 
 # ---------------------------------------------------------------- a train run's before/after
@@ -151,6 +230,12 @@ def heldout_section(before: Path, after: Path, seed: int, argv: Sequence[str], n
                  "seed-to-seed variation",
         "across_seeds": replicate_command(argv, seed),
     }
+    styles = {e.header.scoring.style if e.header.scoring else None for e in evals.values()}
+    if styles == {TREE_SCORING_STYLE}:  # code-exec: pass rate = valid share; and the test reward
+        section["difference"]["test_reward"] = {
+            "statistic": "after - before of the mean test-rows reward (reward map of the task's "
+                         "metric on the TEST rows, sentinel for a failed script), reward units",
+            **mean_reward_difference(evals["before"], evals["after"], n_boot=n_boot)}
     return section
 
 
@@ -177,9 +262,13 @@ def heldout_lines(section: dict[str, Any]) -> list[str]:
     if d is None:
         return []
     p = d["pass_rate"]
+    r = d.get("test_reward")
     return [
         f"held-out pass rate, after - before: {p['difference']:+.2f} points, 95% interval "
         f"[{p['low']:+.2f}, {p['high']:+.2f}] (paired bootstrap over {d['n_items']} items, B={d['n_boot']})",
+        *([f"held-out test-rows reward, after - before: {r['difference']:+.4f} ({r['before']:+.4f} -> "
+           f"{r['after']:+.4f}), 95% interval [{r['low']:+.4f}, {r['high']:+.4f}] (paired bootstrap "
+           f"over {r['n_items']} tasks)"] if r else []),
         f"This is {d['scope']}. For an interval across seeds:",
         *(f"  {command}" for command in d["across_seeds"]),
     ]

@@ -36,6 +36,10 @@ class SamplingParams:
     max_tokens: int
     stop_token_ids: tuple[int, ...] = ()  # added to the model's own stop set, never replacing it
     seed: int | None = None
+    # Stop strings (e.g. the end of a scaffold's block): generation ends once the decoded text
+    # holds one; the tokens up to and including the one that completed it are returned, so the
+    # text may run past the string (callers cut at it: search.scaffold.cut_at_stop).
+    stop: tuple[str, ...] = ()
 
     @classmethod
     def from_rollout(cls, rollout_cfg: Any, **overrides: Any) -> "SamplingParams":

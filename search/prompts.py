@@ -11,6 +11,12 @@ description and a preview of every data file. A mode adds one section to the use
            asked for a fixed complete script;
 
 and every prompt ends with the output format: one fenced python block holding the whole script.
+
+With a scaffold (search.scaffold on, a task carrying one: search/scaffold.py) the section also
+shows the script's tail (what runs after the block) and the task's hint; improve/debug show the
+parent's BLOCK (the rest of its script is the template), and the prompt ends with
+BLOCK_INSTRUCTION instead: the assistant turn is forced to open with the template's head
+(`assistant_prefix`, which the prompt does not repeat), so the policy writes the block only.
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from config.search import SearchConfig
+from search.scaffold import Scaffold
 from search.tree import Node
 
 FORMAT_INSTRUCTION = (
     "Answer with the complete script in ONE ```python fenced block (no other code blocks). "
     "It must write `submission.csv` in the working directory."
 )
+BLOCK_INSTRUCTION = "Answer with your code only: it continues the script where it stops."
 HEADINGS = {
     "draft": "## Your task: a first solution",
     "improve": "## Your task: improve this solution",
@@ -62,30 +70,55 @@ def _metric_line(case: Mapping[str, Any], value: float) -> str:
             f"everything that already works.")
 
 
-def _with_section(case: Mapping[str, Any], section: str) -> list[dict[str, str]]:
+def _with_section(case: Mapping[str, Any], section: str,
+                  scaffold: Scaffold | None = None) -> list[dict[str, str]]:
     messages = [dict(m) for m in case["prompt_messages"]]
     if not messages or messages[-1].get("role") != "user":
         raise ValueError(f"case {case.get('id')!r}: prompt_messages must end with a user message")
-    messages[-1]["content"] = f"{messages[-1]['content'].rstrip()}\n\n{section}\n\n{FORMAT_INSTRUCTION}"
+    if scaffold is None:
+        tail = FORMAT_INSTRUCTION
+    else:
+        heading, _, rest = section.partition("\n")
+        hint = f"\n\n{scaffold.hint}" if scaffold.hint else ""
+        section = (f"{heading}\n\nThe script is written for you (imports, data, features) up to "
+                   f"your code; after your code it runs:\n\n{fenced(scaffold.tail, 'python')}"
+                   f"{hint}\n{rest}")
+        tail = BLOCK_INSTRUCTION
+    messages[-1]["content"] = f"{messages[-1]['content'].rstrip()}\n\n{section.rstrip()}\n\n{tail}"
     return messages
 
 
-def draft_prompt(case: Mapping[str, Any]) -> list[dict[str, str]]:
+def parent_block(parent: Node, scaffold: Scaffold) -> str:
+    """The block a scaffolded parent wrote (its sampled text cut at the scaffold's stop), after
+    the head's unfinished last line (`model = ` when the head ends in one)."""
+    return scaffold.head.rsplit("\n", 1)[-1] + scaffold.block(parent.raw_completion)
+
+
+def draft_prompt(case: Mapping[str, Any], scaffold: Scaffold | None = None) -> list[dict[str, str]]:
+    if scaffold is not None:
+        return _with_section(case, f"{HEADINGS['draft']}\n\nWrite the block.", scaffold)
     return _with_section(case, f"{HEADINGS['draft']}\n\nWrite a complete script that trains a "
                                "model on the training data and predicts every row of the test data.")
 
 
-def improve_prompt(case: Mapping[str, Any], parent: Node, cfg: SearchConfig) -> list[dict[str, str]]:
+def improve_prompt(case: Mapping[str, Any], parent: Node, cfg: SearchConfig,
+                   scaffold: Scaffold | None = None) -> list[dict[str, str]]:
     if parent.is_buggy or parent.val_metric is None and cfg.select_on == "val":
         raise ValueError(f"improve needs a valid parent with a validation metric, got {parent.id} "
                          f"({parent.status})")
     value = parent.val_metric if cfg.select_on == "val" else parent.test_metric
-    code = clip_middle(parent.code, cfg.max_parent_code_chars)
-    return _with_section(case, f"{HEADINGS['improve']}\n\n{fenced(code, 'python')}\n\n"
-                               f"{_metric_line(case, value)}")
+    if scaffold is not None:
+        shown, what = parent_block(parent, scaffold), "This block"
+    else:
+        shown, what = parent.code, ""
+    code = clip_middle(shown, cfg.max_parent_code_chars)
+    lead = f"{what} was run in the template.\n\n" if what else ""
+    return _with_section(case, f"{HEADINGS['improve']}\n\n{lead}{fenced(code, 'python')}\n\n"
+                               f"{_metric_line(case, value)}", scaffold)
 
 
-def debug_prompt(case: Mapping[str, Any], parent: Node, cfg: SearchConfig) -> list[dict[str, str]]:
+def debug_prompt(case: Mapping[str, Any], parent: Node, cfg: SearchConfig,
+                 scaffold: Scaffold | None = None) -> list[dict[str, str]]:
     if not parent.is_buggy:
         raise ValueError(f"debug needs a failed parent, got {parent.id} (ok)")
     why = FAILURES.get(parent.status, f"status {parent.status}")
@@ -94,7 +127,10 @@ def debug_prompt(case: Mapping[str, Any], parent: Node, cfg: SearchConfig) -> li
     if parent.message:
         why += f": {parent.message}"
     parts = [HEADINGS["debug"], ""]
-    if parent.code.strip():
+    if scaffold is not None:
+        parts += ["This block was run in the template:", "",
+                  fenced(clip_middle(parent_block(parent, scaffold), cfg.max_parent_code_chars), "python"), ""]
+    elif parent.code.strip():
         parts += [fenced(clip_middle(parent.code, cfg.max_parent_code_chars), "python"), ""]
     else:
         parts += ["Previous answer (no script was found in it):", "",
@@ -103,21 +139,23 @@ def debug_prompt(case: Mapping[str, Any], parent: Node, cfg: SearchConfig) -> li
     tail = parent.term_tail[-cfg.debug_tail_chars:] if cfg.debug_tail_chars else ""
     if tail.strip():
         parts += ["", "Last lines of its output:", "", fenced(tail)]
-    parts += ["", "Find the cause and return the whole corrected script."]
-    return _with_section(case, "\n".join(parts))
+    parts += ["", "Find the cause and return the corrected block." if scaffold is not None
+              else "Find the cause and return the whole corrected script."]
+    return _with_section(case, "\n".join(parts), scaffold)
 
 
 def render_prompt(mode: str, case: Mapping[str, Any], parent: Node | None,
-                  cfg: SearchConfig) -> list[dict[str, str]]:
-    """The prompt of an expansion in `mode` (parent None for a draft)."""
+                  cfg: SearchConfig, scaffold: Scaffold | None = None) -> list[dict[str, str]]:
+    """The prompt of an expansion in `mode` (parent None for a draft); with `scaffold`, the
+    block-only prompt (its assistant turn opens with scaffold.prefix)."""
     if mode == "draft":
-        return draft_prompt(case)
+        return draft_prompt(case, scaffold)
     if parent is None:
         raise ValueError(f"{mode} prompt needs a parent node")
     if mode == "improve":
-        return improve_prompt(case, parent, cfg)
+        return improve_prompt(case, parent, cfg, scaffold)
     if mode == "debug":
-        return debug_prompt(case, parent, cfg)
+        return debug_prompt(case, parent, cfg, scaffold)
     raise ValueError(f"mode must be draft|improve|debug, got {mode!r}")
 
 

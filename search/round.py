@@ -3,7 +3,9 @@
     generate(prompts: list[messages], n) -> n completions per prompt (here always one prompt)
         each with .text, .prompt_token_ids, .token_ids, .logprobs, .adapter_version,
         .finish_reason and optionally .assistant_prefix (search.tree.Generation, or the
-        rollout's Sample as is)
+        rollout's Sample as is); with a scaffold (search.scaffold) it is called as
+        generate(prompts, n, assistant_prefix=..., stop=...): the forced head and the strings
+        that end the block, and the script executed is head + block + tail
     execute(items: list[(case_id, completion)]) -> one result per item, in order, with
         status, reward, val_metric, test_metric, oriented, exec_time, term_tail, exc_type,
         message, limits, isolation, code (graders.code_exec ScoreResult, a gRPC reply or a dict)
@@ -27,6 +29,7 @@ from typing import Any
 from config.search import SearchConfig
 from search.policy import choose_expansion
 from search.prompts import render_prompt
+from search.scaffold import scaffold_of
 from search.tree import Node, Tree, oriented_value
 
 Generate = Callable[[list[list[dict[str, str]]], int], Sequence[Any]]
@@ -90,6 +93,9 @@ def grow_round(tree: Tree | None, case: Mapping[str, Any], cfg: SearchConfig, ge
     tree = new_tree(case) if tree is None else tree.copy()
     if tree.task_id != str(case["id"]):
         raise ValueError(f"tree is of task {tree.task_id!r}, case is {case['id']!r}")
+    scaffold = scaffold_of(case.get("task")) if cfg.scaffold else None
+    if cfg.scaffold and scaffold is None:
+        raise ValueError(f"search.scaffold is on but task {case['id']!r} has no scaffold in its task.json")
     tround = tree.rounds
     nodes: list[Node] = []
     expansions: list[dict[str, Any]] = []
@@ -97,14 +103,20 @@ def grow_round(tree: Tree | None, case: Mapping[str, Any], cfg: SearchConfig, ge
     for group in range(cfg.expansions_per_round):
         choice = choose_expansion(tree, cfg)
         parent = tree.get(choice.parent_id) if choice.parent_id else None
-        messages = render_prompt(choice.mode, case, parent, cfg)
+        messages = render_prompt(choice.mode, case, parent, cfg, scaffold)
         where = f"step {round_index} expansion {group} ({choice.mode})"
         t0 = time.perf_counter()
-        gens = list(generate([messages], cfg.siblings))
+        if scaffold is None:
+            gens = list(generate([messages], cfg.siblings))
+        else:
+            gens = list(generate([messages], cfg.siblings, assistant_prefix=scaffold.prefix, stop=scaffold.stop))
         t1 = time.perf_counter()
         if len(gens) != cfg.siblings:
             raise RoundError(f"{where}: generate returned {len(gens)} completions, asked {cfg.siblings}")
-        items = [(tree.task_id, _get(g, "assistant_prefix", "") + _get(g, "text")) for g in gens]
+        if scaffold is None:
+            items = [(tree.task_id, _get(g, "assistant_prefix", "") + _get(g, "text")) for g in gens]
+        else:  # what runs: head + block (the text cut at the stop) + tail
+            items = [(tree.task_id, scaffold.completion(_get(g, "text"))) for g in gens]
         results = list(execute(items))
         t2 = time.perf_counter()
         if len(results) != len(items):
@@ -122,7 +134,8 @@ def grow_round(tree: Tree | None, case: Mapping[str, Any], cfg: SearchConfig, ge
                 id=node_id(round_index, tround, group, k), parent_id=choice.parent_id,
                 mode=choice.mode, step=round_index, round=tround, expansion=tree.expansions,
                 sibling_group=group, index=k, prompt_messages=[dict(m) for m in messages],
-                assistant_prefix=_get(g, "assistant_prefix", ""), raw_completion=_get(g, "text"),
+                assistant_prefix=scaffold.prefix if scaffold else _get(g, "assistant_prefix", ""),
+                raw_completion=_get(g, "text"),
                 prompt_token_ids=[int(t) for t in _get(g, "prompt_token_ids", [])],
                 response_token_ids=token_ids, response_logprobs=logprobs,
                 adapter_version=int(_get(g, "adapter_version", 0)),

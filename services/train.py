@@ -162,13 +162,21 @@ def heldout_eval(cfg: RunConfig, grader, rollout, version: int, out: Path) -> di
     cases = grader.cases(limit=cfg.trainer.eval_limit or 0, split="heldout")
     params = sampling_params(cfg, step=0)
     params = type(params)(**{**params.__dict__, "n": cfg.trainer.eval_generations})
-    result = evaluate_heldout(grader, rollout, cases, params, version, cfg.trainer.prefix_mode)
     health = grader.health()
+    style = health.style
+    if cfg.trainer.rollout_mode == "tree":  # drafts per task, scored on the tasks' TEST rows
+        from evals.heldout import TREE_SCORING_STYLE, evaluate_tree_heldout
+
+        result = evaluate_tree_heldout(grader, rollout, cases, params, version, cfg.search,
+                                       cfg.grader.code_exec.sentinel)
+        style = TREE_SCORING_STYLE
+    else:
+        result = evaluate_heldout(grader, rollout, cases, params, version, cfg.trainer.prefix_mode)
     write_heldout_eval(
-        out, result, params, model=cfg.model.name_or_path, voices=health.voices,
+        out, result, params, model=cfg.model.name_or_path, voices=max(health.voices, 1),
         eos_token_ids=stop_token_ids(resolve_model(cfg.model), cfg.model.eos_token_ids).ids,
         prefix_mode=cfg.trainer.prefix_mode, fixture_source=cfg.grader.heldout_fixture or "shipped",
-        scoring=ScoringSettings(style=health.style, checker=health.checker), run=str(out.parent))
+        scoring=ScoringSettings(style=style, checker=health.checker), run=str(out.parent))
     return {"summary": result.summary(), "eval_file": str(out)}
 
 

@@ -11,7 +11,9 @@ grow_round gets the two services as plain callables:
 
 What comes back is the same `Rollouts` + scores the flat path trains on: one sample per node,
 groups = sibling groups, the grader's Score records (format_ok = status "ok", what the
-valid-only estimators read). `gen_llm_seconds` is the step's `gen` phase, `gen_exec_seconds`
+valid-only estimators read). With search.scaffold the prompt's assistant turn opens with the
+task's template head (Prompt.assistant_prefix, part of the prompt tokens the learner sees) and
+generation stops at the scaffold's stop strings; the grader runs head + block + tail. `gen_llm_seconds` is the step's `gen` phase, `gen_exec_seconds`
 its `score` phase. With search.carry_tree the tree continues from round to round; a resumed run
 reads the previous round's round_<step-1>/tree.json.
 
@@ -106,11 +108,13 @@ class TreeRounds:
         prompts: list[Prompt] = []
         calls = [0]
 
-        def generate(batch: list[list[dict[str, str]]], n: int) -> list[Any]:
+        def generate(batch: list[list[dict[str, str]]], n: int, assistant_prefix: str = "",
+                     stop: tuple[str, ...] = ()) -> list[Any]:
             (messages,) = batch
-            prompt = Prompt(messages=tuple(dict(m) for m in messages))
+            prompt = Prompt(messages=tuple(dict(m) for m in messages), assistant_prefix=assistant_prefix)
             # A distinct seed per expansion: prompt i of call k samples with seed + k*n + i.
-            params = replace(base, n=1, seed=None if base.seed is None else base.seed + 10_007 * calls[0])
+            params = replace(base, n=1, seed=None if base.seed is None else base.seed + 10_007 * calls[0],
+                             stop=tuple(stop))
             calls[0] += 1
             got = with_retries(lambda: parts.rollout.generate([prompt] * n, params, version),
                                f"generate (step {step}, expansion {calls[0] - 1})",

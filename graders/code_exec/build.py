@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-BUILD_VERSION = 1
+BUILD_VERSION = 2  # 2: task.json carries a scaffold
 FLOAT_FORMAT = "%.6g"
 _TOPIC_GROUPS = {
     "statements": "assert assignment augassign async break class compound continue del else "
@@ -139,6 +139,73 @@ def _metric_text(metric: str, targets: list[str]) -> str:
             "Predictions must be >= 0.")
 
 
+_SCAFFOLD_IMPORTS = """\
+import numpy as np
+import pandas as pd
+from sklearn.compose import ColumnTransformer
+from sklearn.pipeline import make_pipeline
+from sklearn.impute import SimpleImputer
+from sklearn.preprocessing import OneHotEncoder, StandardScaler
+from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.linear_model import LogisticRegression, Ridge
+from sklearn.naive_bayes import MultinomialNB
+from sklearn.neighbors import KNeighborsClassifier, KNeighborsRegressor
+from sklearn.tree import DecisionTreeClassifier, DecisionTreeRegressor
+from sklearn.ensemble import (RandomForestClassifier, RandomForestRegressor, ExtraTreesClassifier,
+                              ExtraTreesRegressor, GradientBoostingClassifier, GradientBoostingRegressor)
+from sklearn.multioutput import MultiOutputRegressor
+
+train = pd.read_csv("train.csv")
+test = pd.read_csv("test.csv")
+"""
+_SCAFFOLD_PREP = {
+    True: 'prep = TfidfVectorizer(sublinear_tf=True)  # text -> sparse tf-idf features\n'
+          'X, X_test = train["text"], test["text"]\n',
+    False: 'cat = [c for c in X.columns if not pd.api.types.is_numeric_dtype(X[c])]\n'
+           'num = [c for c in X.columns if c not in cat]\n'
+           'prep = ColumnTransformer([("num", make_pipeline(SimpleImputer(), StandardScaler()), num),\n'
+           '                          ("cat", OneHotEncoder(handle_unknown="ignore"), cat)])\n',
+}
+_SCAFFOLD_TAIL = {
+    "log_loss": 'clf = make_pipeline(prep, model).fit(X, y)\n'
+                'proba = pd.DataFrame(clf.predict_proba(X_test), columns=clf.classes_)\n'
+                'sub = proba[{targets}]\n'
+                'sub.insert(0, "{idc}", test["{idc}"].values)\n'
+                'sub.to_csv("submission.csv", index=False)\n',
+    "roc_auc": 'clf = make_pipeline(prep, model).fit(X, y)\n'
+               'sub = pd.DataFrame({{"{idc}": test["{idc}"], "{target}": clf.predict_proba(X_test)[:, 1]}})\n'
+               'sub.to_csv("submission.csv", index=False)\n',
+    "rmsle": 'reg = make_pipeline(prep, MultiOutputRegressor(model)).fit(X, np.log1p(y))\n'
+             'pred = np.clip(np.expm1(reg.predict(X_test)), 0, None)\n'
+             'sub = pd.DataFrame(pred, columns={targets})\n'
+             'sub.insert(0, "{idc}", test["{idc}"].values)\n'
+             'sub.to_csv("submission.csv", index=False)\n',
+}
+
+
+def _scaffold(metric: str, idc: str, label_cols: list[str], targets: list[str], text: bool) -> dict:
+    """The template script of a task (search/scaffold.py): the policy completes the line
+    `model = ` with one scikit-learn estimator (the head shows three examples); data loading,
+    features and the submission are fixed. Chosen by bench/mle_tree_base.py."""
+    kind = "regressor" if metric == "rmsle" else "classifier with predict_proba"
+    y = f'train[{label_cols!r}]' if len(label_cols) > 1 else f'train["{label_cols[0]}"]'
+    examples = ([("Ridge", "alpha=1.0"), ("RandomForestRegressor", "n_estimators=100, max_depth=8"),
+                 ("KNeighborsRegressor", "n_neighbors=10")] if metric == "rmsle" else
+                [("LogisticRegression", "C=1.0"), ("RandomForestClassifier", "n_estimators=100, max_depth=8"),
+                 ("GradientBoostingClassifier", "learning_rate=0.1")])
+    head = (_SCAFFOLD_IMPORTS
+            + f'X = train[[c for c in test.columns if c != "{idc}"]]\nX_test = test[X.columns]\n'
+            + f"y = {y}\n" + _SCAFFOLD_PREP[text]
+            + f"\n# The model: one scikit-learn {kind} (imported above), for example\n"
+            + "".join(f"#   model = {name}({kw})\n" for name, kw in examples)
+            + "model = ")
+    tail = _SCAFFOLD_TAIL[metric].format(idc=idc, targets=repr(list(targets)),
+                                          target=targets[0])
+    hint = (f"Complete the line `model = ...` with one scikit-learn {kind} and its settings "
+            "(the estimators imported in the script); choose what should score best.")
+    return {"head": head, "tail": tail, "hint": hint, "stop": ["\n"]}
+
+
 def build_task(task_id: str, out_dir: Path, seed: int) -> Path:
     metric, make = _SPECS[task_id]
     task_seed = seed * 1000 + sorted(_SPECS).index(task_id)
@@ -204,6 +271,7 @@ def build_task(task_id: str, out_dir: Path, seed: int) -> Path:
         "reward": REWARD_MAPS[metric], "answers": "private/answers.csv",
         "split_seed": task_seed, "rows": rows, "source": source,
         "build_version": BUILD_VERSION,
+        "scaffold": _scaffold(metric, idc, answer_cols, targets, "text" in X.columns),
     }
     (d / "task.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     os.chmod(d / "private", 0o700)

@@ -43,6 +43,7 @@ class TaskSpec:
     split_seed: int | None = None
     rows: dict = field(default_factory=dict)
     source: str = ""
+    scaffold: dict | None = None  # template script for small policies (search/scaffold.py)
 
     @property
     def public(self) -> Path:
@@ -92,7 +93,7 @@ def load_task(task_dir: str | os.PathLike) -> TaskSpec:
         id_column=raw["id_column"], target_columns=targets, answer_columns=answer_cols,
         classes=classes, reward=reward, answers=raw.get("answers", "private/answers.csv"),
         description=raw.get("description", "description.md"), split_seed=raw.get("split_seed"),
-        rows=raw.get("rows", {}), source=raw.get("source", ""),
+        rows=raw.get("rows", {}), source=raw.get("source", ""), scaffold=raw.get("scaffold"),
     )
     if not spec.public.is_dir():
         raise TaskError(f"{d}: missing public/ directory")

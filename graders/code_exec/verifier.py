@@ -108,7 +108,7 @@ class CodeExecTask:
                     {"role": "system", "content": SYSTEM_PROMPT.format(timeout=self.cfg.timeout_s)},
                     {"role": "user", "content": user},
                 ],
-                "task": t.summary(),
+                "task": {**t.summary(), **({"scaffold": t.scaffold} if t.scaffold else {})},
             })
         return out
 

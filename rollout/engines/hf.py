@@ -116,10 +116,13 @@ class HFEngine(Engine):
             num_return_sequences=params.n,
             eos_token_id=list(stop_ids),
             pad_token_id=self.pad_id,
+            stop_strings=list(params.stop) or None,
         )
         if params.seed is not None:
             torch.manual_seed(params.seed)
         inputs = {"input_ids": ids.to(self.device), "attention_mask": attn.to(self.device)}
+        if params.stop:  # transformers matches stop strings through the tokenizer
+            inputs["tokenizer"] = self.tokenizer
         if adapter_version == 0 and self._version != 0:
             with self.model.disable_adapter():
                 sequences = self.model.generate(**inputs, generation_config=gen_cfg, logits_processor=processors)
@@ -134,6 +137,9 @@ class HFEngine(Engine):
             prompt_index, sample_index = divmod(row, params.n)
             toks = new_tokens[row].tolist()
             cut = next((i + 1 for i, t in enumerate(toks) if t in stop_set), len(toks))
+            if params.stop:  # a row ended by a stop string is padded after it: cut there
+                cut = next((i + 1 for i in range(cut) if any(
+                    s in self.tokenizer.decode(toks[: i + 1], skip_special_tokens=True) for s in params.stop)), cut)
             toks = toks[:cut]
             samples.append(
                 Sample(

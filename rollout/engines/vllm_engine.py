@@ -137,7 +137,10 @@ class VllmEngine(Engine):
                 logprobs=0,  # the sampled token's log-prob only
                 stop_token_ids=list(stop_ids),
                 ignore_eos=True,  # the stop set above already holds every eos we honour
-                detokenize=False,  # we decode ourselves, like the transformers engine
+                # we decode ourselves, like the transformers engine; stop strings need vLLM's
+                # detokenizer (the token ids returned are the same either way)
+                detokenize=bool(params.stop),
+                stop=list(params.stop) or None,
             )
 
         lora = self._lora if adapter_version != 0 else None
@@ -160,7 +163,7 @@ class VllmEngine(Engine):
                         prompt_token_ids=list(prompt_ids[i]),
                         token_ids=toks,
                         logprobs=lps,
-                        finish_reason=finish_reason(toks, stop_ids),
+                        finish_reason="stop" if comp.finish_reason == "stop" else finish_reason(toks, stop_ids),
                         adapter_version=adapter_version,
                     )
                 )
