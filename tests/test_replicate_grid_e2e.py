@@ -1,0 +1,113 @@
+"""End to end on configs/smoke.yaml with the real services: `counterpoint replicate --grid`, 2 cells
+× 2 seeds of one step each (every arm a real train + eval subprocess, plus one base-model eval per
+seed; one arm made to fail), checked from the files it leaves: the receipt, grid.json, grid.png and
+the table; and bad grid input refused in one line before any arm runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cliharness import cli
+from evals.grid import read_grid_json, t_interval
+from evals.records import read_eval
+
+pytestmark = pytest.mark.slow
+
+CELLS = {"c1_lr-1e-3": "learner.lr=1e-3", "c2_lr-1e-4": "learner.lr=1e-4"}
+
+
+def pass_rate(path: Path) -> float:
+    ev = read_eval(path)
+    return 100 * sum(i.pass_count for i in ev.items) / sum(i.generations for i in ev.items)
+
+
+def test_replicate_grid_on_smoke(tmp_path: Path):
+    out = tmp_path / "grid"
+    # Arm c2 seed 2 cannot create its run directory (a file is in the way): a real failure that
+    # must be reported while every other arm completes and is aggregated.
+    (out / "runs").mkdir(parents=True)
+    (out / "runs" / "c2_lr-1e-4__seed2").write_text("not a directory")
+    done = cli("replicate", "--config", "configs/smoke.yaml", "--seeds", "1,2", "--out", str(out),
+               "--grid", "learner.lr=1e-3,1e-4", "--set", "trainer.steps=1", "--set", "eval.limit=4",
+               "--generations", "2", "--max-new-tokens", "8", timeout=870)  # inside pytest's 900 s
+    log = done.stdout[-4000:] + done.stderr[-3000:]
+    assert done.returncode == 1, log  # one arm failed: the command says so
+    assert "1 of 4 arms failed (arms c2_lr-1e-4__seed2)" in done.stderr, log
+    assert "note: c2_lr-1e-4 seed 2: arm failed: `services.cli train --config ...` exited 1" in done.stderr, log
+
+    receipt = json.loads((out / "replicate.json").read_text())
+    assert receipt["kind"] == "replicate" and receipt["status"] == "completed"
+    assert receipt["seeds"] == {"seeds": [1, 2]}
+    grid = receipt["notes"]["grid"]
+    assert grid["options"] == ["learner.lr=1e-3,1e-4"] and grid["before"] is True
+    assert [(c["cell"], c["overrides"], c["rollout_mode"]) for c in grid["cells"]] == [
+        (name, [o], "flat") for name, o in CELLS.items()]
+    arms = receipt["artifacts"]["arms"]
+    assert [(a["cell"], a["seed"], a["status"]) for a in arms] == [
+        (c, s, "failed" if (c, s) == ("c2_lr-1e-4", 2) else "completed") for c in CELLS for s in (1, 2)], arms
+    assert "c2_lr-1e-4__seed2.log" in arms[3]["error"]
+    befores = receipt["artifacts"]["before_evals"]
+    assert [(b["seed"], b["status"]) for b in befores] == [(1, "completed"), (2, "completed")]  # shared by cells
+    assert receipt["artifacts"]["grid_json"] == str(out / "grid.json")
+
+    done_arms = [a for a in arms if a["status"] == "completed"]
+    for a in done_arms:  # each arm trained with its cell's exact value and its seed
+        run_dir = Path(a["run_dir"])
+        assert run_dir == out / "runs" / f"{a['cell']}__seed{a['seed']}"
+        run = json.loads((run_dir / "run.json").read_text())
+        assert run["status"] == "completed" and run["steps_trained"] == [1]
+        assert run["config"]["learner"]["lr"] == float(CELLS[a["cell"]].split("=")[1])
+        assert run["config"]["seed"] == a["seed"] and run["config"]["trainer"]["steps"] == 1
+        assert a["before_file"] == str(out / f"eval_before_c1_lr-1e-3__seed{a['seed']}.jsonl")
+        after = read_eval(a["eval_file"])
+        assert after.header.run == str(run_dir) and after.header.generation.seed == a["seed"]
+        assert after.header.prompt_set.n_items == 4 and after.header.generation.generations == 2
+        assert read_eval(a["before_file"]).header.adapter is None  # the base model
+
+    report = read_grid_json(out / "grid.json")
+    assert [c["cell"] for c in report["cells"]] == list(CELLS)
+    for cell in report["cells"]:
+        mine = [a for a in done_arms if a["cell"] == cell["cell"]]
+        after = [pass_rate(Path(a["eval_file"])) for a in mine]
+        delta = [x - pass_rate(Path(a["before_file"])) for x, a in zip(after, mine)]
+        m = cell["metrics"]
+        assert cell["seeds"] == [1, 2] and cell["completed"] == len(mine)
+        assert m["heldout_pass_rate"]["values"] == pytest.approx(after)
+        assert m["heldout_pass_rate_delta"]["values"] == pytest.approx(delta)
+        assert m["train_frac_reward_zero_std"]["n"] == m["heldout_reward"]["n"] == len(mine)
+    full, partial = report["cells"]
+    c1 = [a for a in done_arms if a["cell"] == "c1_lr-1e-3"]
+    iv = t_interval([pass_rate(Path(a["eval_file"])) - pass_rate(Path(a["before_file"])) for a in c1])
+    delta = full["metrics"]["heldout_pass_rate_delta"]
+    assert (delta["n"], delta["low"], delta["high"]) == (2, pytest.approx(iv.low), pytest.approx(iv.high))
+    assert all(arm["notes"] == [] for arm in full["arms"])
+    assert partial["metrics"]["heldout_pass_rate_delta"]["interval"] == "n=1, no interval"
+    assert partial["metrics"]["heldout_pass_rate_delta"]["low"] is None
+    assert partial["arms"][1]["status"] == "failed" and partial["arms"][1]["notes"][0].startswith("arm failed:")
+
+    png = (out / "grid.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    table = done.stdout
+    assert "replicate grid: per cell across seeds" in table
+    for name in CELLS:
+        assert name in table
+    assert "held-out pass rate after - before (points)" in table
+    assert "(n=1, no interval)" in table  # the cell with one completed seed
+    assert f"grid: {out / 'grid.json'}, {out / 'grid.png'}" in table.replace("\n", "")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--grid", "learner.lr=1e-3,fast"], "error: grid cell c2_lr-fast (learner.lr=fast): "),
+    (["--grid", "learner.no_such_key=1,2"], "learner.no_such_key"),
+    (["--grid", "learner.lr=1e-3,1e-4", "--set", "learner.lr=1e-2"], "also given by --set learner.lr"),
+])
+def test_bad_grid_is_refused_before_any_arm_runs(tmp_path: Path, args: list[str], message: str):
+    out = tmp_path / "grid"
+    done = cli("replicate", "--config", "configs/smoke.yaml", "--seeds", "1,2", "--out", str(out), *args)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr
+    assert not out.exists()  # nothing ran: no receipt, no arm directory, no log
