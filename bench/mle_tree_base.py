@@ -16,9 +16,9 @@ Variants:
                  ("```python", imports, reading train/test);
 - line:          the task's scaffold as shipped (task.json, search/scaffold.py): the prompt shows
                  the script's tail and a hint, the head is forced (imports, data, features, three
-                 example estimators in a comment, ending in `model = `), the policy completes
+                 example estimators in a comment, ending in `model =`), the policy completes
                  that line (stops at the newline), head + line + tail runs;
-- block:         the same head without the trailing `model = `: the policy writes the lines that
+- block:         the same head without the trailing `model =`: the policy writes the lines that
                  set `model` (stops at a blank line or a fence).
 
 Modes: draft; improve from a fixed valid parent; debug from a fixed failed parent. The parents
@@ -44,6 +44,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 VARIANTS = ("bare", "opening", "block", "line")
+SCAFFOLDED = ("block", "line")
 MODES = ("draft", "improve", "debug")
 OPENING = ('```python\nimport numpy as np\nimport pandas as pd\n\n'
            'train = pd.read_csv("train.csv")\ntest = pd.read_csv("test.csv")\n')
@@ -57,7 +58,7 @@ def variant_scaffold(variant: str, task: dict):
     if variant == "line":  # as shipped: complete `model = ` on one line
         return sc
     if variant == "block":  # the same head without the forced `model = `: a block of lines
-        return Scaffold(head=sc.head.removesuffix("model = "), tail=sc.tail,
+        return Scaffold(head=sc.head.removesuffix("model ="), tail=sc.tail,
                         hint="Write the lines that set `model` to one scikit-learn estimator, then a blank line.",
                         stop=("\n\n", "```"))
     return None
@@ -66,7 +67,7 @@ def variant_scaffold(variant: str, task: dict):
 def parent_blocks(metric: str, line: bool) -> tuple[str, str]:
     good = "Ridge(alpha=1.0)" if metric == "rmsle" else "LogisticRegression(C=1.0)"
     bad = "RandomForest(n_estimators=100)"  # no such name: NameError
-    return (good, bad) if line else (f"model = {good}", f"model = {bad}")
+    return (f" {good}", f" {bad}") if line else (f"model = {good}", f"model = {bad}")
 
 
 def make_node(text: str, prefix: str, res, mode: str = "draft"):
@@ -120,7 +121,10 @@ def stats(rewards: list[float], statuses: list[str], group: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/mle-tree.yaml", help="model, rollout and grader settings")
-    ap.add_argument("--k", type=int, default=8, help="completions per (task, variant, mode)")
+    ap.add_argument("--k", type=int, default=8, help="completions per (task, variant, mode) of the scaffolds")
+    ap.add_argument("--whole-k", type=int, default=4,
+                    help="completions per task for bare/opening (whole scripts: the slow part); "
+                         "these run at the config's temperature only")
     ap.add_argument("--group", type=int, default=4, help="siblings per GRPO group (for the spread share)")
     ap.add_argument("--tasks", default="all", help="comma list of task ids, or all")
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -128,7 +132,7 @@ def main() -> None:
     ap.add_argument("--full-modes", default="block,line",
                     help="variants that run every mode; the others run draft only (whole-script "
                          "generation is the slow part)")
-    ap.add_argument("--max-tokens", type=int, default=448, help="for bare/opening (whole scripts)")
+    ap.add_argument("--max-tokens", type=int, default=384, help="for bare/opening (whole scripts)")
     ap.add_argument("--block-tokens", type=int, default=64, help="for the scaffold variants")
     ap.add_argument("--temperatures", default=None,
                     help="comma list of sampling temperatures (default: the config's rollout.temperature)")
@@ -158,7 +162,9 @@ def main() -> None:
     print(f"engine up in {time.perf_counter() - t0:.1f}s", flush=True)
     rows = []
     temps = [float(t) for t in args.temperatures.split(",")] if args.temperatures else [cfg.rollout.temperature]
-    for variant, temp in [(v, t) for v in variants for t in temps]:
+    runs = [(v, t) for v in variants for t in (temps if v in SCAFFOLDED else [cfg.rollout.temperature])]
+    for variant, temp in runs:
+        k = args.k if variant in SCAFFOLDED else args.whole_k
         cells = []
         for tid in task_ids:
             case = cases[tid]
@@ -174,8 +180,8 @@ def main() -> None:
             continue
         stop = tuple(dict.fromkeys(s for _, _, sc, _ in cells if sc for s in sc.stop))
         params = SamplingParams.from_rollout(
-            cfg.rollout, n=args.k, seed=args.seed, stop=stop, temperature=temp,
-            max_tokens=args.block_tokens if variant in ("block", "line") else args.max_tokens)
+            cfg.rollout, n=k, seed=args.seed, stop=stop, temperature=temp,
+            max_tokens=args.block_tokens if variant in SCAFFOLDED else args.max_tokens)
         t1 = time.perf_counter()
         samples = engine.generate([p for *_, p in cells], params, 0)
         gen_s = time.perf_counter() - t1
@@ -215,7 +221,7 @@ def table(rows: list[dict]) -> str:
 def write_report(rows: list[dict], args, path: Path) -> None:
     cmd = "flock /tmp/cp-heavy.lock python bench/mle_tree_base.py " + " ".join(sys.argv[1:])
     body = (f"## Base model on the code-exec tasks, per scaffold variant and mode\n\n"
-            f"`{cmd.strip()}` (K={args.k} per cell, groups of {args.group}, seed {args.seed}, "
+            f"`{cmd.strip()}` (K={args.k} per scaffold cell, {args.whole_k} per bare/opening cell, groups of {args.group}, seed {args.seed}, "
             f"config {args.config}, base model = adapter version 0)\n\n{table(rows)}\n\n"
             "Examples (first 3 blocks or script openings per cell):\n\n```\n"
             + "\n".join(f"{r['task']} {r['variant']} T={r['temperature']:g} {r['mode']}: " + " | ".join(

@@ -134,11 +134,11 @@ def test_bundled_tasks_ship_scaffolds_whose_scripts_run(bundled):
     and a block naming no estimator crashes: the scaffold leaves the policy real choices."""
     for case in bundled.cases():
         sc = scaffold_of(case["task"])
-        assert sc is not None and sc.head.endswith("model = ") and sc.stop == ("\n", "```")
+        assert sc is not None and sc.head.endswith("model =") and sc.stop == ("\n", "```")
         good = "Ridge(alpha=1.0)" if case["task"]["metric"] == "rmsle" else "LogisticRegression(C=1.0)"
-        ok = bundled.score(case["id"], sc.completion(good + "\nanything after the newline"))
+        ok = bundled.score(case["id"], sc.completion(" " + good + "\nanything after the newline"))
         assert ok.status == "ok" and ok.val_metric is not None, (case["id"], ok.term_tail[-300:])
-        bad = bundled.score(case["id"], sc.completion("Forest()"))
+        bad = bundled.score(case["id"], sc.completion(" Forest()"))
         assert bad.status == "crashed" and bad.exc_type == "NameError"
         meta = json.loads((bundled.tasks[case["id"]].dir / "task.json").read_text())
         assert meta["scaffold"] == sc.to_dict() | {"stop": ["\n"]}

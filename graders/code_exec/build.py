@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-BUILD_VERSION = 2  # 2: task.json carries a scaffold
+BUILD_VERSION = 3  # 2: task.json carries a scaffold; 3: its head ends "model =" (no trailing space)
 FLOAT_FORMAT = "%.6g"
 _TOPIC_GROUPS = {
     "statements": "assert assignment augassign async break class compound continue del else "
@@ -185,7 +185,7 @@ _SCAFFOLD_TAIL = {
 
 def _scaffold(metric: str, idc: str, label_cols: list[str], targets: list[str], text: bool) -> dict:
     """The template script of a task (search/scaffold.py): the policy completes the line
-    `model = ` with one scikit-learn estimator (the head shows three examples); data loading,
+    `model =` with one scikit-learn estimator (the head shows three examples); data loading,
     features and the submission are fixed. Chosen by bench/mle_tree_base.py."""
     kind = "regressor" if metric == "rmsle" else "classifier with predict_proba"
     y = f'train[{label_cols!r}]' if len(label_cols) > 1 else f'train["{label_cols[0]}"]'
@@ -198,7 +198,7 @@ def _scaffold(metric: str, idc: str, label_cols: list[str], targets: list[str], 
             + f"y = {y}\n" + _SCAFFOLD_PREP[text]
             + f"\n# The model: one scikit-learn {kind} (imported above), for example\n"
             + "".join(f"#   model = {name}({kw})\n" for name, kw in examples)
-            + "model = ")
+            + "model =")  # no trailing space: " Ridge" is one token, a bare space derails the model
     tail = _SCAFFOLD_TAIL[metric].format(idc=idc, targets=repr(list(targets)),
                                           target=targets[0])
     hint = (f"Complete the line `model = ...` with one scikit-learn {kind} and its settings "
