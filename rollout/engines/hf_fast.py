@@ -1,13 +1,14 @@
 """The transformers engine's fast path: a static KV cache and a decode step captured once per
 shape bucket (a CUDA graph), with the LoRA adapter loaded straight from the payload's tensors.
 
-Why not `generate`: on the H200 plain `generate` costs 81-120 ms per decode step for Qwen3-4B
-shapes at batch 8 (../shared/MEASURED.md), and even its static cache + compiled step spends most
-of each step in the Python loop around the model (logits processors, stopping criteria, a host
-sync per token). Here one decode step - forward, temperature/top-k/top-p, sampling, the sampled
-token's log-prob, stop detection, writing the outputs - is one graph replay; the host looks at
-the stop flags every `SYNC_EVERY` steps only. bench/gpu_engine.py measures it against
-`generate`, static cache + compile, and `generate_batch`.
+Why not `generate` (bench/results/gpu-engine.md, H200, Qwen3 shapes, batch 8): plain
+`generate` costs 25-30 ms per decode step, its static cache + compile 4.2 ms (0.6B), its
+`generate_batch` 72 ms. Plain `generate` launches every kernel from Python; the compiled one
+still runs transformers' per-token loop (logits processors, stopping criteria, a host sync per
+token) around the compiled forward. Here one decode step - forward,
+temperature/top-k/top-p, sampling, the sampled token's log-prob, stop detection, writing the
+outputs - is one graph replay (2.8 ms at 0.6B, 6.2 ms at 4B with `hf_decode="inductor"`); the
+host looks at the stop flags every `SYNC_EVERY` steps only.
 
 Buckets: rows are padded up to a batch bucket (`rollout.hf_batch_buckets`) and the cache length
 up to a multiple of `CACHE_LEN_STEP`; one graph per (batch, cache length, top-k, top-p on,
