@@ -221,3 +221,13 @@ def test_bad_requests_are_refused_before_sampling():
         eng.generate(PROMPTS, params(temperature=0.0), 0)
     with pytest.raises(ValueError, match="exceeds rollout.max_model_len 1024"):
         eng.generate(PROMPTS, params(max_tokens=1020), 0)
+
+
+def test_rollout_and_learner_share_one_gpu_by_fractions():
+    from config.run import load_config
+    from services.launch import required_resources
+
+    cfg = load_config("configs/smoke.yaml", ["rollout.engine=hf", "rollout.num_gpus=0.4", "learner.use_gpu=true",
+                                             "learner.gpus_per_worker=0.6"])
+    assert cfg.rollout.num_gpus == 0.4
+    assert required_resources(cfg)["GPU"] == pytest.approx(1.0)

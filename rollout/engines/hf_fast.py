@@ -383,6 +383,10 @@ class FastDecoder:
         self.pool = torch.cuda.graph_pool_handle() if self.capture != "eager" else None
         self.step_fn = self._step
         if self.capture == "inductor":
+            import torch._dynamo.config as dynamo_config
+
+            # one compile per bucket shape; dynamo's default limit (8) would drop later buckets to eager
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
             self.step_fn = torch.compile(self._step, fullgraph=True, dynamic=False)
         self.stats: dict[str, Any] = {"capture_s": {}, "decode_steps": 0, "decode_s": 0.0, "prefill_s": 0.0}
         self.min_value = torch.finfo(self.dtype).min
