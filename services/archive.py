@@ -11,16 +11,20 @@ runs/<run>/round_<step>/       <task>__<epoch>.jsonl             one row per com
 runs/<run>/heldout_before.jsonl, heldout_after.jsonl   EVAL.jsonl of the held-out eval before and
                                after training (evals/records.py), with per-item results
 runs/<run>/adapters/init/, adapters/step_<N>/, checkpoints/step_<N>/
+runs/<run>/superseded/attempt_<n>/   what a resume re-runs, as the dead attempt left it
 ```
 
-Commit order of a step: write its round (after gen/score), then ``append_metrics``, then
-``append_timing`` last. The timing line is the commit point: a step is trained iff timing.jsonl
-has its line, so a round written for a step that never finished shows up in
-``untrained_rounds()`` and is overwritten when that step is run again after a resume.
+Commit order of a step: write its round as soon as it is generated and scored (before the
+learner trains on it), then ``append_metrics``, then ``append_timing`` last. The timing line is
+the commit point: a step is trained iff timing.jsonl has its line, so a round written for a step
+that never finished shows up in ``untrained_rounds()``.
 
-JSONL files survive a SIGKILL mid-write: a record is committed once its trailing newline is on
-disk. ``recover()`` (call it when resuming) cuts a torn last line, and drops metrics lines of
-steps that have no timing line, so a re-run step is never recorded twice.
+Nothing a run produced is deleted. JSONL files survive a SIGKILL mid-write: a record is committed
+once its trailing newline is on disk. On resume, ``recover()`` cuts a torn last line (an
+incomplete record) and ``supersede_after(step)`` moves everything recorded after the checkpoint
+the run resumes from (rounds, metrics and timing lines, adapters, checkpoints) into
+``superseded/attempt_<n>/`` with a ``superseded.json`` saying what and why: the main tree then
+holds each step once, and the dead attempt's rollouts stay readable beside it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -429,35 +432,65 @@ class RunDir:
 
     # step records
     def recover(self) -> dict[str, int]:
-        """Make the directory consistent after a crash (call on resume): cut torn last lines and
-        drop metrics lines of steps without a timing line. Returns what was dropped."""
+        """Make the directory consistent after a crash (call on resume): cut torn last lines.
+        Metrics lines of steps without a timing line stay until ``supersede_after`` moves them
+        (they are after every trained step). Returns what was cut and what is uncommitted."""
         torn_timing = repair_jsonl(self.timing_path)
         torn_metrics = repair_jsonl(self.metrics_path)
         trained = set(self.trained_steps())
-        metrics = read_jsonl(self.metrics_path)
-        kept = [m for m in metrics if m.get("step") in trained]
-        if len(kept) != len(metrics):
-            body = "".join(json.dumps(m, separators=(",", ":")) + "\n" for m in kept)
-            _atomic_write_text(self.metrics_path, body)
+        uncommitted = [m for m in read_jsonl(self.metrics_path) if m.get("step") not in trained]
         return {
             "timing_torn_bytes": torn_timing,
             "metrics_torn_bytes": torn_metrics,
-            "metrics_uncommitted_lines": len(metrics) - len(kept),
+            "metrics_uncommitted_lines": len(uncommitted),
         }
 
-    def truncate_after(self, step: int) -> list[int]:
-        """Forget steps after ``step`` (a resume from an older checkpoint re-runs them): drop
-        their timing and metrics lines and their round directories. Returns the dropped steps."""
+    @property
+    def superseded_root(self) -> Path:
+        return self.root / "superseded"
+
+    def supersede_after(self, step: int, reason: str = "resume") -> tuple[list[int], Path | None]:
+        """Move what was recorded after ``step`` (a resume from step's checkpoint re-runs it) out
+        of the main tree into ``superseded/attempt_<n>/``: timing and metrics lines of later
+        steps, their round directories, adapters/step_* and checkpoints/step_* after ``step``.
+        Returns (the trained steps moved, the attempt directory or None when nothing moved)."""
         dropped = [s for s in self.trained_steps() if s > step]
-        for path in (self.timing_path, self.metrics_path):
+        moved: dict[str, list] = {"timing": [], "metrics": [], "rounds": [], "adapters": [], "checkpoints": []}
+        kept_lines: dict[Path, list] = {}
+        for name, path in (("timing", self.timing_path), ("metrics", self.metrics_path)):
             records = read_jsonl(path)
-            kept = [r for r in records if int(r["step"]) <= step]
-            if len(kept) != len(records):
+            kept_lines[path] = [r for r in records if int(r["step"]) <= step]
+            moved[name] = [r for r in records if int(r["step"]) > step]
+        later = lambda p: p.is_dir() and p.name.split("_")[-1].isdigit() and int(p.name.split("_")[-1]) > step
+        dirs = {"rounds": [self.round_dir(s) for s in self.round_steps() if s > step],
+                "adapters": sorted(p for p in (self.root / "adapters").glob("step_*") if later(p)),
+                "checkpoints": sorted(p for p in (self.root / "checkpoints").glob("step_*") if later(p))}
+        if not any(moved.values()) and not any(dirs.values()):
+            return dropped, None
+        self.superseded_root.mkdir(exist_ok=True)
+        n = 1 + sum(1 for p in self.superseded_root.glob("attempt_*") if p.is_dir())
+        attempt = self.superseded_root / f"attempt_{n}"
+        attempt.mkdir()
+        for name in ("timing", "metrics"):
+            if moved[name]:
+                _atomic_write_text(attempt / f"{name}.jsonl",
+                                   "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in moved[name]))
+        for kind, paths in dirs.items():
+            for path in paths:
+                dest = attempt / path.name if kind == "rounds" else attempt / kind / path.name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, dest)
+                moved[kind].append(path.name)
+        _atomic_write_text(attempt / "superseded.json", json.dumps({
+            "reason": reason, "resumed_from_step": step, "trained_steps": dropped,
+            "uncommitted_steps": sorted({int(r["step"]) for r in moved["metrics"]} - set(dropped)),
+            "rounds": moved["rounds"], "adapters": moved["adapters"], "checkpoints": moved["checkpoints"],
+        }, indent=2) + "\n")
+        # The main tree's lines last: a crash before this point leaves them (and a copy aside).
+        for path, kept in kept_lines.items():
+            if path.exists():
                 _atomic_write_text(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in kept))
-        for s in self.round_steps():
-            if s > step:
-                shutil.rmtree(self.round_dir(s))
-        return dropped
+        return dropped, attempt
 
     def append_timing(self, step: int, total_s: float, phases_s: Mapping[str, float]) -> None:
         """Commit step ``step`` as trained (write this last for the step)."""

@@ -62,6 +62,7 @@ class RunParts:
     record: Callable[["StepRecord"], None]  # archive + metrics + progress, one call per step
     version: int = 0  # adapter version live on every replica
     collect: Callable[..., tuple["Rollouts", list[Any]]] | None = None  # None = collect_flat
+    archive: Callable[["RoundRecord"], None] | None = None  # the round to disk before the update
 
 
 @dataclass
@@ -75,6 +76,18 @@ class Rollouts:
     groups: list[int]
     gen_seconds: float = 0.0
     search: Any = None  # tree mode: the search.round.Round these samples are the nodes of
+
+
+@dataclass
+class RoundRecord:
+    """A step's rollouts as scored, with their advantages: archived before the learner trains
+    on them, so a driver that dies in the update, the sync or the save leaves them on disk."""
+
+    step: int
+    rollouts: Rollouts
+    scores: list[Any]
+    rewards: list[float]
+    advantages: list[float]
 
 
 @dataclass
@@ -207,6 +220,8 @@ def run_steps(parts: RunParts, first_step: int) -> None:
                 rewards = [float(s.reward) for s in scores]
                 valid = [bool(s.format_ok) for s in scores]
                 adv = advantages(cfg, rewards, ro.groups, valid)
+            if parts.archive is not None:  # on disk (untrained) before the learner sees it
+                parts.archive(RoundRecord(step, ro, scores, rewards, adv.tolist()))
             if pool is not None and step < cfg.trainer.steps:  # sample t+1 with adapter v while v+1 trains
                 ahead = pool.submit(generate, parts, step + 1, parts.version)
             result = parts.learner.step(train_batch(ro, rewards, adv))

@@ -54,6 +54,7 @@ UPDATABLE_FIELDS = (
     "prompt_sampling",
     "metric_series",
     "resumed_from_step",
+    "superseded",
     "steps_trained",
     "notes",
     "checker",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from rollout.types import BASE_MODEL_VERSION
 from services.archive import RunDir, node_id, node_row
 from evals.heldout import heldout_section
 from config import RunConfig, apply_override, config_from_dict, resolved, with_absolute_paths
-from services.orchestrator import RunParts, StepRecord, run_steps, sampling_params
+from services.orchestrator import RoundRecord, RunParts, StepRecord, run_steps, sampling_params
 from services.launch import check_resources, start_grader, start_ray, start_rollout, stop_token_report
 
 log = logging.getLogger("counterpoint.train")
@@ -71,22 +70,21 @@ def new_run_dir(cfg: RunConfig) -> Path:
 
 def resume_point(run: RunDir) -> tuple[int, Path | None]:
     """(first step to train, checkpoint to resume from). Steps after the newest checkpoint
-    that is also recorded in timing.jsonl are re-run; their records are dropped first so the
-    archive never holds a step twice. Without such a checkpoint the run restarts at step 1
-    from its init adapter (the seed, or adapters/init when one was given)."""
+    that is also recorded in timing.jsonl are re-run; what the dead attempt recorded for them
+    (rounds, metrics and timing lines, adapters, checkpoints) is moved to superseded/attempt_<n>/
+    first, so the main tree never holds a step twice and nothing it produced is lost. Without
+    such a checkpoint the run restarts at step 1 from its init adapter (the seed, or
+    adapters/init when one was given)."""
     run.recover()
     trained = set(run.trained_steps())
     ckpts = sorted(int(p.name.split("_")[1]) for p in (run.root / "checkpoints").glob("step_*")
                    if (p / "state.json").exists() or any(p.iterdir()))
     usable = [s for s in ckpts if s in trained]
     step = usable[-1] if usable else 0
-    dropped = run.truncate_after(step)
-    for stale in [*(run.root / "checkpoints").glob("step_*"), *(run.root / "adapters").glob("step_*")]:
-        if int(stale.name.split("_")[1]) > step:  # written by the attempt that died; redone below
-            shutil.rmtree(stale)
-    if dropped:
-        log.warning("resume: steps %s of %s were trained after its last checkpoint (step %d): they are "
-                    "trained again", dropped, run.root, step)
+    dropped, attempt = run.supersede_after(step)
+    if attempt is not None:
+        log.warning("resume: %s re-runs from step %d; what its dead attempt recorded after that (trained "
+                    "steps %s) is kept in %s", run.root, step + 1, dropped or "none", attempt)
     return step + 1, run.checkpoint_dir(step) if usable else None
 
 
@@ -101,33 +99,42 @@ def _had_given_init(run: RunDir) -> bool:
 
 # ---------------------------------------------------------------- recording a step
 class StepRecorder:
-    """Archive + metrics + progress for each trained step (timing.jsonl written last)."""
+    """Archive + metrics + progress of each step: its round as soon as it is scored
+    (``archive``, RunParts.archive), then, once trained, metrics.jsonl, /metrics, progress and
+    timing.jsonl last (``__call__``, RunParts.record)."""
 
     def __init__(self, run: RunDir, metrics, progress, task: str) -> None:
         self.run, self.metrics, self.progress, self.task = run, metrics, progress, task
+        self._search_scalars: dict[int, dict[str, Any]] = {}  # step -> search_* of its archived round
 
-    def __call__(self, rec: StepRecord) -> None:
-        ro = rec.rollouts
-        epoch = self.progress.epoch_of(rec.step)
-        search_scalars = {}
+    def archive(self, rnd: RoundRecord) -> None:
+        ro = rnd.rollouts
+        epoch = self.progress.epoch_of(rnd.step)
         if ro.search is not None:  # tree mode: tree rows, merged summary, tree.json, diagnostics
             from services.tree_round import tree_round_record
 
-            search_scalars = tree_round_record(self.run, rec, self.task, epoch)
+            self._search_scalars[rnd.step] = tree_round_record(self.run, rnd, self.task, epoch)
+            return
         # What the model saw (prompt tokens: template + forced prefix) and wrote, row by row.
-        rows = [] if ro.search is not None else [
+        rows = [
             node_row(
-                id=node_id(rec.step, g, i - ro.groups.index(g)), step=rec.step, exp_id=self.run.root.name,
+                id=node_id(rnd.step, g, i - ro.groups.index(g)), step=rnd.step, exp_id=self.run.root.name,
                 sibling_group=g, prompt_messages=list(p.messages), assistant_prefix=p.assistant_prefix,
                 prompt_token_ids=s.prompt_token_ids, raw_completion=s.text, response_token_ids=s.token_ids,
                 response_logprobs=s.logprobs, adapter_version=s.adapter_version,
                 status="ok" if sc.format_ok else "unparsed", verdict=sc.verdict,
                 failing_rules=list(sc.failing_rules), reward=sc.reward, advantage=a,
             )
-            for i, (g, p, s, sc, a) in enumerate(zip(ro.groups, ro.prompts, ro.samples, rec.scores, rec.advantages))
+            for i, (g, p, s, sc, a) in enumerate(zip(ro.groups, ro.prompts, ro.samples, rnd.scores, rnd.advantages))
         ]
-        if rows:
-            self.run.write_round(rec.step, self.task, epoch, rows)
+        self.run.write_round(rnd.step, self.task, epoch, rows)
+        self._search_scalars[rnd.step] = {}
+
+    def __call__(self, rec: StepRecord) -> None:
+        ro = rec.rollouts
+        if rec.step not in self._search_scalars:  # a loop without RunParts.archive
+            self.archive(RoundRecord(rec.step, ro, rec.scores, rec.rewards, rec.advantages))
+        search_scalars = self._search_scalars.pop(rec.step)
         generated = sum(len(s.token_ids) for s in ro.samples)
         scalars = {
             **rec.learner_metrics, **rec.extra,
@@ -197,6 +204,8 @@ def train(opts: TrainOptions) -> RunDir:
         init_adapter = run.init_adapter_dir  # restarting from step 1: the copy of the init it was given
     receipt = Receipt(run.receipt_path, kind="train", run_name=run.root.name)
     receipt.start(config=resolved(cfg), seeds={"seed": cfg.seed}, resumed_from_step=first_step - 1 if opts.resume else None)
+    if run.superseded_root.is_dir():  # what earlier attempts recorded past their resume points
+        receipt.update(superseded=sorted(str(p) for p in run.superseded_root.glob("attempt_*")))
     with receipt.guard(), ExitStack() as stack:
         stages = StageClock()
         ray_metrics = start_ray(cfg, stack)
@@ -253,8 +262,9 @@ def train(opts: TrainOptions) -> RunDir:
             from services.tree_round import TreeRounds
 
             collect = TreeRounds(run.root)
+        recorder = StepRecorder(run, metrics, progress, health.task)
         parts = RunParts(cfg=cfg, cases=cases, sampler=sampler, grader=grader, rollout=rollout,
-                         learner=learner, record=StepRecorder(run, metrics, progress, health.task), version=adapter.version,
+                         learner=learner, record=recorder, archive=recorder.archive, version=adapter.version,
                          collect=collect)
         try:
             run_steps(parts, first_step)

@@ -39,7 +39,7 @@ from search.round import Round, grow_round
 from search.rows import round_rows
 from search.tree import Tree
 from services.archive import RunDir
-from services.orchestrator import Rollouts, RunParts, StepRecord, sampling_params, with_retries
+from services.orchestrator import RoundRecord, Rollouts, RunParts, StepRecord, sampling_params, with_retries
 
 log = logging.getLogger("counterpoint.train")
 
@@ -147,9 +147,9 @@ class TreeRounds:
         return ro, scores
 
 
-def tree_round_record(run: RunDir, rec: StepRecord, task: str, epoch: int) -> dict[str, float | int | None]:
-    """Write a trained tree step's round (tree rows, summary with the search summary merged,
-    tree.json) and return its diagnostics as `search_*` scalars for metrics.jsonl."""
+def tree_round_record(run: RunDir, rec: RoundRecord | StepRecord, task: str, epoch: int) -> dict[str, float | int | None]:
+    """Write a tree step's round (tree rows, summary with the search summary merged, tree.json)
+    as soon as it is scored, and return its diagnostics as `search_*` scalars for metrics.jsonl."""
     rnd: Round = rec.rollouts.search
     tree = rnd.tree
     diag = rnd.summary["diagnostics"]  # computed by TreeRounds, against the task's ladder

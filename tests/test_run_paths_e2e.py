@@ -73,7 +73,12 @@ def test_relative_paths_from_the_users_directory_then_resume_then_eval(tmp_path:
     assert resumed.returncode == 0, output[-4000:]
     assert f"its process {dead.pid} is gone" in output
     assert timing_steps(run) == [1, 2, 3]  # step 2 re-trained once, then step 3; no gap, no repeat
+    aside = run / "superseded" / "attempt_1"  # the dead attempt's step 2, kept as it left it
+    assert json.loads((aside / "superseded.json").read_text())["trained_steps"] == [2]
+    assert timing_steps(aside) == [2] and (aside / "round_2").is_dir()
+    assert (aside / "adapters" / "step_2" / "adapter_config.json").exists()
     receipt = json.loads((run / "run.json").read_text())
+    assert receipt["superseded"] == [str(aside)]
     assert receipt["status"] == "completed" and receipt["resumed_from_step"] == 1
     assert receipt["previous_attempts"][-1]["status"] == "died"
     assert (run / "checkpoints" / "step_3" / "state.json").exists()

@@ -109,6 +109,7 @@ def test_sigkill_during_appends_leaves_a_recoverable_file(tmp_path: Path) -> Non
     assert set(dropped) == {"timing_torn_bytes", "metrics_torn_bytes", "metrics_uncommitted_lines"}
     trained = rd.trained_steps()
     assert trained == list(range(1, len(trained) + 1))
+    rd.supersede_after(trained[-1])  # what resume does (from the last step's checkpoint)
     # Every metrics line left belongs to a committed step, once.
     assert [m["step"] for m in rd.metrics()] == trained
     assert rd.metrics_path.read_bytes().endswith(b"\n")
@@ -122,7 +123,7 @@ def test_sigkill_during_appends_leaves_a_recoverable_file(tmp_path: Path) -> Non
 # ------------------------------------------------------------------ step records
 
 
-def test_recover_drops_metrics_of_uncommitted_steps(tmp_path: Path) -> None:
+def test_recover_cuts_torn_lines_and_supersede_keeps_uncommitted_metrics(tmp_path: Path) -> None:
     rd = RunDir(tmp_path / "run").create()
     for step in (1, 2):
         rd.append_metrics(step, {"reward_mean": 0.1 * step, "ppl_ratio": 1.0})
@@ -136,12 +137,13 @@ def test_recover_drops_metrics_of_uncommitted_steps(tmp_path: Path) -> None:
         "metrics_uncommitted_lines": 1,
     }
     assert rd.last_trained_step() == 2
+    dropped, attempt = rd.supersede_after(2)
+    assert dropped == [] and attempt == rd.root / "superseded" / "attempt_1"
     assert [m["step"] for m in rd.metrics()] == [1, 2]
+    # The uncommitted line is kept aside, not lost.
+    assert read_jsonl(attempt / "metrics.jsonl") == [{"step": 3, "reward_mean": 0.3}]
+    assert json.loads((attempt / "superseded.json").read_text())["uncommitted_steps"] == [3]
     rd.append_metrics(3, {"reward_mean": 0.35})
-    rd.append_timing(3, 3.0, PHASES)
-    assert [m["step"] for m in rd.metrics()] == [1, 2, 3]
-    assert rd.metric_series() == {"ppl_ratio": 2, "reward_mean": 3}
-    assert rd.timing()[2] == {"step": 3, "total_s": 3.0, "phases_s": PHASES}
 
 
 def test_timing_rejects_unknown_phase_and_repeated_step(tmp_path: Path) -> None:
@@ -305,16 +307,37 @@ def test_untrained_rounds(tmp_path: Path) -> None:
     assert rd.untrained_rounds() == []
 
 
-def test_truncate_after_forgets_later_steps(tmp_path):
+def test_supersede_after_moves_later_steps_aside(tmp_path):
     run = RunDir(tmp_path / "r").create()
     for step in (1, 2, 3):
         run.write_round(step, "voice-leading", 0, flat_rows(step, [[1.0, 0.0]]))
         run.append_metrics(step, {"reward_mean": 0.5})
         run.append_timing(step, 1.0, {"gen": 0.5})
-    assert run.truncate_after(1) == [2, 3]
+        for kind in ("adapters", "checkpoints"):
+            (run.root / kind / f"step_{step}").mkdir(parents=True)
+            (run.root / kind / f"step_{step}" / "state.json").write_text(str(step))
+    run.write_round(4, "voice-leading", 0, flat_rows(4, [[0.0, 1.0]]))  # generated, never trained
+    rows_3 = run.read_round(3, "voice-leading", 0)
+    assert run.supersede_after(1) == ([2, 3], run.root / "superseded" / "attempt_1")
     assert run.trained_steps() == [1]
     assert [m["step"] for m in run.metrics()] == [1]
     assert run.round_steps() == [1]
-    # The re-run steps can be recorded again without a duplicate.
+    assert sorted(p.name for p in (run.root / "checkpoints").iterdir()) == ["step_1"]
+    assert sorted(p.name for p in (run.root / "adapters").iterdir()) == ["step_1"]
+    # Nothing is lost: the dead attempt's records sit in superseded/attempt_1, as they were.
+    aside = run.root / "superseded" / "attempt_1"
+    assert [r["step"] for r in read_jsonl(aside / "timing.jsonl")] == [2, 3]
+    assert [r["step"] for r in read_jsonl(aside / "metrics.jsonl")] == [2, 3]
+    assert RunDir(aside).round_steps() == [2, 3, 4]
+    assert read_jsonl(aside / "round_3" / "voice-leading__0.jsonl") == rows_3
+    assert (aside / "checkpoints" / "step_3" / "state.json").read_text() == "3"
+    assert json.loads((aside / "superseded.json").read_text()) == {
+        "reason": "resume", "resumed_from_step": 1, "trained_steps": [2, 3], "uncommitted_steps": [],
+        "rounds": ["round_2", "round_3", "round_4"], "adapters": ["step_2", "step_3"],
+        "checkpoints": ["step_2", "step_3"]}
+    # The re-run steps can be recorded again without a duplicate; a second resume is attempt_2.
     run.append_timing(2, 1.0, {"gen": 0.5})
     assert run.trained_steps() == [1, 2]
+    run.write_round(3, "voice-leading", 0, flat_rows(3, [[1.0, 1.0]]))
+    assert run.supersede_after(2)[1] == run.root / "superseded" / "attempt_2"
+    assert run.supersede_after(2) == ([], None)  # nothing after step 2 left to move

@@ -172,7 +172,19 @@ def scrape(port: int) -> dict[str, list]:
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
 
-def drive(cfg, client, run: RunDir, *, resume: bool = False, shift: float = 0.0) -> dict[str, list]:
+class DiesInUpdate(InProcessLearner):
+    """A learner whose process dies inside the update of step `at` (after the round was scored)."""
+
+    at = 2
+
+    def step(self, batch) -> StepResult:
+        if self.policy.step_count + 1 == self.at:
+            raise Killed(f"driver killed inside the update of step {self.at}")
+        return super().step(batch)
+
+
+def drive(cfg, client, run: RunDir, *, resume: bool = False, shift: float = 0.0,
+          learner_cls: type = InProcessLearner) -> dict[str, list]:
     """One driver process's worth: assemble RunParts as services/train.py does (cases from the
     grader, the sampler, the init adapter published and synced, StepRecorder, TreeRounds) and run
     the step loop from where the files say. Returns a scrape of its /metrics at the end."""
@@ -181,7 +193,7 @@ def drive(cfg, client, run: RunDir, *, resume: bool = False, shift: float = 0.0)
     health = client.health()
     cases = {c.id: c for c in client.cases(limit=cfg.trainer.limit or 0, split="train")}
     sampler = sampler_from_config(list(cases), cfg.trainer, cfg.seed)
-    learner = InProcessLearner(cfg, run.root, resume_from=ckpt)
+    learner = learner_cls(cfg, run.root, resume_from=ckpt)
     init = learner.start()
     rollout = ScriptedRollout(cfg, shift)
     rollout.publish(init.init_payload)
@@ -189,8 +201,9 @@ def drive(cfg, client, run: RunDir, *, resume: bool = False, shift: float = 0.0)
     metrics = TrainerMetrics("127.0.0.1", 0)
     port = metrics.start()
     progress = StepProgress(cfg.trainer.steps, first_step, lambda s: sampler.position(s)["epoch"], interactive=False)
+    recorder = StepRecorder(run, metrics, progress, health.task)
     parts = RunParts(cfg=cfg, cases=cases, sampler=sampler, grader=client, rollout=rollout, learner=learner,
-                     record=StepRecorder(run, metrics, progress, health.task), version=init.init_payload.version,
+                     record=recorder, archive=recorder.archive, version=init.init_payload.version,
                      collect=TreeRounds(run.root))
     try:
         run_steps(parts, first_step)
@@ -403,6 +416,28 @@ def test_resume_in_the_middle_of_a_tree_run(tree_run):
         return [{k: v for k, v in n.items() if k not in clocks} for n in tree.to_dict()["nodes"]]
 
     assert decided(tree3) == decided(Tree.loads((killed / "round_3" / "tree.json").read_text()))
+    # Nothing the dead driver produced is lost: its round 3, metrics line and checkpoint sit in
+    # superseded/attempt_1 exactly as it left them.
+    aside = root / "superseded" / "attempt_1"
+    assert rows_of(aside, 3) == rows_of(killed, 3)
+    assert [m["step"] for m in read_jsonl(aside / "metrics.jsonl")] == [3]
+    assert (aside / "checkpoints" / "step_3").is_dir() and not (root / "superseded" / "attempt_2").exists()
+    assert json.loads((aside / "superseded.json").read_text())["uncommitted_steps"] == [3]
+
+
+def test_a_driver_dying_in_the_update_leaves_its_round_on_disk(grader, tmp_path):
+    """The round is archived as soon as it is scored: a driver that dies inside the learner's
+    update (or the sync, or the save) leaves the executed nodes on disk, marked untrained."""
+    client, tasks = grader
+    cfg = run_config(tasks, tmp_path, "trainer.steps=2", "trainer.save_every=1", "search.nodes_per_round=4",
+                     "search.expansions_per_round=1", "search.carry_tree=false")
+    run = RunDir(tmp_path / "dies")
+    with pytest.raises(Killed, match="inside the update of step 2"):
+        drive(cfg, client, run, learner_cls=DiesInUpdate)
+    assert run.trained_steps() == [1] and run.untrained_rounds() == [2]
+    rows = rows_of(run.root, 2)
+    assert len(rows) == 4 and all(r["step"] == 2 and r["advantage"] is not None for r in rows)
+    assert [m["step"] for m in run.metrics()] == [1]  # metrics are written once trained
 
 
 # ---------------------------------------------------------------- learner options in a tree run
