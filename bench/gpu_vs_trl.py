@@ -1,0 +1,643 @@
+"""counterpoint's whole GRPO step against TRL's GRPOTrainer on one GPU (issue 15, "Benchmark").
+
+Same random-init Qwen3 shapes (0.6B and 4B: Qwen3Config with the real vocabulary of 151,936 and
+the carried tokenizer, bf16), same settings: LoRA r=32 alpha 64 on all linear layers, G=8,
+1x8 and 4x8 completions a step, 384 new tokens (TRL: min_new_tokens; counterpoint: a random
+model stops only by sampling a stop token, ~2 in 151,936 a token; the exact tokens are
+recorded), ~200-token prompts, temperature 1, loss dapo, beta 0, lr 1e-5.
+
+    # on the device (kind nvidia-h200, carry .whl and .devcache), two calls:
+    python3 bench/gpu_vs_trl.py trl --out $OUT/trl.json
+    python3 bench/gpu_vs_trl.py counterpoint --out $OUT/counterpoint.json
+    # here, from the files that came back:
+    python bench/gpu_vs_trl.py report --trl trl.json --counterpoint counterpoint.json
+
+Carried (.whl/ is git-ignored; 4.5 MB): ``.whl/gpubench/`` = pydantic 2.14.4, pydantic_core
+2.50.5, annotated_types 0.8.0, typing_inspection 0.4.5, typing_extensions 4.16.0 (the schema) and
+trl 1.16.0, datasets 5.2.0, dill 0.4.1, multiprocess 0.70.19 (py312) for TRL, fetched with the
+device README's `pip download --no-deps --only-binary=:all: --python-version 3.12 ...`; Ray is
+not needed. ``.devcache/tokenizer`` as bench/multi_gpu_device.py makes it. On the device:
+``python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gpubench/*.whl`` and
+``PYTHONPATH=/tmp/site:$PWD``. The 2026-11-30 run also copied the committed
+rollout/engines/hf_fast.py (``git show HEAD:...`` into the carried ``.whl/gpubench-src/``) over
+an uncommitted edit of it in the tree.
+
+- ``trl``: TRL 1.16's GRPOTrainer with its default generation (transformers ``generate``) and
+  its other defaults (gradient checkpointing on, bf16); a callback times each optimizer step
+  (one generation batch per step), wrappers time generation and generate+score inside it.
+- ``counterpoint``: the driver's own step loop (services.orchestrator.run_steps: gen, score,
+  adv, the learner's old_log_prob / ref / update_actor, update_weights) over the real parts in
+  ONE process: the rollout engine ``make_engine`` picks for ``rollout.engine=hf`` on CUDA, the
+  ``PolicyLearner`` the Ray Train worker runs, a trivial scoring task. What it leaves out is
+  Ray: the batch and the adapter do not cross the object store, and the replica is not behind
+  a Serve handle (both measured in bench/results/multi-gpu.md). Checkpoints are not saved.
+- ``report``: bench/results/gpu-vs-trl.json (the schema below) and gpu-vs-trl.md.
+
+Per shape: 1 warm-up step (it holds any compile of the engine) + N timed steps, medians; a
+shape that does not fit in the call's deadline keeps its row with null figures, and says why.
+``mfu`` counts the same useful work for both systems, 8 x params x (prompt + completion tokens)
+of every sequence (2 N for sampling, 6 N for the update: learner/microbatch.py's convention),
+over the step time and the device's dense bf16 peak (config learner.peak_flops).
+
+The results' schema: {"shapes": [{"model", "prompts", "group_size", "tokens", "trl_s_per_step",
+"counterpoint_s_per_step", "phases_s": {...}, "peak_gib", "mfu"}], "command", "versions"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 151_936  # Qwen3's; the carried 49k tokenizer decodes the ids it lacks as nothing
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),  # CPU dry runs
+}
+# (model, prompts per step), most wanted first: a deadline drops the last ones.
+RUNS = [("qwen3-4b", 1), ("qwen3-0.6b", 1), ("qwen3-4b", 4), ("qwen3-0.6b", 4)]
+GROUP_SIZE = 8
+NEW_TOKENS = 384
+PROMPT_TOKENS = 200
+LORA_R, LORA_ALPHA = 32, 64
+LR = 1e-5
+SHAPE_KEYS = ("model", "prompts", "group_size", "tokens", "trl_s_per_step", "counterpoint_s_per_step",
+              "phases_s", "peak_gib", "mfu")
+PHASES = ("gen", "score", "adv", "old_log_prob", "ref", "update_actor", "update_weights")
+
+
+# ---------------------------------------------------------------- shared inputs
+def build_model(shape: str, tokenizer_dir: Path, out: Path, device: str) -> Path:
+    """A random-init Qwen3 of ``shape`` in bf16 with the carried tokenizer, saved once to ``out``."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from rollout.models import _align_generation_config
+
+    if (out / "config.json").is_file():
+        return out
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    config = Qwen3Config(vocab_size=VOCAB, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         dtype="bfloat16", **SHAPES[shape])
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    _align_generation_config(model, tok)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    del model
+    return out
+
+
+def prompt_texts(tokenizer_dir: Path, n: int, tokens: int = PROMPT_TOKENS, seed: int = 0) -> list[str]:
+    """``n`` distinct user messages whose chat-templated prompt is ~``tokens`` tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    words = ("voice", "chord", "tonic", "bass", "soprano", "cadence", "motion", "parallel", "fifth", "octave",
+             "measure", "degree", "leading", "tone", "resolve", "minor", "major", "interval", "contrary", "step")
+    overhead = len(tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)) - 1
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        text = f"Task {i}:"
+        while len(tok(text)["input_ids"]) < tokens - overhead:
+            text += " " + rng.choice(words)
+        out.append(text)
+    return out
+
+
+def versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "peft", "trl", "accelerate", "datasets", "ray"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            out["device"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return out
+
+
+def step_model_flops(params: int, sequences: int, prompt_tokens: float, completion_tokens: float) -> float:
+    """The useful work of one GRPO step: sample every sequence (2 N per token) and train on it
+    (6 N per token), learner/microbatch.py's convention; the same for both systems."""
+    from learner.microbatch import model_flops
+
+    tokens = sequences * (prompt_tokens + completion_tokens)
+    return model_flops(params, train_tokens=tokens, forward_tokens=tokens)
+
+
+def peak_flops() -> float:
+    from config.learner import LearnerConfig
+
+    return LearnerConfig().peak_flops  # the schema's one default (H100/H200 dense bf16)
+
+
+def median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+# ---------------------------------------------------------------- counterpoint
+def bench_config(model_dir: Path | str, prompts: int, steps: int, runs_dir: Path | str, gpu: bool = True,
+                 max_tokens: int = NEW_TOKENS):
+    """The run config of one shape, validated by the schema (also what a `counterpoint train`
+    of this shape would take: configs/gpu-bench-4b.yaml)."""
+    from config import RunConfig
+
+    return RunConfig.model_validate({
+        "seed": 0,
+        "model": {"name_or_path": str(model_dir), "dtype": "bfloat16"},
+        "rollout": {"engine": "hf", "num_gpus": 0.5 if gpu else 0.0, "max_tokens": max_tokens,
+                    "max_lora_rank": LORA_R, "temperature": 1.0, "max_model_len": 2048},
+        "learner": {"use_gpu": gpu, "gpus_per_worker": 0.5, "lora": {"r": LORA_R, "alpha": LORA_ALPHA},
+                    "lr": LR, "beta": 0.0, "loss_type": "dapo", "micro_batch_tokens": 8192},
+        "trainer": {"steps": steps, "prompts_per_step": prompts, "group_size": GROUP_SIZE, "save_every": 0,
+                    "runs_dir": str(runs_dir)},
+    })
+
+
+class _Sampler:
+    """Prompts of a step: case ids (step-1)*P .. step*P-1 of the pool, round robin."""
+
+    def __init__(self, pool: int, per_step: int):
+        self.pool, self.per_step = pool, per_step
+
+    def batch_for_step(self, step: int) -> list[str]:
+        return [f"p{((step - 1) * self.per_step + i) % self.pool}" for i in range(self.per_step)]
+
+    def position(self, step: int) -> dict[str, int]:
+        return {"step": step}
+
+
+class _TrivialGrader:
+    """A trivial verifier: reward = share of vowels among the completion's letters (in [0, 1],
+    different across a group, so advantages are not all 0)."""
+
+    def score_batch(self, items):
+        out = []
+        for _, text in items:
+            letters = [c for c in text.lower() if c.isalpha()]
+            reward = sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
+            out.append(SimpleNamespace(reward=reward, format_ok=True))
+        return out
+
+
+class _InProcessRollout:
+    """The orchestrator's Rollout protocol over an engine in this process (no Serve handle)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, prompts, params, version):
+        return self.engine.generate(prompts, params, version)
+
+    def publish(self, payload) -> None:
+        self.engine.load_adapter(payload)
+
+    def sync(self, version: int) -> float:
+        if self.engine.loaded_version() != version:
+            raise RuntimeError(f"engine holds v{self.engine.loaded_version()}, expected v{version}")
+        return 0.0
+
+
+class _InProcessLearner:
+    """The orchestrator's Learner protocol over a PolicyLearner, as learner/worker.py answers."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def step(self, batch):
+        from learner.types import StepResult
+        from rollout.types import adapter_version
+
+        metrics, phases = self.policy.step(batch)
+        t = time.perf_counter()
+        adapter = self.policy.payload(adapter_version(self.policy.step_count))
+        phases["update_actor"] += time.perf_counter() - t  # as learner/worker.py counts it
+        return StepResult(metrics=metrics, phases_s=phases, adapter=adapter)
+
+    def save_checkpoint(self, step, data_position):
+        return None  # not timed here: the bench measures the step
+
+
+def run_counterpoint_shape(engine, policy, texts: list[str], prompts: int, steps: int, runs_dir: Path,
+                           version: int, model_dir: Path, gpu: bool, prof_dir: Path) -> tuple[dict[str, Any], int]:
+    """1 warm-up + ``steps`` steps of the driver's loop on one shape; returns figures and the
+    adapter version live at the end."""
+    import torch
+
+    from services.orchestrator import RunParts, run_steps
+
+    cfg = bench_config(model_dir, prompts, steps + 1, runs_dir, gpu=gpu, max_tokens=engine_max_tokens(engine))
+    records: list[Any] = []
+    cases = {f"p{i}": SimpleNamespace(messages=({"role": "user", "content": t},), prefixes=())
+             for i, t in enumerate(texts)}
+    parts = RunParts(cfg=cfg, cases=cases, sampler=_Sampler(len(texts), prompts), grader=_TrivialGrader(),
+                     rollout=_InProcessRollout(engine), learner=_InProcessLearner(policy), record=records.append,
+                     version=version)
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    run_steps(parts, 1)
+    timed = records[1:]
+    engine_stats = engine.stats() if hasattr(engine, "stats") else {}
+    profile = profile_step(parts, steps + 2, gpu, prof_dir / f"profile-{model_dir.name}-{prompts}x{GROUP_SIZE}.txt")
+    seqs = prompts * GROUP_SIZE
+    gen_tokens = [sum(len(s.token_ids) for s in r.rollouts.samples) for r in records]
+    prompt_len = statistics.mean(len(s.prompt_token_ids) for s in records[-1].rollouts.samples)
+    s_step = median([r.total_s for r in timed])
+    flops = step_model_flops(policy.num_params, seqs, prompt_len, statistics.mean(gen_tokens) / seqs)
+    return {
+        "warmup_s": records[0].total_s,
+        "steps_s": [r.total_s for r in timed],
+        "s_per_step": s_step,
+        "phases_s": {p: median([r.phases_s.get(p, 0.0) for r in timed]) for p in PHASES},
+        "gen_tokens": gen_tokens,
+        "prompt_tokens": prompt_len,
+        "learner_mfu": median([r.learner_metrics["learner_mfu"] for r in timed]),
+        "learner_tokens_per_s": median([r.learner_metrics["learner_tokens_per_s"] for r in timed]),
+        "ppl_ratio": [r.learner_metrics["ppl_ratio"] for r in records],
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+        "mfu": flops / s_step / peak_flops() if s_step else None,
+        "completion_tokens_per_s": statistics.mean(gen_tokens[1:]) / s_step if s_step else None,
+        "params": policy.num_params,
+        "engine_stats": engine_stats,
+        "profile": profile,
+    }, parts.version
+
+
+def profile_step(parts, step: int, gpu: bool, out: Path) -> dict[str, Any]:
+    """One more step of the loop under torch.profiler: its phases and the top device-time ops
+    (the table is written to ``out``; a captured decode graph shows as its replays)."""
+    import dataclasses
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from services.orchestrator import run_steps
+
+    records: list[Any] = []
+    cfg = parts.cfg.model_copy(update={"trainer": parts.cfg.trainer.model_copy(update={"steps": step})})
+    p2 = dataclasses.replace(parts, cfg=cfg, record=records.append)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=acts) as prof:
+        run_steps(p2, step)
+    parts.version = p2.version
+    avgs = prof.key_averages()
+    try:
+        table = avgs.table(sort_by="self_device_time_total" if gpu else "self_cpu_time_total", row_limit=25)
+    except (KeyError, AttributeError, ValueError):
+        table = avgs.table(sort_by="self_cuda_time_total" if gpu else "self_cpu_time_total", row_limit=25)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table)
+    attr = "self_device_time_total" if gpu else "self_cpu_time_total"
+    total = sum(getattr(e, attr, 0.0) for e in avgs) or 1.0
+    top = sorted(avgs, key=lambda e: getattr(e, attr, 0.0), reverse=True)[:12]
+    return {"phases_s": records[0].phases_s, "total_s": records[0].total_s, "table": str(out),
+            "top_ops": [{"name": e.key[:80], "self_ms": getattr(e, attr, 0.0) / 1e3,
+                         "share": getattr(e, attr, 0.0) / total, "calls": e.count} for e in top]}
+
+
+def engine_max_tokens(engine) -> int:
+    return engine.rollout_cfg.max_tokens
+
+
+def counterpoint(args) -> dict[str, Any]:
+    import torch
+
+    from learner.policy import PolicyLearner
+    from rollout.engines import make_engine
+    from rollout.types import adapter_version
+
+    gpu = torch.cuda.is_available() and not args.cpu
+    device = "cuda" if gpu else "cpu"
+    texts = prompt_texts(args.tokenizer, 64)
+    result: dict[str, Any] = {"system": "counterpoint", "versions": versions(), "shapes": []}
+    by_model: dict[str, list[int]] = {}
+    for model, prompts in runs_of(args):
+        by_model.setdefault(model, []).append(prompts)
+    for model, prompt_counts in by_model.items():
+        t0 = time.perf_counter()
+        model_dir = build_model(model, args.tokenizer, args.models / model, device)
+        cfg = bench_config(model_dir, prompt_counts[0], args.steps + 1, args.runs, gpu=gpu, max_tokens=args.new_tokens)
+        engine = make_engine(cfg.model, cfg.rollout, kind="hf", seed=cfg.seed)
+        policy = PolicyLearner.for_run(cfg, device=device)
+        engine.load_adapter(policy.payload(adapter_version(0)))
+        version = adapter_version(0)
+        load_s = time.perf_counter() - t0
+        print(f"[counterpoint] {model}: built and loaded in {load_s:.1f} s (engine {type(engine).__name__})", flush=True)
+        for prompts in prompt_counts:
+            row = {"model": model, "prompts": prompts, "group_size": GROUP_SIZE, "engine": type(engine).__name__,
+                   "load_s": load_s}
+            if time.monotonic() > args.deadline:
+                row["skipped"] = "the call's deadline came first"
+            else:
+                try:
+                    figures, version = run_counterpoint_shape(engine, policy, texts, prompts, args.steps, args.runs,
+                                                              version, model_dir, gpu, args.out.parent)
+                    row.update(figures)
+                except Exception as err:  # noqa: BLE001 - record the failure, go on with the next shape
+                    row["error"] = f"{type(err).__name__}: {err}"
+                    traceback.print_exc()
+            print(f"[counterpoint] {json.dumps(row)}", flush=True)
+            result["shapes"].append(row)
+            save(result, args.out)
+        del engine, policy
+        if gpu:
+            torch.cuda.empty_cache()
+    return result
+
+
+# ---------------------------------------------------------------- TRL
+def trl(args) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    gpu = torch.cuda.is_available() and not args.cpu
+    device = "cuda" if gpu else "cpu"
+    texts = prompt_texts(args.tokenizer, 64)
+    result: dict[str, Any] = {"system": "trl", "versions": versions(), "shapes": []}
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.t0, self.steps = 0.0, []
+
+        def on_step_begin(self, *a, **k):
+            if gpu:
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            if gpu:
+                torch.cuda.synchronize()
+            self.steps.append(time.perf_counter() - self.t0)
+
+    def timed(fn, sink: list[float]):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            if gpu:
+                torch.cuda.synchronize()
+            sink.append(time.perf_counter() - t)
+            return out
+        return wrapper
+
+    def reward(completions, **_):
+        out = []
+        for c in completions:
+            text = c if isinstance(c, str) else c[-1]["content"]
+            letters = [ch for ch in text.lower() if ch.isalpha()]
+            out.append(sum(ch in "aeiou" for ch in letters) / len(letters) if letters else 0.0)
+        return out
+
+    for model, prompts in runs_of(args):
+        row: dict[str, Any] = {"model": model, "prompts": prompts, "group_size": GROUP_SIZE}
+        if time.monotonic() > args.deadline:
+            row["skipped"] = "the call's deadline came first"
+            result["shapes"].append(row)
+            save(result, args.out)
+            continue
+        try:
+            model_dir = build_model(model, args.tokenizer, args.models / model, device)
+            steps = args.steps if prompts == 1 else args.trl_steps_4x8
+            tok = AutoTokenizer.from_pretrained(str(model_dir))
+            lm = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device)
+            data = Dataset.from_list([{"prompt": [{"role": "user", "content": t}]} for t in texts])
+            conf = GRPOConfig(
+                output_dir=str(args.runs / f"trl-{model}-{prompts}"), per_device_train_batch_size=prompts * GROUP_SIZE,
+                gradient_accumulation_steps=1, num_generations=GROUP_SIZE, max_completion_length=args.new_tokens,
+                generation_kwargs={"min_new_tokens": args.new_tokens}, temperature=1.0, learning_rate=LR,
+                beta=0.0, loss_type="dapo", max_steps=1 + steps, logging_steps=1, save_strategy="no",
+                report_to="none", bf16=gpu, use_cpu=not gpu, seed=0, disable_tqdm=True,
+                dataloader_num_workers=0,
+            )
+            peft_cfg = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules="all-linear", task_type="CAUSAL_LM")
+            trainer = GRPOTrainer(model=lm, reward_funcs=reward, args=conf, train_dataset=data,
+                                  processing_class=tok, peft_config=peft_cfg)
+            timer, gen_s, gen_score_s = StepTimer(), [], []
+            trainer.add_callback(timer)
+            trainer._generate_single_turn = timed(trainer._generate_single_turn, gen_s)
+            trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, gen_score_s)
+            if gpu:
+                torch.cuda.reset_peak_memory_stats()
+            trainer.train()
+            params = sum(p.numel() for p in trainer.model.parameters())
+            prompt_len = statistics.mean(
+                len(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)) for t in texts)
+            s_step = median(timer.steps[1:])
+            seqs = prompts * GROUP_SIZE
+            row.update(
+                warmup_s=timer.steps[0] if timer.steps else None, steps_s=timer.steps[1:], s_per_step=s_step,
+                phases_s={"gen": median(gen_s[1:]),
+                          "score_and_logprobs": median([a - b for a, b in zip(gen_score_s[1:], gen_s[1:])]),
+                          "update": median([s - g for s, g in zip(timer.steps[1:], gen_score_s[1:])])},
+                prompt_tokens=prompt_len, params=params,
+                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+                mfu=step_model_flops(params, seqs, prompt_len, args.new_tokens) / s_step / peak_flops() if s_step else None,
+                completion_tokens_per_s=seqs * args.new_tokens / s_step if s_step else None,
+                gradient_checkpointing=conf.gradient_checkpointing,
+            )
+            del trainer, lm
+            if gpu:
+                torch.cuda.empty_cache()
+        except Exception as err:  # noqa: BLE001 - record it, go on with the next shape
+            row["error"] = f"{type(err).__name__}: {err}"
+            traceback.print_exc()
+        print(f"[trl] {json.dumps(row)}", flush=True)
+        result["shapes"].append(row)
+        save(result, args.out)
+    return result
+
+
+# ---------------------------------------------------------------- results
+def runs_of(args) -> list[tuple[str, int]]:
+    wanted = [tuple(s.split(":")) for s in args.shapes.split(",")] if args.shapes else RUNS
+    return [(m, int(p)) for m, p in wanted]
+
+
+def save(result: dict[str, Any], path: Path | None) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+
+
+def merge(trl_res: dict[str, Any] | None, cp_res: dict[str, Any] | None, command: str) -> dict[str, Any]:
+    """The committed JSON: one row per (model, prompts), null where a side was not measured."""
+    def index(res):
+        return {(r["model"], r["prompts"]): r for r in (res or {}).get("shapes", [])}
+
+    trl_rows, cp_rows = index(trl_res), index(cp_res)
+    shapes = []
+    for key in [k for k in RUNS if k in trl_rows or k in cp_rows] + sorted((set(trl_rows) | set(cp_rows)) - set(RUNS)):
+        t, c = trl_rows.get(key, {}), cp_rows.get(key, {})
+        gen = c.get("gen_tokens")
+        shapes.append({
+            "model": key[0], "prompts": key[1], "group_size": GROUP_SIZE,
+            "tokens": round(statistics.median(gen[1:])) if gen and len(gen) > 1 else key[1] * GROUP_SIZE * NEW_TOKENS,
+            "trl_s_per_step": t.get("s_per_step"),
+            "counterpoint_s_per_step": c.get("s_per_step"),
+            "phases_s": c.get("phases_s") or {},
+            "peak_gib": c.get("peak_gib"),
+            "mfu": c.get("mfu"),
+        })
+    vers = {"counterpoint": (cp_res or {}).get("versions", {}), "trl": (trl_res or {}).get("versions", {})}
+    return {"shapes": shapes, "command": command, "versions": vers}
+
+
+def validate_results(doc: dict[str, Any]) -> None:
+    """The committed JSON has exactly the issue's schema; raises ValueError naming what is off."""
+    if set(doc) != {"shapes", "command", "versions"}:
+        raise ValueError(f"top-level keys {sorted(doc)}, want command, shapes, versions")
+    if not isinstance(doc["command"], str) or not isinstance(doc["versions"], dict):
+        raise ValueError("command must be a string and versions an object")
+    for i, row in enumerate(doc["shapes"]):
+        if set(row) != set(SHAPE_KEYS):
+            raise ValueError(f"shapes[{i}] keys {sorted(row)}, want {sorted(SHAPE_KEYS)}")
+        if not isinstance(row["phases_s"], dict):
+            raise ValueError(f"shapes[{i}].phases_s must be an object")
+        for k in ("trl_s_per_step", "counterpoint_s_per_step", "peak_gib", "mfu"):
+            if row[k] is not None and not isinstance(row[k], (int, float)):
+                raise ValueError(f"shapes[{i}].{k} must be a number or null, got {row[k]!r}")
+        for k in ("prompts", "group_size", "tokens"):
+            if not isinstance(row[k], int):
+                raise ValueError(f"shapes[{i}].{k} must be an integer, got {row[k]!r}")
+
+
+def fmt(x, spec=".2f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[str, Any] | None,
+             notes: str = "") -> str:
+    """bench/results/gpu-vs-trl.md: the command, the table, the ratio, the details of each side."""
+    t_rows = {(r["model"], r["prompts"]): r for r in (trl_res or {}).get("shapes", [])}
+    c_rows = {(r["model"], r["prompts"]): r for r in (cp_res or {}).get("shapes", [])}
+    lines = ["# counterpoint vs TRL on one H200: the whole GRPO step (issue 15)", "",
+             "Random-init Qwen3 shapes (vocab 151,936, bf16), LoRA r=32 alpha 64 on all linear layers, G=8, "
+             "384 new tokens, ~200-token prompts, temperature 1, dapo, beta 0. bench/gpu_vs_trl.py says how.", "",
+             "## Command", "", "```", doc["command"], "```", "",
+             "## Per step (medians over the timed steps)", "",
+             "| model | completions | TRL s/step | counterpoint s/step | ratio cp/TRL | gen | score | adv | "
+             "old_log_prob | ref | update_actor | update_weights | peak GiB | MFU (step) | learner MFU | "
+             "completion tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in doc["shapes"]:
+        key = (row["model"], row["prompts"])
+        c = c_rows.get(key, {})
+        t_s, c_s = row["trl_s_per_step"], row["counterpoint_s_per_step"]
+        ratio = c_s / t_s if t_s and c_s else None
+        ph = row["phases_s"]
+        lines.append(
+            f"| {row['model']} | {row['prompts']}x{row['group_size']} | {fmt(t_s)} | {fmt(c_s)} | {fmt(ratio, '.3f')} | "
+            + " | ".join(fmt(ph.get(p)) for p in PHASES)
+            + f" | {fmt(row['peak_gib'], '.1f')} | {fmt(row['mfu'], '.4f')} | {fmt(c.get('learner_mfu'), '.4f')} | "
+              f"{fmt(c.get('completion_tokens_per_s'), '.0f')} |")
+    lines += ["", "## TRL (GRPOTrainer, default generation)", "",
+              "| model | completions | warm-up s | timed steps s | gen | score + logprobs | update | peak GiB | MFU |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for key, t in t_rows.items():
+        ph = t.get("phases_s", {})
+        why = t.get("skipped") or t.get("error") or ""
+        lines.append(f"| {key[0]} | {key[1]}x{GROUP_SIZE} | {fmt(t.get('warmup_s'), '.1f')} | "
+                     f"{', '.join(fmt(s, '.1f') for s in t.get('steps_s', [])) or why} | {fmt(ph.get('gen'))} | "
+                     f"{fmt(ph.get('score_and_logprobs'))} | {fmt(ph.get('update'))} | {fmt(t.get('peak_gib'), '.1f')} | "
+                     f"{fmt(t.get('mfu'), '.4f')} |")
+    lines += ["", "## counterpoint (the driver's step loop in one process)", "",
+              "| model | completions | engine | load s | warm-up s (compile) | timed steps s | tokens per step | "
+              "learner tok/s | ppl_ratio range |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for key, c in c_rows.items():
+        why = c.get("skipped") or c.get("error") or ""
+        ppl = c.get("ppl_ratio") or []
+        lines.append(f"| {key[0]} | {key[1]}x{GROUP_SIZE} | {c.get('engine', '')} | {fmt(c.get('load_s'), '.1f')} | "
+                     f"{fmt(c.get('warmup_s'), '.1f')} | {', '.join(fmt(s) for s in c.get('steps_s', [])) or why} | "
+                     f"{', '.join(str(n) for n in c.get('gen_tokens', []))} | {fmt(c.get('learner_tokens_per_s'), '.0f')} | "
+                     f"{fmt(min(ppl), '.4f') if ppl else '–'}–{fmt(max(ppl), '.4f') if ppl else '–'} |")
+    lines += ["", "## Versions", "", "```", json.dumps(doc["versions"], indent=1), "```"]
+    if notes:
+        lines += ["", notes.strip()]
+    return "\n".join(lines) + "\n"
+
+
+def report(args) -> None:
+    trl_res = json.loads(args.trl.read_text()) if args.trl else None
+    cp_res = json.loads(args.counterpoint.read_text()) if args.counterpoint else None
+    doc = merge(trl_res, cp_res, args.command)
+    validate_results(doc)
+    args.json_out.write_text(json.dumps(doc, indent=1) + "\n")
+    notes = args.notes.read_text() if args.notes else ""
+    args.md_out.write_text(markdown(doc, trl_res, cp_res, notes))
+    print(f"wrote {args.json_out} and {args.md_out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="part", required=True)
+    for name in ("trl", "counterpoint"):
+        p = sub.add_parser(name)
+        p.add_argument("--tokenizer", type=Path, default=ROOT / ".devcache" / "tokenizer")
+        p.add_argument("--models", type=Path, default=Path("/tmp/gpu-vs-trl/models"))
+        p.add_argument("--runs", type=Path, default=Path("/tmp/gpu-vs-trl/runs"))
+        p.add_argument("--shapes", default="", help="model:prompts,... (default: all four, most wanted first)")
+        p.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
+        p.add_argument("--trl-steps-4x8", type=int, default=5, help="TRL's timed steps on the 4x8 shapes")
+        p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+        p.add_argument("--deadline-s", type=float, default=540.0, help="start no shape after this many seconds")
+        p.add_argument("--cpu", action="store_true", help="dry run on CPU (use --shapes tiny:1)")
+        p.add_argument("--out", type=Path, required=True)
+    p = sub.add_parser("report")
+    p.add_argument("--trl", type=Path)
+    p.add_argument("--counterpoint", type=Path)
+    p.add_argument("--command", required=True, help="the device command(s) that produced the inputs")
+    p.add_argument("--notes", type=Path, help="markdown appended to the report (findings, profile)")
+    p.add_argument("--json-out", type=Path, default=ROOT / "bench" / "results" / "gpu-vs-trl.json")
+    p.add_argument("--md-out", type=Path, default=ROOT / "bench" / "results" / "gpu-vs-trl.md")
+    args = ap.parse_args(argv)
+    if args.part == "report":
+        report(args)
+        return 0
+    args.deadline = time.monotonic() + args.deadline_s
+    args.tokenizer, args.models, args.runs = args.tokenizer.resolve(), args.models.resolve(), args.runs.resolve()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    result = trl(args) if args.part == "trl" else counterpoint(args)
+    save(result, args.out)
+    return 0 if all("error" not in r for r in result["shapes"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
