@@ -189,3 +189,51 @@ def test_policy_reports_tokens_per_second_and_mfu_of_the_tokens_it_ran(tmp_path)
         assert metrics["learner_tokens_per_s"] * seconds == pytest.approx(tokens, rel=1e-6), extra
         want = model_flops(learner.num_params, trained, trained * forward_passes) / seconds / 989e12
         assert metrics["learner_mfu"] == pytest.approx(want, rel=1e-6), extra
+
+
+# ------------------------------------------------------------------ bench/gpu_vs_trl.py's CPU pieces
+def test_gpu_bench_config_and_results_follow_their_schemas(tmp_path):
+    import json
+
+    from bench import gpu_vs_trl as bench
+
+    cfg = bench.bench_config(tmp_path / "model", prompts=4, steps=6, runs_dir=tmp_path)
+    assert (cfg.learner.lora.r, cfg.learner.lora.alpha, cfg.learner.lora.target_modules) == (32, 64.0, "all-linear")
+    assert (cfg.trainer.prompts_per_step, cfg.trainer.group_size, cfg.rollout.max_tokens) == (4, 8, 384)
+    assert cfg.model.dtype == "bfloat16" and cfg.rollout.engine == "hf" and cfg.learner.use_gpu
+    assert cfg.rollout.num_gpus + cfg.learner.gpus_per_worker <= 1  # replica and learner share one GPU
+    # one side measured, the other skipped: the row stays, with nulls where nothing was measured
+    cp = {"versions": {"torch": "x"}, "shapes": [
+        {"model": "qwen3-4b", "prompts": 1, "s_per_step": 4.0, "gen_tokens": [3072, 3070, 3072],
+         "phases_s": {"gen": 2.5, "update_actor": 1.3}, "peak_gib": 52.5, "mfu": 0.04},
+        {"model": "qwen3-0.6b", "prompts": 4, "skipped": "deadline"}]}
+    trl = {"versions": {"trl": "1.16.0"}, "shapes": [{"model": "qwen3-4b", "prompts": 1, "s_per_step": 40.0},
+                                                       {"model": "qwen3-4b", "prompts": 4, "skipped": "deadline"}]}
+    doc = bench.merge(trl, cp, "python3 bench/gpu_vs_trl.py ...")
+    bench.validate_results(doc)
+    rows = {(r["model"], r["prompts"]): r for r in doc["shapes"]}
+    assert [(r["model"], r["prompts"]) for r in doc["shapes"]] == [("qwen3-4b", 1), ("qwen3-4b", 4), ("qwen3-0.6b", 4)]
+    assert rows[("qwen3-4b", 1)]["tokens"] == 3071 and rows[("qwen3-4b", 1)]["trl_s_per_step"] == 40.0
+    assert rows[("qwen3-4b", 4)]["counterpoint_s_per_step"] is None and rows[("qwen3-4b", 4)]["tokens"] == 4 * 8 * 384
+    assert rows[("qwen3-0.6b", 4)]["trl_s_per_step"] is None and rows[("qwen3-0.6b", 4)]["mfu"] is None
+    md = bench.markdown(doc, trl, cp)
+    assert "| qwen3-4b | 1x8 | 40.00 | 4.00 | 0.100 |" in md
+    # the writer refuses anything off the schema
+    with pytest.raises(ValueError, match="keys"):
+        bench.validate_results({**doc, "extra": 1})
+    with pytest.raises(ValueError, match="keys"):
+        bench.validate_results({**doc, "shapes": [{**doc["shapes"][0], "engine": "hf"}]})
+    with pytest.raises(ValueError, match="number or null"):
+        bench.validate_results({**doc, "shapes": [{**doc["shapes"][0], "mfu": "high"}]})
+    # the committed results are in that schema too
+    committed = json.loads((bench.ROOT / "bench" / "results" / "gpu-vs-trl.json").read_text())
+    bench.validate_results(committed)
+    assert [(r["model"], r["prompts"]) for r in committed["shapes"]] == bench.RUNS
+
+
+def test_gpu_bench_flops_and_prompts():
+    from bench import gpu_vs_trl as bench
+
+    assert bench.step_model_flops(10, sequences=2, prompt_tokens=3, completion_tokens=5) == 8 * 10 * 2 * 8
+    assert set(bench.SHAPES) >= {"qwen3-0.6b", "qwen3-4b"}
+    assert bench.SHAPES["qwen3-4b"]["num_hidden_layers"] == 36 and bench.SHAPES["qwen3-0.6b"]["hidden_size"] == 1024
