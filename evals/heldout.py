@@ -150,6 +150,30 @@ def mean_reward_difference(before: Any, after: Any, n_boot: int = 2000, seed: in
             "per_item": {k: {"before": b[k], "after": a[k]} for k in ids}}
 
 
+def per_task_reward_differences(before: Any, after: Any, n_boot: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """Per item (a code-exec task): after - before of its mean test reward, with a 95 % percentile
+    bootstrap interval over its completions (before's and after's resampled independently: they
+    are separate draws). With a handful of tasks the interval over tasks says little; this one
+    says whether the policy got better on each task, its held-out test rows included."""
+    import numpy as np
+
+    from evals.compare import bootstrap_difference
+
+    b = {i.item_id: i.rewards for i in before.items}
+    a = {i.item_id: i.rewards for i in after.items}
+    out = {}
+    for k in sorted(set(a) & set(b)):
+        if len(a[k]) != len(b[k]) or not a[k]:
+            continue  # different generation counts: no shared resampling axis
+        reps = bootstrap_difference(np.array([b[k]], float), np.array([a[k]], float), paired=False,
+                                    n_boot=n_boot, seed=seed)
+        low, high = np.percentile(reps, [2.5, 97.5])
+        out[k] = {"before": float(np.mean(b[k])), "after": float(np.mean(a[k])),
+                  "difference": float(np.mean(a[k]) - np.mean(b[k])), "low": float(low), "high": float(high),
+                  "completions": len(a[k])}
+    return out
+
+
 # ---------------------------------------------------------------- a train run's before/after
 def prompts_digest(result: HeldoutResult) -> str:
     """prompts_sha256 of the rendered prompts (messages + forced prefix per completion)."""
@@ -202,7 +226,8 @@ def replicate_command(argv: Sequence[str], seed: int, n_seeds: int = 5, out: str
     ]
 
 
-def heldout_section(before: Path, after: Path, seed: int, argv: Sequence[str], n_boot: int = 2000) -> dict[str, Any]:
+def heldout_section(before: Path, after: Path, seed: int, argv: Sequence[str], n_boot: int = 2000,
+                    trained_on: Sequence[str] | None = None) -> dict[str, Any]:
     """run.json's ``heldout``: each eval's summary and file, and after − before as one seed's
     paired difference with a 95 % bootstrap interval over items (evals/compare.py, the same
     computation as `counterpoint compare --paired`). Read from the files, so a resumed run pairs
@@ -235,7 +260,9 @@ def heldout_section(before: Path, after: Path, seed: int, argv: Sequence[str], n
         section["difference"]["test_reward"] = {
             "statistic": "after - before of the mean test-rows reward (reward map of the task's "
                          "metric on the TEST rows, sentinel for a failed script), reward units",
-            **mean_reward_difference(evals["before"], evals["after"], n_boot=n_boot)}
+            **mean_reward_difference(evals["before"], evals["after"], n_boot=n_boot),
+            "per_task": per_task_reward_differences(evals["before"], evals["after"], n_boot=n_boot),
+            "trained_on": sorted(trained_on) if trained_on is not None else None}
     return section
 
 
@@ -269,6 +296,20 @@ def heldout_lines(section: dict[str, Any]) -> list[str]:
         *([f"held-out test-rows reward, after - before: {r['difference']:+.4f} ({r['before']:+.4f} -> "
            f"{r['after']:+.4f}), 95% interval [{r['low']:+.4f}, {r['high']:+.4f}] (paired bootstrap "
            f"over {r['n_items']} tasks)"] if r else []),
+        *_per_task_lines(r),
         f"This is {d['scope']}. For an interval across seeds:",
         *(f"  {command}" for command in d["across_seeds"]),
     ]
+
+
+def _per_task_lines(test_reward: dict[str, Any] | None) -> list[str]:
+    """One line per task: its test-rows reward before -> after with the interval over completions."""
+    if not test_reward or not test_reward.get("per_task"):
+        return []
+    trained = test_reward.get("trained_on")
+    lines = []
+    for task, t in test_reward["per_task"].items():
+        tag = "" if trained is None else (" (trained on)" if task in trained else " (not trained on)")
+        lines.append(f"  {task}{tag}: {t['before']:+.3f} -> {t['after']:+.3f}, {t['difference']:+.3f}, 95% "
+                     f"interval [{t['low']:+.3f}, {t['high']:+.3f}] over {t['completions']}+{t['completions']} completions")
+    return lines

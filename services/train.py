@@ -273,7 +273,8 @@ def train(opts: TrainOptions) -> RunDir:
                            steps_trained=run.trained_steps())
         if cfg.trainer.eval_heldout:
             heldout_eval(cfg, grader, rollout, parts.version, run.heldout_path("after"))
-            evals = heldout_section(run.heldout_path("before"), run.heldout_path("after"), cfg.seed, sys.argv)  # + after - before, 95% interval
+            evals = heldout_section(run.heldout_path("before"), run.heldout_path("after"), cfg.seed, sys.argv,
+                                    trained_on=list(cases))  # + after - before, 95% intervals
             receipt.update(heldout=evals)
             print_heldout(evals)
         plot_run(run.root)

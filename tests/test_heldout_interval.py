@@ -113,3 +113,24 @@ def test_replicate_command_keeps_config_and_overrides_but_not_seed_or_naming() -
     ]
     resumed = replicate_command(["counterpoint", "train", "--resume", "runs/r"], seed=0, n_seeds=2)
     assert resumed[0] == "counterpoint replicate --config <config.yaml> --seeds 0,1 --out runs/replicate"
+
+
+def test_per_task_reward_differences_and_their_lines():
+    """Tree runs: one line per code-exec task, its interval over that task's completions."""
+    from types import SimpleNamespace
+
+    from evals.heldout import _per_task_lines, per_task_reward_differences
+
+    def ev(**rewards):
+        return SimpleNamespace(items=[SimpleNamespace(item_id=k, rewards=v) for k, v in rewards.items()])
+
+    before = ev(a=[-0.5] * 4, b=[0.5, 0.5, 0.5, 0.5], c=[0.1, 0.2])
+    after = ev(a=[0.5, 0.5, -0.5, 0.5], b=[0.5, 0.5, 0.5, 0.5], c=[0.1, 0.2, 0.3])
+    got = per_task_reward_differences(before, after, n_boot=500)
+    assert set(got) == {"a", "b"}  # c: different generation counts, no shared axis
+    assert got["a"]["difference"] == 0.75 and got["a"]["low"] <= 0.75 <= got["a"]["high"]
+    assert 0 < got["a"]["low"]  # 3 of 4 fixed against 0 of 4: the interval leaves 0 out
+    assert (got["b"]["difference"], got["b"]["low"], got["b"]["high"]) == (0.0, 0.0, 0.0)
+    lines = _per_task_lines({"per_task": got, "trained_on": ["a"]})
+    assert lines[0].startswith("  a (trained on): -0.500 -> +0.250, +0.750, 95% interval [")
+    assert lines[1].startswith("  b (not trained on):") and lines[1].endswith("over 4+4 completions")

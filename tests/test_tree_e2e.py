@@ -41,6 +41,8 @@ def test_tree_rounds_train_end_to_end(tmp_path: Path):
         "rollout.max_model_len=2048", "learner.advantage=grpo_valid_only",
         f"search.nodes_per_round={N}", f"search.expansions_per_round={E}", "search.num_drafts=2",
         "search.debug_prob=1.0", "search.carry_tree=true",
+        # the scaffold through the real engine (forced head, stop strings) and the tree held-out eval
+        "search.scaffold=true", "trainer.eval_heldout=true", "trainer.eval_generations=2", "trainer.eval_limit=1",
     ]
     args = ["train", "--config", "configs/smoke.yaml", "--run-name", "tree"]
     for s in sets:
@@ -74,6 +76,15 @@ def test_tree_rounds_train_end_to_end(tmp_path: Path):
                 assert r["parent_id"] in all_ids and r["debug_depth"] >= 1
             else:
                 assert r["parent_id"] is None
+    # The scaffold: every node's turn opens with the task's head (forced, never sampled); the
+    # script that ran is head + the sampled line cut at its stop string + the fixed tail.
+    from graders.code_exec.task import resolve_tasks_dir
+    from search.scaffold import OPEN_FENCE, scaffold_of
+    sc = scaffold_of(json.loads((resolve_tasks_dir(None, 0) / "docs-topic" / "task.json").read_text()))
+    for r in (r for rs in rows.values() for r in rs):
+        assert r["assistant_prefix"] == OPEN_FENCE + sc.head
+        assert r["code"].strip() == sc.script(r["raw_completion"]).strip()
+        assert "\n" not in r["raw_completion"]  # the engine stopped at the scaffold's stop string
     assert [r["mode"] for r in rows[1]] == ["draft", "draft", "debug", "debug"]
     assert rows[1][2]["parent_id"] in {r["id"] for r in rows[1][:2]}
     assert {r["mode"] for r in rows[2]} == {"debug"}
@@ -100,6 +111,14 @@ def test_tree_rounds_train_end_to_end(tmp_path: Path):
     assert metrics[0]["search_mode_debug"] == 2 and metrics[1]["search_tree_nodes"] == 2 * N
     receipt = json.loads((run / "run.json").read_text())
     assert receipt["status"] == "completed" and receipt["config"]["trainer"]["rollout_mode"] == "tree"
+    # Held-out eval before and after, on the task's TEST rows: drafts scored, the difference with
+    # its interval per task, and the task marked as trained on.
+    for when in ("before", "after"):
+        assert receipt["heldout"][when]["summary"]["n_completions"] == 2
+    reward = receipt["heldout"]["difference"]["test_reward"]
+    assert reward["trained_on"] == ["docs-topic"] and set(reward["per_task"]) == {"docs-topic"}
+    assert reward["per_task"]["docs-topic"]["before"] == SENTINEL  # garbage fails on the test rows too
+    assert "docs-topic (trained on)" in proc.stdout
     assert receipt["prometheus_series"].get("counterpoint_search_valid_share") == STEPS
 
     # Resume in a new process for one more step: the tree continues from round_2/tree.json.
