@@ -243,6 +243,7 @@ class RolloutReplica:
             "version": self.engine.loaded_version(),
             "tokens": self.tokens,
             "stop_tokens": self.engine.stop.as_dict(),
+            "stats": self.engine.stats(),
         }
 
     def __del__(self) -> None:
@@ -336,7 +337,7 @@ class RolloutClient:
         return ray.get(self.registry.snapshot.remote())
 
     def info(self) -> dict:
-        """One replica's engine kind, held version and stop-token report (for the receipt)."""
+        """One replica's engine kind, held version, stop-token report and engine stats (for the receipt)."""
         return self.handle.info.remote().result()
 
     def metrics_collector(self):

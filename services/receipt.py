@@ -50,6 +50,7 @@ UPDATABLE_FIELDS = (
     "init_adapter_sha256",
     "grader_health",
     "rollout_stop_tokens",
+    "rollout_engine",
     "lr_rebase",
     "prompt_sampling",
     "metric_series",

@@ -271,6 +271,9 @@ def train(opts: TrainOptions) -> RunDir:
         finally:
             receipt.update(metric_series=run.metric_series(), prometheus_series=metrics.series_counts(),
                            steps_trained=run.trained_steps())
+        # One replica's engine and its counters (a compiled engine's compile seconds per batch
+        # bucket: inside step 1's gen phase, reported here apart from it).
+        receipt.update(rollout_engine=rollout.info())
         if cfg.trainer.eval_heldout:
             heldout_eval(cfg, grader, rollout, parts.version, run.heldout_path("after"))
             evals = heldout_section(run.heldout_path("before"), run.heldout_path("after"), cfg.seed, sys.argv,

@@ -119,6 +119,9 @@ def test_tree_rounds_train_end_to_end(tmp_path: Path):
     assert reward["trained_on"] == ["docs-topic"] and set(reward["per_task"]) == {"docs-topic"}
     assert reward["per_task"]["docs-topic"]["before"] == SENTINEL  # garbage fails on the test rows too
     assert "docs-topic (trained on)" in proc.stdout
+    # The rollout engine as the run left it: the final adapter live, its counters (vllm keeps none).
+    engine = receipt["rollout_engine"]
+    assert engine["engine"] == "vllm" and engine["version"] == STEPS + 1 and engine["stats"] == {}
     assert receipt["prometheus_series"].get("counterpoint_search_valid_share") == STEPS
 
     # Resume in a new process for one more step: the tree continues from round_2/tree.json.

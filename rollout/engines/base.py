@@ -75,6 +75,11 @@ class Engine(ABC):
     def loaded_version(self) -> int:
         """The adapter version held (0 = none)."""
 
+    def stats(self) -> dict:
+        """Engine counters for the receipt, e.g. a compiled engine's compile/capture seconds per
+        batch bucket, kept apart from the step times they fall into. {} when it keeps none."""
+        return {}
+
     def prepare(
         self, prompts: Sequence[Prompt], params: SamplingParams, adapter_version: int
     ) -> tuple[list[list[int]], tuple[int, ...]]:
