@@ -10,7 +10,7 @@
   service     the same scripts through the gRPC service (plain grpcio server on 127.0.0.1,
               the registered `code-exec` task, max_concurrent = cores): executions/s for one
               ScoreBatch of N, and for the batch sent as chunks of max_concurrent at once
-              (graders/code_exec/spread.py); trivial = `print(1)` (no submission:
+              (graders/spread.py); trivial = `print(1)` (no submission:
               invalid_submission), constant = the ladder's constant rung (reads the data,
               writes and grades a submission)
 
@@ -115,7 +115,7 @@ def service(n: int) -> list[str]:
     from config.grader import GraderConfig
     from graders.client import GraderClient
     from graders.code_exec.ladder import as_completion, ladder_script
-    from graders.code_exec.spread import score_spread
+    from graders.spread import score_spread
     from graders.service import GraderCore, start_server
     from graders.tasks import make_task
 

@@ -29,7 +29,7 @@ from learner.advantages import compute_advantages, frac_reward_zero_std
 from learner.types import TrainBatch
 from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
 from config import RunConfig
-from graders.code_exec.spread import score_spread
+from graders.spread import score_spread
 from services.step_timer import PhaseTimer
 
 log = logging.getLogger("counterpoint.train")

@@ -7,7 +7,7 @@ grow_round gets the two services as plain callables:
   siblings (the same prompt n times with n=1 each, so the siblings spread over the rollout
   replicas like a flat group; each carries its token ids, log-probs and adapter version);
 - execute(items): the grader client's ScoreBatch, sent in chunks of code_exec.max_concurrent
-  (graders/code_exec/spread.py) so every grader replica runs scripts at once.
+  (graders/spread.py) so every grader replica runs scripts at once.
 
 What comes back is the same `Rollouts` + scores the flat path trains on: one sample per node,
 groups = sibling groups, the grader's Score records (format_ok = status "ok", what the
@@ -31,7 +31,7 @@ from typing import Any
 
 from graders.code_exec.build import BUILD_VERSION
 from graders.code_exec.extract import extract_code
-from graders.code_exec.spread import score_spread
+from graders.spread import score_spread
 from graders.code_exec.task import cache_root
 from rollout.types import Prompt
 from search.diagnostics import round_diagnostics

@@ -21,7 +21,7 @@ from graders.code_exec.build import build_tasks
 from graders.code_exec.ladder import as_completion, ladder_script
 from graders.code_exec.sandbox import detect_isolation
 from graders.code_exec.service import IsolationRefused
-from graders.code_exec.spread import chunk_bounds, score_spread
+from graders.spread import chunk_bounds, score_spread
 from graders.service import GraderCore, start_server
 from graders.tasks import make_task, task_names
 from cliharness import REPO, cli

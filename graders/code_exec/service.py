@@ -19,7 +19,7 @@ before anything starts and a Serve replica fails its constructor) when the host 
 isolation than ``code_exec.min_isolation``.
 
 Which process runs a batch: the one that received the ScoreBatch. Spreading one batch over
-Serve replicas is the caller's split (graders/code_exec/spread.py): see deploy/README.md.
+Serve replicas is the caller's split (graders/spread.py): see deploy/README.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""Spread one batch of scripts over grader replicas: the caller splits it.
+"""Spread one batch over grader replicas: the caller splits it.
 
 A ScoreBatch reaches one replica (the front's DeploymentHandle call or Serve's gRPC proxy
-routes each request as a whole), which runs it at most ``code_exec.max_concurrent`` at a
-time. To use every replica, the caller sends the batch as chunks of that size, concurrently,
-each its own ScoreBatch; Serve's router (power of two choices over in-flight requests) sends
-concurrent chunks to different replicas. The split is on the caller's side because it works
-the same through either ingress (front or proxy) and over the plain server, and because each
-chunk keeps its own retry: a replica dying under a chunk costs that chunk's resend, not the
-batch's.
+routes each request as a whole). To use every replica, the caller sends the batch as chunks,
+concurrently, each its own ScoreBatch; Serve's router (power of two choices over in-flight
+requests) sends concurrent chunks to different replicas. The driver does this for every task
+(`grader.score_chunk`; a code-exec replica runs ``code_exec.max_concurrent`` scripts at a time,
+so that is its chunk). The split is on the caller's side because it works the same through
+either ingress (front or proxy) and over the plain server, and because each chunk keeps its own
+retry: a replica dying under a chunk costs that chunk's resend, not the batch's.
 """
 
 from __future__ import annotations
