@@ -18,7 +18,9 @@ Per arm (one cell, one seed), from its files:
   rounds; honest = `honest_test_metric` (the test metric of the node chosen on validation) of the
   final round and over the last k. The signal diagnostics are metrics.jsonl's `search_*` scalars
   averaged over the trained rounds: valid share, share of groups with zero reward spread, debug
-  and improve success rates, distinct model families among valid nodes.
+  and improve success rates, distinct model families among valid nodes. With trainer.eval_heldout
+  the run also holds drafts per task before and after training, scored on the TEST rows
+  (heldout_before/after.jsonl): their mean test reward after, and after − before, per task.
 
 Across seeds: the mean and a 95 % Student-t interval, mean ± t(0.975, n−1)·s/√n with s the sample
 standard deviation over the n seeds that produced the figure (a failed arm produces none, and the
@@ -60,6 +62,8 @@ TREE_TASK_METRICS = {
     "round_best_last_k": "round-best test metric, mean of last k rounds (oracle)",
     "honest_final": "honest held-out metric (node chosen on validation), final round",
     "honest_last_k": "honest held-out metric, mean of last k rounds",
+    "heldout_test_reward": "held-out drafts' test-rows reward after training (trainer.eval_heldout)",
+    "heldout_test_reward_delta": "held-out drafts' test-rows reward after - before",
 }
 DIAGNOSTICS = {  # metrics.jsonl search_<name> -> label; averaged over trained rounds
     "valid_share": "valid share",
@@ -68,7 +72,8 @@ DIAGNOSTICS = {  # metrics.jsonl search_<name> -> label; averaged over trained r
     "improve_success_rate": "improve success rate",
     "model_families": "distinct model families",
 }
-HEADLINE = ("heldout_pass_rate_delta", "heldout_pass_rate", "round_best_last_k", "honest_last_k")
+HEADLINE = ("heldout_pass_rate_delta", "heldout_pass_rate", "round_best_last_k", "honest_last_k",
+            "heldout_test_reward_delta")
 DIAGNOSTIC_NAMES = ("train_frac_reward_zero_std", *DIAGNOSTICS)
 
 
@@ -226,6 +231,18 @@ def tree_arm_metrics(run_dir: Path, last_k: int = LAST_K) -> tuple[dict[str, flo
         out[f"round_best_last_k/{task}"] = _mean([r.get("best_test_metric") for r in last])
         out[f"honest_final/{task}"] = rounds[-1].get("honest_test_metric")
         out[f"honest_last_k/{task}"] = _mean([r.get("honest_test_metric") for r in last])
+    # A tree run with trainer.eval_heldout: drafts per task before and after, on the TEST rows.
+    before, after = Path(run_dir) / "heldout_before.jsonl", Path(run_dir) / "heldout_after.jsonl"
+    if before.is_file() and after.is_file():
+        try:
+            b = {i.item_id: statistics.fmean(i.rewards) for i in read_eval(before).items if i.rewards}
+            a = {i.item_id: statistics.fmean(i.rewards) for i in read_eval(after).items if i.rewards}
+        except EvalFileError as err:
+            notes.append(f"held-out eval not read: {err}")
+        else:
+            for task in sorted(set(a) & set(b)):
+                out[f"heldout_test_reward/{task}"] = a[task]
+                out[f"heldout_test_reward_delta/{task}"] = a[task] - b[task]
     steps = _step_metrics(run_dir)
     for name in DIAGNOSTICS:
         out[name] = _mean([m.get(f"search_{name}") for m in steps])

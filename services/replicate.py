@@ -12,7 +12,8 @@ Arms run one after another on one box, or `--parallel K` at a time against a clu
 A grid (`--grid learner.lr=3e-5,1e-4 --grid learner.advantage=...`) is the cartesian product of
 its axes; cell i is named c<i>_<key>-<value>... and its arms <cell>__seed<s>. Every cell's config
 is loaded and checked for every seed before anything runs. Tree cells (trainer.rollout_mode
-"tree") get no `counterpoint eval` (their held-out figure is each round's honest_test_metric);
+"tree") get no `counterpoint eval` (their held-out figures are each round's honest_test_metric
+and, with trainer.eval_heldout, the run's own before/after drafts on the test rows);
 flat cells get one base-model eval per seed and eval settings ("before"), shared by every cell
 whose model, grader, rollout, eval and prefix settings are the same, so after − before needs no
 extra training.

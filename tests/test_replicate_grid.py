@@ -291,6 +291,15 @@ def test_tree_cells_report_round_best_honest_and_diagnostics(tmp_path):
     rates = [d["improve_success_rate"] for d in diags if d["improve_success_rate"] is not None]
     assert rates and figures["improve_success_rate"] == pytest.approx(statistics.fmean(rates))
 
+    assert not [k for k in figures if k.startswith("heldout_")]  # no held-out eval in this run
+    # With trainer.eval_heldout the run holds drafts per task before and after (test-rows rewards).
+    _eval(tmp_path / "t1" / "heldout_before.jsonl", [1, 0])
+    _eval(tmp_path / "t1" / "heldout_after.jsonl", [3, 0])
+    figures, notes = tree_arm_metrics(tmp_path / "t1", last_k=3)
+    assert notes == [] and figures["heldout_test_reward/item0"] == pytest.approx((3 * 1.0 + 0.25) / 4)
+    assert figures["heldout_test_reward_delta/item0"] == pytest.approx(2 * (1.0 - 0.25) / 4)
+    assert figures["heldout_test_reward_delta/item1"] == 0.0
+
     _tree_run(tmp_path / "t2", [{0: 0.5}, {1: 0.6}, {0: 0.7, 1: 0.72}, {0: 0.6}])
     arms = [ArmFiles("t", s, "completed", tmp_path / f"t{s}", None, mode="tree") for s in (1, 2)]
     report = aggregate([{"cell": "t", "overrides": ["learner.lr=1e-4"]}], arms, last_k=3)
