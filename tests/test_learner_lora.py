@@ -132,3 +132,22 @@ def test_same_adapter_same_bytes_whatever_the_hash_seed(tmp_path):
             assert (one / name).read_bytes() == (two / name).read_bytes(), f"{kind}/{name} differs"
         config = json.loads((one / "adapter_config.json").read_text())
         assert config["target_modules"] == sorted(orders["1"])
+
+
+def test_flat_copy_gives_the_same_payload_bytes():
+    """The learner exports its adapter through one flat buffer per dtype (one device-to-host
+    transfer instead of one per tensor): the safetensors bytes are those of the tensors as they were."""
+    from safetensors.torch import save
+
+    from learner.lora import copy_flat
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"layer.{i}.lora_{ab}.weight": torch.randn(shape, generator=g)
+               for i, shape in enumerate([(8, 64), (64, 8), (8, 96)]) for ab in "AB"}
+    tensors["scale"] = torch.tensor([1.5, 2.0], dtype=torch.float64)  # a second dtype, its own buffer
+    copied = copy_flat(tensors, "cpu")
+    assert set(copied) == set(tensors)
+    assert all(copied[k].dtype == v.dtype and copied[k].shape == v.shape for k, v in tensors.items())
+    assert save(copied, metadata={"format": "pt"}) == save(tensors, metadata={"format": "pt"})
+    assert copied["layer.0.lora_A.weight"].untyped_storage().data_ptr() != \
+        copied["layer.0.lora_B.weight"].untyped_storage().data_ptr()  # no shared storage
