@@ -88,17 +88,11 @@ def test_new_fields_are_in_the_schema_with_descriptions():
 
 # ------------------------------------------------------------------ the same gradients
 def two_groups(g: torch.Generator) -> TrainBatch:
-    """Two groups of four rows, prompts of 15 and 18 tokens, responses of 2-7 tokens."""
-    prompts, responses, lps, adv = [], [], [], []
-    for group in range(2):
-        prompt = torch.randint(0, VOCAB, (15 + 3 * group,), generator=g).tolist()
-        for i in range(4):
-            r = torch.randint(0, VOCAB, (2 + (3 * i + group) % 6,), generator=g).tolist()
-            prompts.append(prompt)
-            responses.append(r)
-            lps.append((torch.rand(len(r), generator=g) * -3).tolist())
-            adv.append(float(i) - 1.5 + 0.1 * group)
-    return TrainBatch(prompts, responses, lps, adv, rewards=[0.0] * 8, group_ids=[0] * 4 + [1] * 4)
+    """Two groups of four rows (test_shared_prefix's), random rollout log-probs, distinct advantages per group."""
+    from test_shared_prefix import batch_of_two_groups
+
+    return batch_of_two_groups(g, logprobs=lambda r: (torch.rand(len(r), generator=g) * -3).tolist(),
+                               group_shift=0.1, vocab=VOCAB)
 
 
 def gradients(peft_model, batch: TrainBatch, loss_type: str, **cut) -> tuple[int, float, dict[str, torch.Tensor]]:

@@ -99,16 +99,19 @@ def test_rows_that_do_not_share_the_prefix_are_refused():
         lm(ids, attn, logits_to_keep=5, shared_prefix=1)
 
 
-def batch_of_two_groups(g: torch.Generator) -> TrainBatch:
+def batch_of_two_groups(g: torch.Generator, logprobs=lambda r: [-3.0] * len(r), group_shift: float = 0.0,
+                        vocab: int = VOCAB) -> TrainBatch:
+    """Two groups of four rows, prompts of 15 and 18 tokens, responses of 2-7 tokens; each row's
+    rollout log-probs from `logprobs(response)`, advantages i - 1.5 + group_shift * group."""
     prompts, responses, lps, adv = [], [], [], []
     for group in range(2):
-        prompt = torch.randint(0, VOCAB, (15 + 3 * group,), generator=g).tolist()
+        prompt = torch.randint(0, vocab, (15 + 3 * group,), generator=g).tolist()
         for i in range(4):
-            r = torch.randint(0, VOCAB, (2 + (3 * i + group) % 6,), generator=g).tolist()
+            r = torch.randint(0, vocab, (2 + (3 * i + group) % 6,), generator=g).tolist()
             prompts.append(prompt)
             responses.append(r)
-            lps.append([-3.0] * len(r))
-            adv.append(float(i) - 1.5)
+            lps.append(logprobs(r))
+            adv.append(float(i) - 1.5 + group_shift * group)
     return TrainBatch(prompts, responses, lps, adv, rewards=[0.0] * 8, group_ids=[0] * 4 + [1] * 4)
 
 
