@@ -6,11 +6,20 @@ the carried tokenizer, bf16), same settings: LoRA r=32 alpha 64 on all linear la
 model stops only by sampling a stop token, ~2 in 151,936 a token; the exact tokens are
 recorded), ~200-token prompts, temperature 1, loss dapo, beta 0, lr 1e-5.
 
-    # on the device (kind nvidia-h200, carry .whl and .devcache), two calls:
+    # on the device (carry .whl and .devcache), one call: both sides, every shape, spread over
+    # the visible GPUs (one process per side and GPU, pinned by CUDA_VISIBLE_DEVICES), then the
+    # report (gpu-vs-trl.json / .md) written into $OUT:
+    python3 bench/gpu_vs_trl.py all --out-dir $OUT --budget-s 570
+    # or the parts alone, and the report here from the files that came back:
     python3 bench/gpu_vs_trl.py trl --out $OUT/trl.json
     python3 bench/gpu_vs_trl.py counterpoint --out $OUT/counterpoint.json
-    # here, from the files that came back:
-    python bench/gpu_vs_trl.py report --trl trl.json --counterpoint counterpoint.json
+    python bench/gpu_vs_trl.py report --trl trl.json --counterpoint counterpoint.json --command '...'
+
+``all`` places the (side, shape) jobs on the GPUs longest first (the estimates are the
+2026-11-30 figures), so one call holds everything when the GPUs and the call's time allow: on
+one H200 the whole set needs ~22 min of GPU time, on two ~11 min each. A side that would run
+past ``--budget-s`` stops taking steps (its row keeps the steps it timed and says so) and the
+report is still written.
 
 Carried (.whl/ is git-ignored; 4.5 MB): ``.whl/gpubench/`` = pydantic 2.14.4, pydantic_core
 2.50.5, annotated_types 0.8.0, typing_inspection 0.4.5, typing_extensions 4.16.0 (the schema) and
@@ -393,18 +402,23 @@ def trl(args) -> dict[str, Any]:
     result: dict[str, Any] = {"system": "trl", "versions": versions(), "shapes": []}
 
     class StepTimer(TrainerCallback):
+        """Times each optimizer step; stops training once the next step would end past the
+        call's hard stop (after the warm-up and at least one timed step)."""
+
         def __init__(self):
-            self.t0, self.steps = 0.0, []
+            self.t0, self.steps, self.stopped_early = 0.0, [], False
 
         def on_step_begin(self, *a, **k):
             if gpu:
                 torch.cuda.synchronize()
             self.t0 = time.perf_counter()
 
-        def on_step_end(self, *a, **k):
+        def on_step_end(self, args_, state, control, **k):
             if gpu:
                 torch.cuda.synchronize()
             self.steps.append(time.perf_counter() - self.t0)
+            if len(self.steps) >= 2 and time.monotonic() + self.steps[-1] > args.stop:
+                control.should_training_stop = self.stopped_early = True
 
     def timed(fn, sink: list[float]):
         def wrapper(*a, **k):
@@ -472,6 +486,8 @@ def trl(args) -> dict[str, Any]:
                 completion_tokens_per_s=seqs * args.new_tokens / s_step if s_step else None,
                 gradient_checkpointing=conf.gradient_checkpointing,
             )
+            if timer.stopped_early:
+                row["stopped_early"] = f"{len(timer.steps) - 1} of {steps} timed steps: the call's hard stop came first"
             del trainer, lm
             if gpu:
                 torch.cuda.empty_cache()
@@ -547,7 +563,7 @@ def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[s
     """bench/results/gpu-vs-trl.md: the command, the table, the ratio, the details of each side."""
     t_rows = {(r["model"], r["prompts"]): r for r in (trl_res or {}).get("shapes", [])}
     c_rows = {(r["model"], r["prompts"]): r for r in (cp_res or {}).get("shapes", [])}
-    lines = ["# counterpoint vs TRL on one H200: the whole GRPO step (issue 15)", "",
+    lines = ["# counterpoint vs TRL on the H200: the whole GRPO step, one GPU per side (issue 15)", "",
              "Random-init Qwen3 shapes (vocab 151,936, bf16), LoRA r=32 alpha 64 on all linear layers, G=8, "
              "384 new tokens, ~200-token prompts, temperature 1, dapo, beta 0. bench/gpu_vs_trl.py says how.", "",
              "## Command", "", "```", doc["command"], "```", "",
@@ -573,8 +589,10 @@ def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[s
     for key, t in t_rows.items():
         ph = t.get("phases_s", {})
         why = t.get("skipped") or t.get("error") or ""
+        steps = ", ".join(fmt(s, ".1f") for s in t.get("steps_s", []))
+        steps += f" ({t['stopped_early']})" if steps and t.get("stopped_early") else ""
         lines.append(f"| {key[0]} | {key[1]}x{GROUP_SIZE} | {fmt(t.get('warmup_s'), '.1f')} | "
-                     f"{', '.join(fmt(s, '.1f') for s in t.get('steps_s', [])) or why} | {fmt(ph.get('gen'))} | "
+                     f"{steps or why} | {fmt(ph.get('gen'))} | "
                      f"{fmt(ph.get('score_and_logprobs'))} | {fmt(ph.get('update'))} | {fmt(t.get('peak_gib'), '.1f')} | "
                      f"{fmt(t.get('mfu'), '.4f')} |")
     lines += ["", "## counterpoint (the driver's step loop in one process)", "",
@@ -594,21 +612,157 @@ def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[s
     return "\n".join(lines) + "\n"
 
 
-def report(args) -> None:
-    trl_res = json.loads(args.trl.read_text()) if args.trl else None
-    cp_res = json.loads(args.counterpoint.read_text()) if args.counterpoint else None
-    doc = merge(trl_res, cp_res, args.command)
+def combine(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """One side's result from the files of its processes (one per GPU): their shapes in the
+    order of RUNS; the versions of the first (all processes run the same image)."""
+    if not results:
+        return None
+    rows = [r for res in results for r in res.get("shapes", [])]
+    order = {k: i for i, k in enumerate(RUNS)}
+    rows.sort(key=lambda r: order.get((r["model"], r["prompts"]), len(order)))
+    return {**results[0], "shapes": rows}
+
+
+def write_report(trl_res, cp_res, command: str, json_out: Path, md_out: Path, notes: str = "") -> None:
+    doc = merge(trl_res, cp_res, command)
     validate_results(doc)
-    args.json_out.write_text(json.dumps(doc, indent=1) + "\n")
-    notes = args.notes.read_text() if args.notes else ""
-    args.md_out.write_text(markdown(doc, trl_res, cp_res, notes))
-    print(f"wrote {args.json_out} and {args.md_out}")
+    json_out.write_text(json.dumps(doc, indent=1) + "\n")
+    md_out.write_text(markdown(doc, trl_res, cp_res, notes))
+    print(f"wrote {json_out} and {md_out}", flush=True)
+
+
+def report(args) -> None:
+    trl_res = combine([json.loads(p.read_text()) for p in args.trl])
+    cp_res = combine([json.loads(p.read_text()) for p in args.counterpoint])
+    write_report(trl_res, cp_res, args.command, args.json_out, args.md_out,
+                 args.notes.read_text() if args.notes else "")
+
+
+# ---------------------------------------------------------------- one call, every GPU
+# Seconds per (side, model, prompts): model build/load + warm-up + 5 timed steps (+ the profiled
+# step for counterpoint), from the 2026-11-30 H200 runs; the TRL 4x8 ones are guesses (~1.1x
+# its 1x8: plain generate is launch-bound, batch 32 costs about what batch 8 does).
+ESTIMATE_S = {
+    ("trl", "qwen3-4b", 1): 290, ("trl", "qwen3-0.6b", 1): 200,
+    ("trl", "qwen3-4b", 4): 330, ("trl", "qwen3-0.6b", 4): 230,
+    ("counterpoint", "qwen3-4b", 1): 95, ("counterpoint", "qwen3-0.6b", 1): 50,
+    ("counterpoint", "qwen3-4b", 4): 100, ("counterpoint", "qwen3-0.6b", 4): 65,
+}
+
+
+def plan_jobs(parts: list[str], runs: list[tuple[str, int]], gpus: int) -> list[list[tuple[str, list[tuple[str, int]]]]]:
+    """Each GPU's processes, in order: ``[(side, [(model, prompts), ...]), ...]`` per GPU.
+
+    Longest job first onto the least loaded GPU (LPT); on a GPU, TRL's process runs before
+    counterpoint's and a side's shapes of one model are adjacent (counterpoint loads a model once)."""
+    jobs = sorted(((p, m, n) for p in parts for m, n in runs), key=lambda j: -ESTIMATE_S.get(j, 100))
+    load, placed = [0.0] * gpus, [[] for _ in range(gpus)]
+    for job in jobs:
+        g = min(range(gpus), key=lambda i: load[i])
+        load[g] += ESTIMATE_S.get(job, 100)
+        placed[g].append(job)
+    plan = []
+    for mine in placed:
+        procs = []
+        for side in [p for p in ("trl", "counterpoint") if p in parts]:
+            shapes = sorted(((m, n) for p, m, n in mine if p == side), key=lambda r: (r[0], r[1]))
+            if shapes:
+                procs.append((side, shapes))
+        plan.append(procs)
+    return plan
+
+
+def run_all(args) -> int:
+    """Both sides on every visible GPU in parallel, then the report into ``--out-dir``."""
+    import shlex
+    import subprocess
+    import threading
+
+    out: Path = args.out_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    gpus = args.gpus or _visible_gpus()
+    plan = plan_jobs(args.parts.split(","), runs_of(args), max(gpus, 1))
+    end = time.monotonic() + args.budget_s
+    print(f"[all] {max(gpus, 1)} slot(s), plan: {json.dumps(plan)}", flush=True)
+    files: dict[str, list[Path]] = {"trl": [], "counterpoint": []}
+
+    def lane(g: int, procs) -> None:
+        for side, shapes in procs:
+            left = end - time.monotonic()
+            shard = out / f"{side}-gpu{g}.json"
+            files[side].append(shard)
+            cmd = [sys.executable, str(Path(__file__).resolve()), side, "--out", str(shard),
+                   "--shapes", ",".join(f"{m}:{n}" for m, n in shapes), "--steps", str(args.steps),
+                   "--trl-steps-4x8", str(args.trl_steps_4x8), "--new-tokens", str(args.new_tokens),
+                   "--tokenizer", str(args.tokenizer), "--models", str(args.models / f"gpu{g}"),
+                   "--runs", str(args.runs / f"gpu{g}"),
+                   "--deadline-s", str(max(left - args.reserve_s, 0)), "--stop-s", str(max(left - 15, 0))]
+            if args.cpu:
+                cmd.append("--cpu")
+            env = dict(os.environ)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = str(g)
+            print(f"[all] gpu{g}: {shlex.join(cmd[1:])}", flush=True)
+            with open(out / f"{side}-gpu{g}.log", "w") as log:
+                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                # past the budget the process is killed: its file keeps the shapes it finished
+                watchdog = threading.Timer(max(end - time.monotonic(), 0), proc.kill)
+                watchdog.start()
+                for line in proc.stdout:
+                    log.write(line)
+                    log.flush()
+                    if line.startswith(("[trl]", "[counterpoint]", "Traceback")):
+                        print(f"[gpu{g}] {_summary(line)}", flush=True)
+                print(f"[all] gpu{g}: {side} exited {proc.wait()}", flush=True)
+                watchdog.cancel()
+
+    threads = [threading.Thread(target=lane, args=(g, procs)) for g, procs in enumerate(plan)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    loaded = {side: [json.loads(p.read_text()) for p in paths if p.is_file()] for side, paths in files.items()}
+    trl_res, cp_res = combine(loaded["trl"]), combine(loaded["counterpoint"])
+    for side, res in (("trl", trl_res), ("counterpoint", cp_res)):
+        if res is not None:
+            save(res, out / f"{side}.json")
+    write_report(trl_res, cp_res, args.command or shlex.join(["python3", "bench/gpu_vs_trl.py", *sys.argv[1:]]),
+                 out / "gpu-vs-trl.json", out / "gpu-vs-trl.md")
+    rows = (trl_res or {}).get("shapes", []) + (cp_res or {}).get("shapes", [])
+    return 0 if rows and all("error" not in r for r in rows) else 1
+
+
+def _summary(line: str) -> str:
+    """A result row's line shortened to what a console needs (the whole row is in the log)."""
+    tag, _, rest = line.rstrip("\n").partition(" ")
+    try:
+        row = json.loads(rest)
+    except ValueError:
+        return line.rstrip("\n")
+    keep = ("model", "prompts", "warmup_s", "steps_s", "s_per_step", "phases_s", "peak_gib", "skipped", "error",
+            "stopped_early")
+    short = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k in keep}
+    for k in ("steps_s",):
+        if k in short:
+            short[k] = [round(x, 2) for x in short[k]]
+    if "phases_s" in short:
+        short["phases_s"] = {k: round(v, 3) for k, v in short["phases_s"].items() if v is not None}
+    return f"{tag} {json.dumps(short)}"
+
+
+def _visible_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="part", required=True)
-    for name in ("trl", "counterpoint"):
+    for name in ("trl", "counterpoint", "all"):
         p = sub.add_parser(name)
         p.add_argument("--tokenizer", type=Path, default=ROOT / ".devcache" / "tokenizer")
         p.add_argument("--models", type=Path, default=Path("/tmp/gpu-vs-trl/models"))
@@ -618,11 +772,21 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--trl-steps-4x8", type=int, default=5, help="TRL's timed steps on the 4x8 shapes")
         p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
         p.add_argument("--deadline-s", type=float, default=540.0, help="start no shape after this many seconds")
+        p.add_argument("--stop-s", type=float, default=None,
+                       help="take no step that would end after this many seconds (default: deadline + 60)")
         p.add_argument("--cpu", action="store_true", help="dry run on CPU (use --shapes tiny:1)")
-        p.add_argument("--out", type=Path, required=True)
+        if name == "all":
+            p.add_argument("--out-dir", type=Path, required=True, help="shards, logs and the report go here")
+            p.add_argument("--parts", default="trl,counterpoint")
+            p.add_argument("--gpus", type=int, default=0, help="slots to spread over (default: the visible GPUs)")
+            p.add_argument("--budget-s", type=float, default=570.0, help="the call's time: every side stops by then")
+            p.add_argument("--reserve-s", type=float, default=60.0, help="start no shape this close to the budget")
+            p.add_argument("--command", default="", help="recorded as the report's command (default: this one)")
+        else:
+            p.add_argument("--out", type=Path, required=True)
     p = sub.add_parser("report")
-    p.add_argument("--trl", type=Path)
-    p.add_argument("--counterpoint", type=Path)
+    p.add_argument("--trl", type=Path, nargs="*", default=[], help="TRL result file(s), one per process")
+    p.add_argument("--counterpoint", type=Path, nargs="*", default=[], help="counterpoint result file(s)")
     p.add_argument("--command", required=True, help="the device command(s) that produced the inputs")
     p.add_argument("--notes", type=Path, help="markdown appended to the report (findings, profile)")
     p.add_argument("--json-out", type=Path, default=ROOT / "bench" / "results" / "gpu-vs-trl.json")
@@ -632,8 +796,11 @@ def main(argv: list[str] | None = None) -> int:
         report(args)
         return 0
     args.deadline = time.monotonic() + args.deadline_s
+    args.stop = time.monotonic() + (args.stop_s if args.stop_s is not None else args.deadline_s + 60)
     args.tokenizer, args.models, args.runs = args.tokenizer.resolve(), args.models.resolve(), args.runs.resolve()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.part == "all":
+        return run_all(args)
     result = trl(args) if args.part == "trl" else counterpoint(args)
     save(result, args.out)
     return 0 if all("error" not in r for r in result["shapes"]) else 1

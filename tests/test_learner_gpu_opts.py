@@ -231,3 +231,33 @@ def test_gpu_bench_flops_and_prompts():
     assert bench.step_model_flops(10, sequences=2, prompt_tokens=3, completion_tokens=5) == 8 * 10 * 2 * 8
     assert set(bench.SHAPES) >= {"qwen3-0.6b", "qwen3-4b"}
     assert bench.SHAPES["qwen3-4b"]["num_hidden_layers"] == 36 and bench.SHAPES["qwen3-0.6b"]["hidden_size"] == 1024
+
+
+def test_gpu_bench_one_call_plan_and_shards():
+    """`gpu_vs_trl.py all`: every (side, shape) placed once, the GPUs' loads balanced longest
+    first, TRL before counterpoint on a GPU; the per-GPU result files combine in RUNS order."""
+    from bench import gpu_vs_trl as bench
+
+    for gpus in (1, 2, 3, 4):
+        plan = bench.plan_jobs(["trl", "counterpoint"], bench.RUNS, gpus)
+        placed = [(side, shape) for lane in plan for side, shapes in lane for shape in shapes]
+        assert sorted(placed) == sorted((side, shape) for side in ("trl", "counterpoint") for shape in bench.RUNS)
+        for lane in plan:
+            assert [side for side, _ in lane] == sorted({side for side, _ in lane}, key=["trl", "counterpoint"].index)
+        loads = [sum(bench.ESTIMATE_S[(side, *shape)] for side, shapes in lane for shape in shapes) for lane in plan]
+        total = sum(bench.ESTIMATE_S.values())
+        assert max(loads) <= total / gpus + max(bench.ESTIMATE_S.values())  # the LPT bound
+    two = bench.plan_jobs(["trl"], bench.RUNS, 2)
+    assert {shape for lane in two for _, shapes in lane for shape in shapes} == set(bench.RUNS)
+    assert all(len(lane) == 1 for lane in two)  # one TRL process per GPU
+    shards = [{"system": "trl", "versions": {"trl": "1.16.0"},
+               "shapes": [{"model": "qwen3-0.6b", "prompts": 4, "s_per_step": 30.0},
+                          {"model": "qwen3-4b", "prompts": 1, "s_per_step": 40.0}]},
+              {"system": "trl", "versions": {"trl": "1.16.0"},
+               "shapes": [{"model": "qwen3-4b", "prompts": 4, "s_per_step": 45.0},
+                          {"model": "qwen3-0.6b", "prompts": 1, "s_per_step": 28.0}]}]
+    combined = bench.combine(shards)
+    assert [(r["model"], r["prompts"]) for r in combined["shapes"]] == bench.RUNS
+    assert combined["versions"] == {"trl": "1.16.0"} and bench.combine([]) is None
+    line = '[trl] {"model": "qwen3-4b", "prompts": 1, "s_per_step": 40.123456, "params": 4000000000}\n'
+    assert bench._summary(line) == '[trl] {"model": "qwen3-4b", "prompts": 1, "s_per_step": 40.123}'
