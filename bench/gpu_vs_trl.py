@@ -17,9 +17,10 @@ recorded), ~200-token prompts, temperature 1, loss dapo, beta 0, lr 1e-5.
 
 ``all`` places the (side, shape) jobs on the GPUs longest first (the estimates are the
 2026-11-30 figures), so one call holds everything when the GPUs and the call's time allow: on
-one H200 the whole set needs ~22 min of GPU time, on two ~11 min each. A side that would run
-past ``--budget-s`` stops taking steps (its row keeps the steps it timed and says so) and the
-report is still written.
+one H200 the whole set needs ~20 min of GPU time, on two ~10 min each (a device call
+may last 10 min: the 2026-11-30 results took three calls). TRL takes no step that would end
+past ``--budget-s`` (its row keeps the steps it timed and says so); a process still running at
+the budget is killed (its file keeps the shapes it finished); the report is written either way.
 
 Carried (.whl/ is git-ignored; 4.5 MB): ``.whl/gpubench/`` = pydantic 2.14.4, pydantic_core
 2.50.5, annotated_types 0.8.0, typing_inspection 0.4.5, typing_extensions 4.16.0 (the schema) and
@@ -27,9 +28,7 @@ trl 1.16.0, datasets 5.2.0, dill 0.4.1, multiprocess 0.70.19 (py312) for TRL, fe
 device README's `pip download --no-deps --only-binary=:all: --python-version 3.12 ...`; Ray is
 not needed. ``.devcache/tokenizer`` as bench/multi_gpu_device.py makes it. On the device:
 ``python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gpubench/*.whl`` and
-``PYTHONPATH=/tmp/site:$PWD``. The 2026-11-30 run also copied the committed
-rollout/engines/hf_fast.py (``git show HEAD:...`` into the carried ``.whl/gpubench-src/``) over
-an uncommitted edit of it in the tree.
+``PYTHONPATH=/tmp/site:$PWD``. bench/results/gpu-vs-trl.md says which call measured which row.
 
 - ``trl``: TRL 1.16's GRPOTrainer with its default generation (transformers ``generate``) and
   its other defaults (gradient checkpointing on, bf16); a callback times each optimizer step
@@ -640,13 +639,12 @@ def report(args) -> None:
 
 # ---------------------------------------------------------------- one call, every GPU
 # Seconds per (side, model, prompts): model build/load + warm-up + 5 timed steps (+ the profiled
-# step for counterpoint), from the 2026-11-30 H200 runs; the TRL 4x8 ones are guesses (~1.1x
-# its 1x8: plain generate is launch-bound, batch 32 costs about what batch 8 does).
+# step for counterpoint), as measured on the H200 on 2026-11-30 (bench/results/gpu-vs-trl.md).
 ESTIMATE_S = {
-    ("trl", "qwen3-4b", 1): 290, ("trl", "qwen3-0.6b", 1): 200,
-    ("trl", "qwen3-4b", 4): 330, ("trl", "qwen3-0.6b", 4): 230,
-    ("counterpoint", "qwen3-4b", 1): 95, ("counterpoint", "qwen3-0.6b", 1): 50,
-    ("counterpoint", "qwen3-4b", 4): 100, ("counterpoint", "qwen3-0.6b", 4): 65,
+    ("trl", "qwen3-4b", 1): 230, ("trl", "qwen3-0.6b", 1): 175,
+    ("trl", "qwen3-4b", 4): 250, ("trl", "qwen3-0.6b", 4): 185,
+    ("counterpoint", "qwen3-4b", 1): 85, ("counterpoint", "qwen3-0.6b", 1): 60,
+    ("counterpoint", "qwen3-4b", 4): 95, ("counterpoint", "qwen3-0.6b", 4): 65,
 }
 
 
@@ -702,6 +700,12 @@ def run_all(args) -> int:
             env = dict(os.environ)
             if gpus:
                 env["CUDA_VISIBLE_DEVICES"] = str(g)
+            if len(plan) > 1:
+                # Each process's torch would start one CPU thread per core: two counterpoint
+                # processes on one 32-core host ran update_actor 3-4x slower than one alone
+                # (4B 1x8: 4.64 vs 1.15 s, 2026-11-30). Share the cores out instead (not yet
+                # re-measured on a GPU host); Ray does the same for its workers.
+                env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(plan))))
             print(f"[all] gpu{g}: {shlex.join(cmd[1:])}", flush=True)
             with open(out / f"{side}-gpu{g}.log", "w") as log:
                 proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
