@@ -775,9 +775,6 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
         p.add_argument("--trl-steps-4x8", type=int, default=5, help="TRL's timed steps on the 4x8 shapes")
         p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
-        p.add_argument("--deadline-s", type=float, default=540.0, help="start no shape after this many seconds")
-        p.add_argument("--stop-s", type=float, default=None,
-                       help="take no step that would end after this many seconds (default: deadline + 60)")
         p.add_argument("--cpu", action="store_true", help="dry run on CPU (use --shapes tiny:1)")
         if name == "all":
             p.add_argument("--out-dir", type=Path, required=True, help="shards, logs and the report go here")
@@ -788,6 +785,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--command", default="", help="recorded as the report's command (default: this one)")
         else:
             p.add_argument("--out", type=Path, required=True)
+            p.add_argument("--deadline-s", type=float, default=540.0, help="start no shape after this many seconds")
+            p.add_argument("--stop-s", type=float, default=None,
+                           help="TRL takes no step that would end after this many seconds (default: deadline + 60)")
     p = sub.add_parser("report")
     p.add_argument("--trl", type=Path, nargs="*", default=[], help="TRL result file(s), one per process")
     p.add_argument("--counterpoint", type=Path, nargs="*", default=[], help="counterpoint result file(s)")
@@ -799,12 +799,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.part == "report":
         report(args)
         return 0
-    args.deadline = time.monotonic() + args.deadline_s
-    args.stop = time.monotonic() + (args.stop_s if args.stop_s is not None else args.deadline_s + 60)
     args.tokenizer, args.models, args.runs = args.tokenizer.resolve(), args.models.resolve(), args.runs.resolve()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.part == "all":
         return run_all(args)
+    args.deadline = time.monotonic() + args.deadline_s
+    args.stop = time.monotonic() + (args.stop_s if args.stop_s is not None else args.deadline_s + 60)
     result = trl(args) if args.part == "trl" else counterpoint(args)
     save(result, args.out)
     return 0 if all("error" not in r for r in result["shapes"]) else 1
