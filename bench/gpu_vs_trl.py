@@ -688,6 +688,7 @@ def run_all(args) -> int:
         for side, shapes in procs:
             left = end - time.monotonic()
             shard = out / f"{side}-gpu{g}.json"
+            shard.unlink(missing_ok=True)  # a file left by an earlier run in this dir is not this run's
             files[side].append(shard)
             cmd = [sys.executable, str(Path(__file__).resolve()), side, "--out", str(shard),
                    "--shapes", ",".join(f"{m}:{n}" for m, n in shapes), "--steps", str(args.steps),
@@ -746,9 +747,8 @@ def _summary(line: str) -> str:
     keep = ("model", "prompts", "warmup_s", "steps_s", "s_per_step", "phases_s", "peak_gib", "skipped", "error",
             "stopped_early")
     short = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k in keep}
-    for k in ("steps_s",):
-        if k in short:
-            short[k] = [round(x, 2) for x in short[k]]
+    if "steps_s" in short:
+        short["steps_s"] = [round(x, 2) for x in short["steps_s"]]
     if "phases_s" in short:
         short["phases_s"] = {k: round(v, 3) for k, v in short["phases_s"].items() if v is not None}
     return f"{tag} {json.dumps(short)}"
