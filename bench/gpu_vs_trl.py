@@ -679,7 +679,7 @@ def run_all(args) -> int:
     out: Path = args.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     gpus = args.gpus or _visible_gpus()
-    plan = plan_jobs(args.parts.split(","), runs_of(args), max(gpus, 1))
+    plan = plan_jobs(args.parts, runs_of(args), max(gpus, 1))
     end = time.monotonic() + args.budget_s
     print(f"[all] {max(gpus, 1)} slot(s), plan: {json.dumps(plan)}", flush=True)
     files: dict[str, list[Path]] = {"trl": [], "counterpoint": []}
@@ -754,6 +754,15 @@ def _summary(line: str) -> str:
     return f"{tag} {json.dumps(short)}"
 
 
+def _parts(text: str) -> list[str]:
+    """--parts: a comma list of the sides, refused at parse time when it names anything else."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = sorted(set(parts) - {"trl", "counterpoint"})
+    if unknown or not parts:
+        raise argparse.ArgumentTypeError(f"unknown side(s) {unknown or text!r}: use trl, counterpoint or both")
+    return parts
+
+
 def _visible_gpus() -> int:
     try:
         import torch
@@ -778,7 +787,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--cpu", action="store_true", help="dry run on CPU (use --shapes tiny:1)")
         if name == "all":
             p.add_argument("--out-dir", type=Path, required=True, help="shards, logs and the report go here")
-            p.add_argument("--parts", default="trl,counterpoint")
+            p.add_argument("--parts", default="trl,counterpoint", type=_parts, help="trl, counterpoint or both")
             p.add_argument("--gpus", type=int, default=0, help="slots to spread over (default: the visible GPUs)")
             p.add_argument("--budget-s", type=float, default=570.0, help="the call's time: every side stops by then")
             p.add_argument("--reserve-s", type=float, default=60.0, help="start no shape this close to the budget")
