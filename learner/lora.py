@@ -63,11 +63,26 @@ def attach_lora(base, lora_cfg, seed: int, init_adapter: Path | None = None):
     return get_peft_model(base, peft_lora_config(lora_cfg))
 
 
-def adapter_state_dict(peft_model) -> dict[str, torch.Tensor]:
-    """The adapter's tensors under peft's saved names (what save_pretrained writes), on CPU."""
+def adapter_state_dict(peft_model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under peft's saved names (what save_pretrained writes), on CPU;
+    cast to ``dtype`` (on their device, before the copy) when given."""
     from peft import get_peft_model_state_dict
 
-    return to_cpu_at_once(get_peft_model_state_dict(peft_model))
+    state = get_peft_model_state_dict(peft_model)
+    if dtype is not None:
+        state = {k: v.detach().to(dtype) for k, v in state.items()}
+    return to_cpu_at_once(state)
+
+
+def disable_lora_input_casts(peft_model) -> None:
+    """Stop peft casting each LoRA layer's input to the adapter's float32. Under autocast the
+    matmul casts it straight back to the autocast dtype, so the detour is two copies of every
+    adapted layer's input and changes nothing (peft.helpers.disable_input_dtype_casting, kept)."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in peft_model.modules():
+        if isinstance(module, LoraLayer):
+            module.cast_input_dtype_enabled = False
 
 
 def to_cpu_at_once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -98,12 +113,12 @@ def adapter_config_dict(peft_model) -> dict:
     return json.loads(json.dumps(cfg, default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
 
 
-def adapter_payload(peft_model, version: int) -> AdapterPayload:
+def adapter_payload(peft_model, version: int, dtype: torch.dtype | None = None) -> AdapterPayload:
     from safetensors.torch import save
 
     return AdapterPayload(
         version=version,
-        safetensors=save(adapter_state_dict(peft_model), metadata={"format": "pt"}),
+        safetensors=save(adapter_state_dict(peft_model, dtype), metadata={"format": "pt"}),
         config=adapter_config_dict(peft_model),
     )
 

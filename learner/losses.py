@@ -89,7 +89,14 @@ class ObjectiveParams:
 @dataclass
 class LossOutputs:
     loss: torch.Tensor  # scalar: this micro-batch's share of the step loss (call backward on it)
-    sums: dict[str, float]  # detached token sums for metrics; reduce with rollout_correction.finalize
+    sum_tensors: dict[str, torch.Tensor]  # detached 0-d token sums, on the loss's device
+
+    @property
+    def sums(self) -> dict[str, float]:
+        """The token sums as floats (one host transfer); reduce with rollout_correction.finalize."""
+        from learner.rollout_correction import as_floats
+
+        return as_floats(self.sum_tensors)
 
 
 def _agg_grpo(x: torch.Tensor, m: torch.Tensor, n: LossNorm) -> torch.Tensor:
@@ -157,20 +164,20 @@ def policy_loss(
         per_token = per_token - params.entropy_coef * inp.entropy
     loss = aggregate(per_token, mask, norm)
 
-    with torch.no_grad():
+    with torch.no_grad():  # 0-d tensors: no host sync per micro-batch (learner/passes.py)
         low = (ratio < 1 - params.epsilon_low) & (adv < 0)
         high = (ratio > 1 + params.epsilon_high) & (adv > 0)
         sums = {
-            "tokens": float(mask.sum()),
-            "sequences": float(mask.shape[0]),
-            "pg_loss/tok_sum": float((pg * tis_w * mask).sum()),
-            "clip_frac/tok_sum": float(((low | high).float() * mask).sum()),
-            "clip_frac_low/tok_sum": float((low.float() * mask).sum()),
-            "clip_frac_high/tok_sum": float((high.float() * mask).sum()),
-            "ratio/tok_sum": float((ratio * mask).sum()),
-            "tis_weight/tok_sum": float((tis_w * mask).sum()),
-            "kl/tok_sum": float((kl * mask).sum()) if kl is not None else 0.0,
+            "tokens": mask.sum(),
+            "sequences": mask.new_full((), float(mask.shape[0])),  # a fill, not a host-to-device copy
+            "pg_loss/tok_sum": (pg * tis_w * mask).sum(),
+            "clip_frac/tok_sum": ((low | high).float() * mask).sum(),
+            "clip_frac_low/tok_sum": (low.float() * mask).sum(),
+            "clip_frac_high/tok_sum": (high.float() * mask).sum(),
+            "ratio/tok_sum": (ratio * mask).sum(),
+            "tis_weight/tok_sum": (tis_w * mask).sum(),
+            "kl/tok_sum": (kl * mask).sum() if kl is not None else mask.new_zeros(()),
         }
         if inp.entropy is not None:
-            sums["entropy/tok_sum"] = float((inp.entropy * mask).sum())
-    return LossOutputs(loss=loss, sums=sums)
+            sums["entropy/tok_sum"] = (inp.entropy * mask).sum()
+    return LossOutputs(loss=loss, sum_tensors=sums)

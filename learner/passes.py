@@ -20,7 +20,7 @@ import torch
 
 from learner.losses import LossInputs, LossNorm, ObjectiveParams, policy_loss
 from learner.microbatch import computed_tokens, count_bounds, token_budget_bounds
-from learner.rollout_correction import merge_sums, rollout_mismatch_sums
+from learner.rollout_correction import as_floats, merge_sums, rollout_mismatch_sum_tensors
 from learner.shared_prefix import shared_prefix_len
 from learner.types import TrainBatch
 
@@ -37,6 +37,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [B] float
     shared_prefix: int = 0  # c <= s leading tokens every row has; computed once (0 = off)
     tokens: int = 0  # real (unpadded) tokens one forward runs, the shared prefix counted once
+    causal_only: bool = False  # run without the attention mask (see make_micro_batches)
 
 
 def make_micro_batches(
@@ -46,11 +47,22 @@ def make_micro_batches(
     pad_id: int = 0,
     share_prefix: bool = True,
     token_budget: int | None = None,
+    pad_multiple: int = 1,
+    causal_only: bool = False,
 ) -> list[MicroBatch]:
     """Consecutive rows in micro-batches of ``size``, or, with ``token_budget``, of at most that
     many padded tokens (learner/microbatch.py: groups kept whole where they fit). The
     orchestrator orders rows by group, so a micro-batch of G rows is one group and shares its
-    whole prompt."""
+    whole prompt.
+
+    ``pad_multiple`` > 1 rounds the width up and the first scored position down to multiples of
+    it, so that micro-batches of similar lengths have one shape (a captured CUDA graph per shape,
+    learner/graphed.py); the extra positions are masked out of the loss. ``causal_only``: the
+    forward gets no attention mask. Exact for right-padded rows: under the causal mask a real
+    token only sees the tokens before it, all real; only pad positions' logits (never read)
+    differ. It lets attention run its plain causal kernel."""
+    if pad_multiple < 1:
+        raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
     if token_budget is None:
         bounds = count_bounds(len(batch), size)
     else:
@@ -61,8 +73,8 @@ def make_micro_batches(
         rows = range(lo, hi)
         prompts = [batch.prompt_ids[i] for i in rows]
         resps = [batch.response_ids[i] for i in rows]
-        width = max(len(p) + len(r) for p, r in zip(prompts, resps))
-        start = min(len(p) for p in prompts) - 1
+        width = -(-max(len(p) + len(r) for p, r in zip(prompts, resps)) // pad_multiple) * pad_multiple
+        start = (min(len(p) for p in prompts) - 1) // pad_multiple * pad_multiple
         shared = shared_prefix_len([list(p) + list(r) for p, r in zip(prompts, resps)], start) if share_prefix else 0
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         attn = torch.zeros((len(rows), width), dtype=torch.long)
@@ -86,6 +98,7 @@ def make_micro_batches(
                 advantages=torch.tensor([batch.advantages[i] for i in rows], dtype=torch.float32).to(device),
                 shared_prefix=shared,
                 tokens=computed_tokens([len(p) + len(r) for p, r in zip(prompts, resps)], shared),
+                causal_only=causal_only,
             )
         )
     return out
@@ -98,28 +111,22 @@ def amp_context(amp_dtype: torch.dtype | None):
     return torch.autocast(device_type="cuda", dtype=amp_dtype)
 
 
-def forward_logprobs(
-    model, mb: MicroBatch, temperature: float, entropy: str = "none", amp_dtype: torch.dtype | None = None
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: str = "none"
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [B, W] of the scored tokens, and entropies [B, W]: ``entropy`` = "none" (not
-    computed), "detached" (for the metric only) or "grad" (the bonus is in the loss).
-    ``amp_dtype``: the model's forward runs under CUDA autocast in that dtype (learner.autocast).
+    """Log-probs [B, W] of ``targets`` [B, W] under the logits [B, W + 1, V] of the positions
+    before them (the last position predicts nothing scored), and entropies [B, W]: ``entropy`` =
+    "none" (not computed), "detached" (for the metric only) or "grad" (the bonus is in the loss).
 
-    log_softmax(logits / T) at the positions that produced each scored token; one log-softmax
-    over the [B, W, V] logits serves log-probs and entropy, and T = 1 skips the division: each
-    full pass over a 49k vocabulary costs as much as a transformer layer here.
+    log_softmax(logits / T): one log-softmax over the [B, W, V] logits serves log-probs and
+    entropy, and T = 1 skips the division: each full pass over a 49k-152k vocabulary costs as
+    much as a transformer layer here.
     """
-    keep = mb.input_ids.shape[1] - mb.start
-    with amp_context(amp_dtype):
-        logits = model(
-            input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=keep,
-            shared_prefix=mb.shared_prefix,
-        )
     logits = logits[:, :-1, :].float()
     if temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, mb.input_ids[:, mb.start + 1 :].unsqueeze(-1)).squeeze(-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if entropy == "none":
         return logp, None
     if entropy == "grad":
@@ -127,6 +134,21 @@ def forward_logprobs(
     with torch.no_grad():
         detached = logp_all.detach()
         return logp, -(detached.exp() * detached).sum(-1)
+
+
+def forward_logprobs(
+    model, mb: MicroBatch, temperature: float, entropy: str = "none", amp_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [B, W] of the scored tokens, and entropies [B, W] (``token_logprobs``), of one
+    forward of ``model`` over the micro-batch. ``amp_dtype``: the model's forward runs under CUDA
+    autocast in that dtype (learner.autocast)."""
+    keep = mb.input_ids.shape[1] - mb.start
+    with amp_context(amp_dtype):
+        logits = model(
+            input_ids=mb.input_ids, attention_mask=None if mb.causal_only else mb.attention_mask,
+            logits_to_keep=keep, shared_prefix=mb.shared_prefix,
+        )
+    return token_logprobs(logits, mb.input_ids[:, mb.start + 1 :], temperature, entropy)
 
 
 @torch.no_grad()
@@ -159,14 +181,15 @@ def old_log_prob(
     model, mbs: list[MicroBatch], temperature: float, with_entropy: bool, amp_dtype: torch.dtype | None = None
 ) -> tuple[list[torch.Tensor], dict[str, float], float]:
     """Pre-update log-probs per micro-batch, rollout-agreement sums, and the entropy token sum."""
-    olds, sums, ent_sum = [], {}, 0.0
+    olds, sums = [], {}
     for mb in mbs:
         logp, ent = forward_logprobs(model, mb, temperature, "detached" if with_entropy else "none", amp_dtype)
         olds.append(logp)
-        sums = merge_sums(sums, rollout_mismatch_sums(mb.rollout_logprobs, logp, mb.mask))
+        sums = merge_sums(sums, rollout_mismatch_sum_tensors(mb.rollout_logprobs, logp, mb.mask))
         if ent is not None:
-            ent_sum += float((ent * mb.mask).sum())
-    return olds, sums, ent_sum
+            sums = merge_sums(sums, {"entropy": (ent * mb.mask).sum()})
+    floats = as_floats(sums)
+    return olds, {k: v for k, v in floats.items() if k != "entropy"}, floats.get("entropy", 0.0)
 
 
 @torch.no_grad()
@@ -194,22 +217,35 @@ class GradSync:
     step: Callable[[], float]  # clip, optimizer step, zero grads; returns the pre-clip grad norm
 
 
-def ddp_grad_sync(model, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> GradSync:
-    """Gradient accumulation over micro-batches; a DDP model all-reduces on the last one only."""
+def ddp_grad_sync(model, optimizer: torch.optim.Optimizer, max_grad_norm: float,
+                  keep_grads: bool = False) -> GradSync:
+    """Gradient accumulation over micro-batches; a DDP model all-reduces on the last one only.
+
+    ``keep_grads``: the parameters' .grad tensors exist before the first backward and are zeroed,
+    not freed, after each optimizer step, so every backward ADDS into them in place. A graphed
+    backward (learner/graphed.py) returns views of its static buffers, which autograd would
+    otherwise install as .grad when none exists: the next replay would overwrite them."""
     no_sync = getattr(model, "no_sync", None)
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
 
     def backward(loss: torch.Tensor, last: bool) -> None:
+        if keep_grads:
+            for p in trainable:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
         with no_sync() if (no_sync is not None and not last) else contextlib.nullcontext():
             loss.backward()
 
     def step() -> float:
         norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm))
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not keep_grads)
         return norm
 
     return GradSync(backward=backward, step=step)
+
+
+Scorer = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def update_actor(
@@ -225,24 +261,30 @@ def update_actor(
     ref: list[torch.Tensor] | None,
     entropy_bonus: bool,
     amp_dtype: torch.dtype | None = None,
+    scorer: Scorer | None = None,
 ) -> UpdateResult:
     """``epochs`` optimizer steps over the shard, gradients accumulated over micro-batches.
 
     ``old=None`` folds old_log_prob into the update: with one epoch, every micro-batch's forward
     runs before the only optimizer step, so its detached log-probs ARE the pre-update policy.
+    ``scorer(model, mb, temperature, entropy, amp_dtype)`` computes a micro-batch's log-probs and
+    entropies with the gradient path (default ``forward_logprobs``; learner/graphed.py replays
+    captured graphs). Metric sums stay on the device until the end: one host transfer per step,
+    not a few dozen syncs per micro-batch that would keep the host from running ahead.
     """
     if old is None and epochs != 1:
         raise ValueError("old log-probs can only be folded into the update with epochs_per_step=1")
-    sums: dict[str, float] = {}
-    rollout_sums: dict[str, float] = {}
+    scorer = scorer or forward_logprobs
+    sums: dict = {}
+    rollout_sums: dict = {}
     losses, grad_norm = [], 0.0
     for _ in range(epochs):
-        epoch_loss = 0.0
+        epoch_loss = None
         for i, mb in enumerate(mbs):
-            logp, ent = forward_logprobs(model, mb, temperature, "grad" if entropy_bonus else "detached", amp_dtype)
+            logp, ent = scorer(model, mb, temperature, "grad" if entropy_bonus else "detached", amp_dtype)
             if old is None:
                 old_mb = logp.detach()
-                rollout_sums = merge_sums(rollout_sums, rollout_mismatch_sums(mb.rollout_logprobs, old_mb, mb.mask))
+                rollout_sums = merge_sums(rollout_sums, rollout_mismatch_sum_tensors(mb.rollout_logprobs, old_mb, mb.mask))
             else:
                 old_mb = old[i]
             inp = LossInputs(
@@ -256,8 +298,13 @@ def update_actor(
             )
             out = policy_loss(inp, norm, params, entropy_bonus=entropy_bonus)
             sync.backward(out.loss, i == len(mbs) - 1)
-            epoch_loss += float(out.loss.detach())
-            sums = merge_sums(sums, out.sums)
+            epoch_loss = out.loss.detach() if epoch_loss is None else epoch_loss + out.loss.detach()
+            sums = merge_sums(sums, out.sum_tensors)
         grad_norm = sync.step()
         losses.append(epoch_loss)
-    return UpdateResult(sums=sums, loss=sum(losses) / len(losses), grad_norm=grad_norm, rollout_sums=rollout_sums)
+    floats = as_floats({**{f"p/{k}": v for k, v in sums.items()}, **{f"r/{k}": v for k, v in rollout_sums.items()},
+                        **{f"loss/{i}": v for i, v in enumerate(losses)}})
+    epoch_losses = [floats[f"loss/{i}"] for i in range(len(losses))]
+    return UpdateResult(sums={k[2:]: v for k, v in floats.items() if k.startswith("p/")},
+                        loss=sum(epoch_losses) / len(epoch_losses), grad_norm=grad_norm,
+                        rollout_sums={k[2:]: v for k, v in floats.items() if k.startswith("r/")})

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from learner import checkpoint
 from learner.losses import LossNorm, ObjectiveParams, entropy_bonus_active
-from learner.lora import adapter_payload, attach_lora, load_base_model, save_adapter
+from learner.graphed import Capture, GraphedScorer, cuda_capture
+from learner.lora import adapter_payload, attach_lora, disable_lora_input_casts, load_base_model, save_adapter
 from learner.microbatch import mfu, model_flops
 from learner.optim import build_optimizer, build_scheduler, rebase_lr
 from learner.passes import GradSync, ddp_grad_sync, make_micro_batches, old_log_prob, ref_log_prob, update_actor
@@ -114,7 +115,10 @@ class PolicyLearner:
         device: torch.device | str = "cpu",
         init_adapter: Path | None = None,
         resume_from: Path | None = None,
+        graph_capture: Capture | None = None,
     ):
+        """``graph_capture`` replaces CUDA graph capture (learner/graphed.py): tests pass a CPU
+        stand-in with the same aliasing of gradients, so the graphed path runs without a GPU."""
         self.cfg, self.model_cfg, self.spec = cfg, model_cfg, spec
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.init_is_identity = init_adapter is None and resume_from is None
@@ -125,10 +129,25 @@ class PolicyLearner:
             self.peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.num_params = sum(p.numel() for p in self.peft_model.parameters())  # for MFU (6 N per token)
         base_dtype = next(base.parameters()).dtype
-        self.amp_dtype = (base_dtype if cfg.autocast and self.device.type == "cuda"
+        on_cuda = self.device.type == "cuda"
+        self.amp_dtype = (base_dtype if cfg.autocast and on_cuda
                           and base_dtype in (torch.bfloat16, torch.float16) else None)
+        if self.amp_dtype is not None:
+            disable_lora_input_casts(self.peft_model)  # autocast casts to bf16 anyway: skip the fp32 detour
+        # The adapter as the engines get it: under autocast, in the dtype the learner's own forward
+        # multiplies it in (and half the bytes to move every step); else as trained (float32).
+        self.payload_dtype = self.amp_dtype
         self.optimizer = build_optimizer(self.peft_model.parameters(), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, spec.total_steps)
+        self.share_prefix = ((not on_cuda) if cfg.share_prompt_prefix is None else cfg.share_prompt_prefix) \
+            and not cfg.gradient_checkpointing
+        graphs = (cfg.cuda_graphs and (on_cuda or graph_capture is not None) and world_size == 1
+                  and not cfg.deepspeed and not cfg.gradient_checkpointing and cfg.lora.dropout == 0
+                  and not self.share_prefix)
+        # Right-padded rows need no attention mask (learner/passes.py): on CUDA that is the plain
+        # causal attention kernel; CPU keeps the mask, and with it its measured numerics.
+        self.causal_only = on_cuda or graphs
+        self.scorer = GraphedScorer(self.peft_model, cfg.max_graphs, graph_capture or cuda_capture) if graphs else None
         self.lm = SharedPrefixLM(self.peft_model)  # the forward every phase runs
         self.model, self.grad_sync = self._wrap(self.lm)
         self.step_count = 0
@@ -163,7 +182,8 @@ class PolicyLearner:
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=ids)
-        return model, ddp_grad_sync(model, self.optimizer, self.cfg.max_grad_norm)
+        return model, ddp_grad_sync(model, self.optimizer, self.cfg.max_grad_norm,
+                                    keep_grads=self.scorer is not None)
 
     # ------------------------------------------------------------------ one GRPO step
 
@@ -173,9 +193,10 @@ class PolicyLearner:
         cfg, temp = self.cfg, self.spec.temperature
         lo, hi = shard_bounds(len(batch), self.world_size, self.rank)
         shard = batch.rows(lo, hi)
-        mbs = make_micro_batches(shard, cfg.micro_batch_size, self.device,
-                                 share_prefix=cfg.share_prompt_prefix and not cfg.gradient_checkpointing,
-                                 token_budget=cfg.micro_batch_tokens)
+        mbs = make_micro_batches(shard, cfg.micro_batch_size, self.device, share_prefix=self.share_prefix,
+                                 token_budget=cfg.micro_batch_tokens,
+                                 pad_multiple=cfg.graph_pad_tokens if self.scorer is not None else 1,
+                                 causal_only=self.causal_only)
         norm = LossNorm(
             loss_type=cfg.loss_type,
             global_tokens=float(batch.num_response_tokens()),
@@ -212,7 +233,7 @@ class PolicyLearner:
         res = update_actor(
             self.model, mbs, self.grad_sync, norm, ObjectiveParams.from_config(cfg),
             temperature=temp, epochs=cfg.epochs_per_step, old=old, ref=ref, entropy_bonus=bonus,
-            amp_dtype=self.amp_dtype,
+            amp_dtype=self.amp_dtype, scorer=self.scorer,
         )
         self.scheduler.step()
         self.step_count += 1
@@ -229,6 +250,7 @@ class PolicyLearner:
             grad_norm=res.grad_norm,
             learning_rate=lr,
             entropy_bonus_active=float(bonus),
+            learner_cuda_graphs=float(self.scorer is not None and self.scorer.disabled is None),
             response_tokens=float(batch.num_response_tokens()),
             total_tokens=float(batch.num_total_tokens()),
             sequences=float(len(batch)),
@@ -251,7 +273,13 @@ class PolicyLearner:
     # ------------------------------------------------------------------ adapters, checkpoints
 
     def payload(self, version: int) -> AdapterPayload:
-        return adapter_payload(self.peft_model, version)
+        return adapter_payload(self.peft_model, version, dtype=self.payload_dtype)
+
+    def stats(self) -> dict[str, Any]:
+        """How the update ran, for the receipt: graphs captured and replayed, or why not."""
+        return {"cuda_graphs": self.scorer.stats() if self.scorer is not None else None,
+                "share_prompt_prefix": self.share_prefix, "autocast": str(self.amp_dtype),
+                "payload_dtype": str(self.payload_dtype or "float32")}
 
     def save_init_adapter(self, out_dir: Path) -> str:
         return save_adapter(self.peft_model, out_dir)

@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 
-def rollout_mismatch_sums(
+def rollout_mismatch_sum_tensors(
     rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor
-) -> dict[str, float]:
-    """Sums over a micro-batch: r, o, mask are [B, T]. Sequences with no response token are
-    skipped (they have no mean)."""
+) -> dict[str, torch.Tensor]:
+    """The sums of ``rollout_mismatch_sums`` as 0-d tensors on the inputs' device, so a learner
+    adds them over micro-batches without a host sync per micro-batch (``as_floats`` once)."""
     dtype = torch.promote_types(rollout_logprobs.dtype, torch.float32)  # float64 lists stay float64
     r, o, m = (t.to(dtype) for t in (rollout_logprobs, trainer_logprobs, mask))
     n_tok = m.sum(-1)  # [B]
@@ -39,13 +39,32 @@ def rollout_mismatch_sums(
     delta = (o - r) * m
     k3 = (torch.exp(o - r) - (o - r) - 1) * m
     return {
-        "ppl_ratio/seq_sum": float(torch.exp(d)[has].sum()),
-        "rollout_kl/tok_sum": float(((r - o) * m).sum()),
-        "rollout_k3_kl/tok_sum": float(k3.sum()),
-        "rollout_abs_diff/tok_sum": float(delta.abs().sum()),
-        "tokens": float(m.sum()),
-        "sequences": float(has.sum()),
+        "ppl_ratio/seq_sum": (torch.exp(d) * has).sum(),
+        "rollout_kl/tok_sum": ((r - o) * m).sum(),
+        "rollout_k3_kl/tok_sum": k3.sum(),
+        "rollout_abs_diff/tok_sum": delta.abs().sum(),
+        "tokens": m.sum(),
+        "sequences": has.sum().to(dtype),
     }
+
+
+def rollout_mismatch_sums(
+    rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """Sums over a micro-batch: r, o, mask are [B, T]. Sequences with no response token are
+    skipped (they have no mean)."""
+    return as_floats(rollout_mismatch_sum_tensors(rollout_logprobs, trainer_logprobs, mask))
+
+
+def as_floats(sums: dict) -> dict[str, float]:
+    """A sum-dict of 0-d tensors (and floats) as floats, with ONE device-to-host transfer for
+    the tensors: each ``float(t)`` of a CUDA tensor is a host sync of its own."""
+    keys = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
+    out = {k: float(v) for k, v in sums.items() if not isinstance(v, torch.Tensor)}
+    if keys:
+        values = torch.stack([sums[k].detach().to(torch.float64).reshape(()) for k in keys]).tolist()
+        out.update(zip(keys, values))
+    return out
 
 
 def finalize(sums: dict[str, float]) -> dict[str, float]:
@@ -70,9 +89,9 @@ def rollout_mismatch(
     return finalize(rollout_mismatch_sums(rollout_logprobs, trainer_logprobs, mask))
 
 
-def merge_sums(*parts: dict[str, float]) -> dict[str, float]:
-    """Add sum-dicts key by key (micro-batches of one worker)."""
-    out: dict[str, float] = {}
+def merge_sums(*parts: dict) -> dict:
+    """Add sum-dicts key by key (micro-batches of one worker); floats or 0-d tensors."""
+    out: dict = {}
     for part in parts:
         for key, value in part.items():
             out[key] = out.get(key, 0.0) + value

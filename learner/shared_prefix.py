@@ -42,7 +42,8 @@ class SharedPrefixLM(torch.nn.Module):
     ``forward(input_ids, attention_mask, logits_to_keep, shared_prefix=c)`` returns the logits
     of the last ``logits_to_keep`` positions, like the wrapped model's output ``.logits``.
     ``shared_prefix=0`` is the plain forward. Rows must be right-padded (the learner's
-    micro-batches are), so every row's first c tokens are real and at the same positions.
+    micro-batches are), so every row's first c tokens are real and at the same positions;
+    ``attention_mask=None`` is then exact too (learner.passes.make_micro_batches).
     """
 
     def __init__(self, lm: torch.nn.Module):
@@ -52,7 +53,7 @@ class SharedPrefixLM(torch.nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         logits_to_keep: int,
         shared_prefix: int = 0,
     ) -> torch.Tensor:
@@ -64,10 +65,12 @@ class SharedPrefixLM(torch.nn.Module):
             ).logits
         if not 0 < logits_to_keep <= width - c:
             raise ValueError(f"a shared prefix of {c} tokens needs logits_to_keep in (0, {width - c}], got {logits_to_keep}")
-        if bool((input_ids[1:, :c] != input_ids[:1, :c]).any()) or not bool(attention_mask[:, :c].all()):
+        if bool((input_ids[1:, :c] != input_ids[:1, :c]).any()) or (
+                attention_mask is not None and not bool(attention_mask[:, :c].all())):
             raise ValueError(f"rows do not share their first {c} tokens")
         head = self.lm(
-            input_ids=input_ids[:1, :c], attention_mask=attention_mask[:1, :c], use_cache=True, logits_to_keep=1
+            input_ids=input_ids[:1, :c], attention_mask=None if attention_mask is None else attention_mask[:1, :c],
+            use_cache=True, logits_to_keep=1,
         )
         cache = head.past_key_values
         cache.batch_repeat_interleave(input_ids.shape[0])
