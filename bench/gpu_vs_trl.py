@@ -86,8 +86,9 @@ NEW_TOKENS = 384
 PROMPT_TOKENS = 200
 LORA_R, LORA_ALPHA = 32, 64
 LR = 1e-5
-SHAPE_KEYS = ("model", "prompts", "group_size", "tokens", "trl_s_per_step", "counterpoint_s_per_step",
-              "phases_s", "peak_gib", "mfu")
+SHAPE_KEYS = ("model", "prompts", "group_size", "tokens", "trl_s_per_step", "trl_vllm_s_per_step",
+              "counterpoint_s_per_step", "counterpoint_train_s_per_step", "counterpoint_train_modes", "phases_s",
+              "peak_gib", "mfu")
 PHASES = ("gen", "score", "adv", "old_log_prob", "ref", "update_actor", "update_weights")
 
 
@@ -179,7 +180,7 @@ def median(xs: list[float]) -> float | None:
 
 # ---------------------------------------------------------------- counterpoint
 def bench_config(model_dir: Path | str, prompts: int, steps: int, runs_dir: Path | str, gpu: bool = True,
-                 max_tokens: int = NEW_TOKENS):
+                 max_tokens: int = NEW_TOKENS, engine: str = "hf"):
     """The run config of one shape, validated by the schema (also what a `counterpoint train`
     of this shape would take: configs/gpu-bench-4b.yaml)."""
     from config import RunConfig
@@ -187,8 +188,9 @@ def bench_config(model_dir: Path | str, prompts: int, steps: int, runs_dir: Path
     return RunConfig.model_validate({
         "seed": 0,
         "model": {"name_or_path": str(model_dir), "dtype": "bfloat16"},
-        "rollout": {"engine": "hf", "num_gpus": 0.5 if gpu else 0.0, "max_tokens": max_tokens,
-                    "max_lora_rank": LORA_R, "temperature": 1.0, "max_model_len": 2048},
+        "rollout": {"engine": engine, "num_gpus": 0.5 if gpu else 0.0, "max_tokens": max_tokens,
+                    "max_lora_rank": LORA_R, "temperature": 1.0, "max_model_len": 2048,
+                    "gpu_memory_utilization": 0.35, "max_num_seqs": 64},
         "learner": {"use_gpu": gpu, "gpus_per_worker": 0.5, "lora": {"r": LORA_R, "alpha": LORA_ALPHA},
                     "lr": LR, "beta": 0.0, "loss_type": "dapo", "micro_batch_tokens": 8192},
         "trainer": {"steps": steps, "prompts_per_step": prompts, "group_size": GROUP_SIZE, "save_every": 0,
@@ -268,7 +270,8 @@ def run_counterpoint_shape(engine, policy, texts: list[str], prompts: int, steps
 
     from services.orchestrator import RunParts, run_steps
 
-    cfg = bench_config(model_dir, prompts, steps + 1, runs_dir, gpu=gpu, max_tokens=engine_max_tokens(engine))
+    cfg = bench_config(model_dir, prompts, steps + 1, runs_dir, gpu=gpu, max_tokens=engine_max_tokens(engine),
+                       engine=engine.kind)
     records: list[Any] = []
     cases = {f"p{i}": SimpleNamespace(messages=({"role": "user", "content": t},), prefixes=())
              for i, t in enumerate(texts)}
@@ -358,8 +361,9 @@ def counterpoint(args) -> dict[str, Any]:
     for model, prompt_counts in by_model.items():
         t0 = time.perf_counter()
         model_dir = build_model(model, args.tokenizer, args.models / model, device)
-        cfg = bench_config(model_dir, prompt_counts[0], args.steps + 1, args.runs, gpu=gpu, max_tokens=args.new_tokens)
-        engine = make_engine(cfg.model, cfg.rollout, kind="hf", seed=cfg.seed)
+        cfg = bench_config(model_dir, prompt_counts[0], args.steps + 1, args.runs, gpu=gpu, max_tokens=args.new_tokens,
+                           engine=args.engine)
+        engine = make_engine(cfg.model, cfg.rollout, kind=args.engine, seed=cfg.seed)
         policy = PolicyLearner.for_run(cfg, device=device)
         engine.load_adapter(policy.payload(adapter_version(0)))
         version = adapter_version(0)
@@ -398,7 +402,14 @@ def trl(args) -> dict[str, Any]:
     gpu = torch.cuda.is_available() and not args.cpu
     device = "cuda" if gpu else "cpu"
     texts = prompt_texts(args.tokenizer, 64)
-    result: dict[str, Any] = {"system": "trl", "versions": versions(), "shapes": []}
+    result: dict[str, Any] = {"system": "trl-vllm" if args.vllm else "trl", "versions": versions(), "shapes": []}
+    if args.vllm:
+        # TRL's colocated vLLM joins a torch.distributed group of one (../shared/MEASURED.md).
+        from graders.ports import free_port
+
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
+        result["versions"]["vllm"] = md.version("vllm")
 
     class StepTimer(TrainerCallback):
         """Times each optimizer step; stops training once the next step would end past the
@@ -450,13 +461,24 @@ def trl(args) -> dict[str, Any]:
             tok = AutoTokenizer.from_pretrained(str(model_dir))
             lm = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device)
             data = Dataset.from_list([{"prompt": [{"role": "user", "content": t}]} for t in texts])
+            # One optimizer step per step of G x prompts completions: the whole batch at once, or
+            # (--accumulate) one group per micro-step, generated together (steps_per_generation
+            # follows gradient_accumulation_steps).
+            per_device, accum = (GROUP_SIZE, prompts) if args.accumulate else (prompts * GROUP_SIZE, 1)
+            extra: dict[str, Any] = {}
+            if args.checkpointing is not None:
+                extra["gradient_checkpointing"] = args.checkpointing
+            if args.vllm:
+                extra.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_gpu_util,
+                             vllm_max_model_length=2048, generation_kwargs={"min_tokens": args.new_tokens})
+            else:
+                extra["generation_kwargs"] = {"min_new_tokens": args.new_tokens}
             conf = GRPOConfig(
-                output_dir=str(args.runs / f"trl-{model}-{prompts}"), per_device_train_batch_size=prompts * GROUP_SIZE,
-                gradient_accumulation_steps=1, num_generations=GROUP_SIZE, max_completion_length=args.new_tokens,
-                generation_kwargs={"min_new_tokens": args.new_tokens}, temperature=1.0, learning_rate=LR,
-                beta=0.0, loss_type="dapo", max_steps=1 + steps, logging_steps=1, save_strategy="no",
-                report_to="none", bf16=gpu, use_cpu=not gpu, seed=0, disable_tqdm=True,
-                dataloader_num_workers=0,
+                output_dir=str(args.runs / f"trl-{model}-{prompts}"), per_device_train_batch_size=per_device,
+                gradient_accumulation_steps=accum, num_generations=GROUP_SIZE, max_completion_length=args.new_tokens,
+                temperature=1.0, learning_rate=LR, beta=0.0, loss_type="dapo", max_steps=1 + steps, logging_steps=1,
+                save_strategy="no", report_to="none", bf16=gpu, use_cpu=not gpu, seed=0, disable_tqdm=True,
+                dataloader_num_workers=0, **extra,
             )
             peft_cfg = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules="all-linear", task_type="CAUSAL_LM")
             trainer = GRPOTrainer(model=lm, reward_funcs=reward, args=conf, train_dataset=data,
@@ -483,7 +505,8 @@ def trl(args) -> dict[str, Any]:
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
                 mfu=step_model_flops(params, seqs, prompt_len, args.new_tokens) / s_step / peak_flops() if s_step else None,
                 completion_tokens_per_s=seqs * args.new_tokens / s_step if s_step else None,
-                gradient_checkpointing=conf.gradient_checkpointing,
+                gradient_checkpointing=conf.gradient_checkpointing, generation="vllm-colocate" if args.vllm else "generate",
+                per_device_train_batch_size=per_device, gradient_accumulation_steps=accum,
             )
             if timer.stopped_early:
                 row["stopped_early"] = f"{len(timer.steps) - 1} of {steps} timed steps: the call's hard stop came first"
@@ -499,6 +522,102 @@ def trl(args) -> dict[str, Any]:
     return result
 
 
+# ---------------------------------------------------------------- counterpoint train (Ray)
+TRAIN_CONFIG = ROOT / "configs" / "gpu-bench.yaml"
+
+
+def train_overrides(model_dir: Path, prompts: int, mode: str, steps: int, runs_dir: Path) -> list[str]:
+    """`--set`s that turn configs/gpu-bench.yaml into one (shape, mode) of the bench."""
+    return [f"model.name_or_path={model_dir}", f"trainer.prompts_per_step={prompts}", f"trainer.mode={mode}",
+            f"trainer.steps={steps}", f"trainer.runs_dir={runs_dir}"]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+
+
+def train_figures(run: Path, skip: int, mode: str) -> dict[str, Any]:
+    """What a finished `counterpoint train` run directory says about its speed and its samples:
+    s/step and phases (medians of timing.jsonl after ``skip`` warm-up steps), ppl_ratio and
+    staleness per step, and every sample's adapter version against its step's (round rows)."""
+    timing, metrics = read_jsonl(run / "timing.jsonl"), read_jsonl(run / "metrics.jsonl")
+    # The last step is left out too: in one_step_off it has no next generation to overlap with,
+    # so it is shorter than the steady state (and in sync mode it is like the others).
+    kept = timing[skip:-1] or timing
+    samples, off, worst = 0, 0, 0
+    for path in sorted(run.glob("round_*/*.jsonl")):
+        for row in read_jsonl(path):
+            behind = row["step"] - row["adapter_version"]  # version v samples step v when on-policy
+            samples += 1
+            worst = max(worst, behind)
+            off += int(behind != 0)
+    receipt = json.loads((run / "run.json").read_text()) if (run / "run.json").is_file() else {}
+    bound = 0 if mode == "sync" else 1
+    return {
+        "steps_trained": len(timing),
+        "steps_s": [t["total_s"] for t in timing],
+        "s_per_step": median([t["total_s"] for t in kept]),
+        "phases_s": {p: median([t["phases_s"].get(p, 0.0) for t in kept]) for p in PHASES},
+        "ppl_ratio": [m.get("ppl_ratio") for m in metrics],
+        "adapter_staleness": [m.get("adapter_staleness") for m in metrics],
+        "learner_cuda_graphs": [m.get("learner_cuda_graphs") for m in metrics],
+        "gen_tokens": [int(m.get("generated_tokens", 0)) for m in metrics],
+        "samples": samples, "samples_behind": off, "max_behind": worst,
+        "versions_ok": samples > 0 and worst <= bound and (mode != "sync" or off == 0),
+        "status": receipt.get("status"),
+        "rollout_engine": receipt.get("rollout_engine"),
+    }
+
+
+def train_side(args) -> dict[str, Any]:
+    """`counterpoint train` (Ray Serve vLLM replica + Ray Train learner + the gRPC grader, one GPU
+    shared by fractions) per (shape, mode), each a subprocess as a user runs it."""
+    import subprocess
+    import threading
+
+    from bench.multi_gpu import gpu_memory_sampler
+
+    result: dict[str, Any] = {"system": "counterpoint-train", "versions": versions(), "shapes": []}
+    for model, prompts in runs_of(args):
+        model_dir = build_model(model, args.tokenizer, args.models / model, "cuda" if not args.cpu else "cpu")
+        for mode in args.modes:
+            row: dict[str, Any] = {"model": model, "prompts": prompts, "group_size": GROUP_SIZE, "mode": mode}
+            left = args.deadline - time.monotonic()
+            if left < 60:
+                row["skipped"] = "the call's deadline came first"
+                result["shapes"].append(row)
+                save(result, args.out)
+                continue
+            name = f"gpu-bench-{model}-{prompts}x{GROUP_SIZE}-{mode}-{int(time.time())}"
+            sets = train_overrides(model_dir, prompts, mode, args.steps + args.skip + 1, args.runs) + list(args.set)
+            cmd = [sys.executable, "-m", "services.cli", "train", "--config", str(args.config), "--run-name", name,
+                   *sum((["--set", x] for x in sets), [])]
+            row["command"] = "counterpoint " + " ".join(cmd[3:])
+            peaks: dict[int, float] = {}
+            stop = threading.Event()
+            threading.Thread(target=gpu_memory_sampler, args=(stop, peaks), daemon=True).start()
+            t0 = time.monotonic()
+            log_path = (args.out.parent if args.out else Path(".")) / f"{name}.log"
+            with open(log_path, "w") as log_file:
+                try:
+                    rc = subprocess.run(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+                                        timeout=max(left - 20, 30)).returncode
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
+            stop.set()
+            row.update(exit_code=rc, wall_s=time.monotonic() - t0, log=str(log_path),
+                       peak_gpu_mib=max(peaks.values()) if peaks else None)
+            run = args.runs / name
+            if (run / "timing.jsonl").is_file():
+                row.update(train_figures(run, args.skip, mode))
+                timing = read_jsonl(run / "timing.jsonl")
+                row["startup_s"] = row["wall_s"] - sum(t["total_s"] for t in timing)
+            print(f"[train] {json.dumps(row)}", flush=True)
+            result["shapes"].append(row)
+            save(result, args.out)
+    return result
+
+
 # ---------------------------------------------------------------- results
 def runs_of(args) -> list[tuple[str, int]]:
     wanted = [tuple(s.split(":")) for s in args.shapes.split(",")] if args.shapes else RUNS
@@ -511,26 +630,50 @@ def save(result: dict[str, Any], path: Path | None) -> None:
         path.write_text(json.dumps(result, indent=1))
 
 
-def merge(trl_res: dict[str, Any] | None, cp_res: dict[str, Any] | None, command: str) -> dict[str, Any]:
-    """The committed JSON: one row per (model, prompts), null where a side was not measured."""
+def best_train_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The faster mode's row of one shape (both are reported; the headline takes the faster)."""
+    timed = [r for r in rows if r.get("s_per_step")]
+    return min(timed, key=lambda r: r["s_per_step"]) if timed else {}
+
+
+def merge(trl_res: dict[str, Any] | None, cp_res: dict[str, Any] | None, command: str,
+          trl_vllm_res: dict[str, Any] | None = None, train_res: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The committed JSON: one row per (model, prompts), null where a side was not measured.
+    ``phases_s``, ``peak_gib`` and ``mfu`` are `counterpoint train`'s (its faster mode) where it
+    ran, else the one-process loop's."""
     def index(res):
         return {(r["model"], r["prompts"]): r for r in (res or {}).get("shapes", [])}
 
-    trl_rows, cp_rows = index(trl_res), index(cp_res)
+    trl_rows, cp_rows, tv_rows = index(trl_res), index(cp_res), index(trl_vllm_res)
+    train_rows: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in (train_res or {}).get("shapes", []):
+        train_rows.setdefault((r["model"], r["prompts"]), []).append(r)
+    keys = set(trl_rows) | set(cp_rows) | set(tv_rows) | set(train_rows)
     shapes = []
-    for key in [k for k in RUNS if k in trl_rows or k in cp_rows] + sorted((set(trl_rows) | set(cp_rows)) - set(RUNS)):
-        t, c = trl_rows.get(key, {}), cp_rows.get(key, {})
-        gen = c.get("gen_tokens")
+    for key in [k for k in RUNS if k in keys] + sorted(keys - set(RUNS)):
+        t, c, tv = trl_rows.get(key, {}), cp_rows.get(key, {}), tv_rows.get(key, {})
+        modes = {r["mode"]: r.get("s_per_step") for r in train_rows.get(key, [])}
+        best = best_train_row(train_rows.get(key, []))
+        gen = best.get("gen_tokens") or c.get("gen_tokens")
+        peak = best.get("peak_gpu_mib") / 1024 if best.get("peak_gpu_mib") else c.get("peak_gib")
+        mfu = None
+        if best.get("s_per_step") and c.get("params") and c.get("prompt_tokens") and gen:
+            mfu = step_model_flops(c["params"], key[1] * GROUP_SIZE, c["prompt_tokens"],
+                                   statistics.median(gen) / (key[1] * GROUP_SIZE)) / best["s_per_step"] / peak_flops()
         shapes.append({
             "model": key[0], "prompts": key[1], "group_size": GROUP_SIZE,
             "tokens": round(statistics.median(gen[1:])) if gen and len(gen) > 1 else key[1] * GROUP_SIZE * NEW_TOKENS,
             "trl_s_per_step": t.get("s_per_step"),
+            "trl_vllm_s_per_step": tv.get("s_per_step"),
             "counterpoint_s_per_step": c.get("s_per_step"),
-            "phases_s": c.get("phases_s") or {},
-            "peak_gib": c.get("peak_gib"),
-            "mfu": c.get("mfu"),
+            "counterpoint_train_s_per_step": best.get("s_per_step"),
+            "counterpoint_train_modes": {m: v for m, v in modes.items() if v is not None},
+            "phases_s": best.get("phases_s") or c.get("phases_s") or {},
+            "peak_gib": peak,
+            "mfu": mfu if best else c.get("mfu"),
         })
-    vers = {"counterpoint": (cp_res or {}).get("versions", {}), "trl": (trl_res or {}).get("versions", {})}
+    vers = {"counterpoint": (cp_res or {}).get("versions", {}), "trl": (trl_res or {}).get("versions", {}),
+            "trl_vllm": (trl_vllm_res or {}).get("versions", {}), "counterpoint_train": (train_res or {}).get("versions", {})}
     return {"shapes": shapes, "command": command, "versions": vers}
 
 
@@ -543,9 +686,11 @@ def validate_results(doc: dict[str, Any]) -> None:
     for i, row in enumerate(doc["shapes"]):
         if set(row) != set(SHAPE_KEYS):
             raise ValueError(f"shapes[{i}] keys {sorted(row)}, want {sorted(SHAPE_KEYS)}")
-        if not isinstance(row["phases_s"], dict):
-            raise ValueError(f"shapes[{i}].phases_s must be an object")
-        for k in ("trl_s_per_step", "counterpoint_s_per_step", "peak_gib", "mfu"):
+        for k in ("phases_s", "counterpoint_train_modes"):
+            if not isinstance(row[k], dict):
+                raise ValueError(f"shapes[{i}].{k} must be an object")
+        for k in ("trl_s_per_step", "trl_vllm_s_per_step", "counterpoint_s_per_step", "counterpoint_train_s_per_step",
+                  "peak_gib", "mfu"):
             if row[k] is not None and not isinstance(row[k], (int, float)):
                 raise ValueError(f"shapes[{i}].{k} must be a number or null, got {row[k]!r}")
         for k in ("prompts", "group_size", "tokens"):
@@ -557,54 +702,94 @@ def fmt(x, spec=".2f") -> str:
     return "–" if x is None else format(x, spec)
 
 
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def _range(xs) -> str:
+    xs = [x for x in xs or [] if x is not None]
+    return f"{min(xs):.4f}–{max(xs):.4f}" if xs else "–"
+
+
 def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[str, Any] | None,
-             notes: str = "") -> str:
-    """bench/results/gpu-vs-trl.md: the command, the table, the ratio, the details of each side."""
-    t_rows = {(r["model"], r["prompts"]): r for r in (trl_res or {}).get("shapes", [])}
-    c_rows = {(r["model"], r["prompts"]): r for r in (cp_res or {}).get("shapes", [])}
-    lines = ["# counterpoint vs TRL on the H200: the whole GRPO step, one GPU per side (issue 15)", "",
+             notes: str = "", trl_vllm_res: dict[str, Any] | None = None,
+             train_res: dict[str, Any] | None = None) -> str:
+    """bench/results/gpu-vs-trl.md: the command, the headline (counterpoint train against TRL +
+    vLLM), then each side's details; TRL's default generation and the one-process loop as
+    secondary rows."""
+    def rows_of(res):
+        return {(r["model"], r["prompts"]): r for r in (res or {}).get("shapes", [])}
+
+    t_rows, c_rows, tv_rows = rows_of(trl_res), rows_of(cp_res), rows_of(trl_vllm_res)
+    lines = ["# counterpoint vs TRL on one H200: the whole GRPO step", "",
              "Random-init Qwen3 shapes (vocab 151,936, bf16), LoRA r=32 alpha 64 on all linear layers, G=8, "
              "384 new tokens, ~200-token prompts, temperature 1, dapo, beta 0. bench/gpu_vs_trl.py says how.", "",
              "## Command", "", "```", doc["command"], "```", "",
-             "## Per step (medians over the timed steps)", "",
-             "| model | completions | TRL s/step | counterpoint s/step | ratio cp/TRL | gen | score | adv | "
-             "old_log_prob | ref | update_actor | update_weights | peak GiB | MFU (step) | learner MFU | "
-             "completion tok/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "## Per step: `counterpoint train` (Ray) against TRL + vLLM colocate (medians over the timed steps)", "",
+             "| model | completions | TRL + vLLM s/step | counterpoint train s/step | ratio | sync | one_step_off | "
+             "gen | score | update_actor | update_weights | TRL `generate` s/step | one-process loop s/step | "
+             "peak GiB | MFU (step) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in doc["shapes"]:
-        key = (row["model"], row["prompts"])
-        c = c_rows.get(key, {})
-        t_s, c_s = row["trl_s_per_step"], row["counterpoint_s_per_step"]
-        ratio = c_s / t_s if t_s and c_s else None
-        ph = row["phases_s"]
+        ph, modes = row["phases_s"], row["counterpoint_train_modes"]
         lines.append(
-            f"| {row['model']} | {row['prompts']}x{row['group_size']} | {fmt(t_s)} | {fmt(c_s)} | {fmt(ratio, '.3f')} | "
-            + " | ".join(fmt(ph.get(p)) for p in PHASES)
-            + f" | {fmt(row['peak_gib'], '.1f')} | {fmt(row['mfu'], '.4f')} | {fmt(c.get('learner_mfu'), '.4f')} | "
-              f"{fmt(c.get('completion_tokens_per_s'), '.0f')} |")
-    lines += ["", "## TRL (GRPOTrainer, default generation)", "",
+            f"| {row['model']} | {row['prompts']}x{row['group_size']} | {fmt(row['trl_vllm_s_per_step'])} | "
+            f"{fmt(row['counterpoint_train_s_per_step'])} | "
+            f"{fmt(_ratio(row['counterpoint_train_s_per_step'], row['trl_vllm_s_per_step']), '.3f')} | "
+            f"{fmt(modes.get('sync'))} | {fmt(modes.get('one_step_off'))} | "
+            + " | ".join(fmt(ph.get(p)) for p in ("gen", "score", "update_actor", "update_weights"))
+            + f" | {fmt(row['trl_s_per_step'])} | {fmt(row['counterpoint_s_per_step'])} | "
+              f"{fmt(row['peak_gib'], '.1f')} | {fmt(row['mfu'], '.4f')} |")
+    lines += ["", "## counterpoint train (Ray Serve vLLM replica + Ray Train learner + gRPC grader, one GPU)", "",
+              "| model | completions | mode | exit | timed steps s | gen | score | update_actor | update_weights | "
+              "ppl_ratio range | staleness | samples on their step's version (sync) / at most one behind | "
+              "learner graphs | start-up s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in (train_res or {}).get("shapes", []):
+        ph = r.get("phases_s", {})
+        why = r.get("skipped") or ""
+        stale = sorted({int(x) for x in r.get("adapter_staleness", []) if x is not None})
+        lines.append(
+            f"| {r['model']} | {r['prompts']}x{GROUP_SIZE} | {r['mode']} | {r.get('exit_code', '–')} | "
+            f"{', '.join(fmt(x) for x in r.get('steps_s', [])) or why} | "
+            + " | ".join(fmt(ph.get(p)) for p in ("gen", "score", "update_actor", "update_weights"))
+            + f" | {_range(r.get('ppl_ratio'))} | {stale or '–'} | "
+              f"{r.get('samples', 0) - r.get('samples_behind', 0)}/{r.get('samples', 0)} on, max behind "
+              f"{r.get('max_behind', '–')} ({'OK' if r.get('versions_ok') else 'FAIL'}) | "
+              f"{_range(r.get('learner_cuda_graphs'))} | {fmt(r.get('startup_s'), '.0f')} |")
+    lines += ["", "## TRL + vLLM colocate (GRPOTrainer, use_vllm=True, vllm_mode='colocate')", "",
+              "| model | completions | batch | checkpointing | warm-up s | timed steps s | gen (incl. weight sync) | "
+              "score + logprobs | update | peak GiB |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, t in tv_rows.items():
+        ph = t.get("phases_s", {})
+        steps = ", ".join(fmt(x, ".2f") for x in t.get("steps_s", [])) or t.get("skipped") or t.get("error") or ""
+        lines.append(f"| {key[0]} | {key[1]}x{GROUP_SIZE} | {t.get('per_device_train_batch_size', '–')} x "
+                     f"{t.get('gradient_accumulation_steps', '–')} | {t.get('gradient_checkpointing', '–')} | "
+                     f"{fmt(t.get('warmup_s'), '.1f')} | {steps} | {fmt(ph.get('gen'))} | "
+                     f"{fmt(ph.get('score_and_logprobs'))} | {fmt(ph.get('update'))} | {fmt(t.get('peak_gib'), '.1f')} |")
+    lines += ["", "## TRL with its default generation (transformers `generate`), secondary", "",
               "| model | completions | warm-up s | timed steps s | gen | score + logprobs | update | peak GiB | MFU |",
               "|---|---|---|---|---|---|---|---|---|"]
     for key, t in t_rows.items():
         ph = t.get("phases_s", {})
         why = t.get("skipped") or t.get("error") or ""
-        steps = ", ".join(fmt(s, ".1f") for s in t.get("steps_s", []))
+        steps = ", ".join(fmt(x, ".1f") for x in t.get("steps_s", []))
         steps += f" ({t['stopped_early']})" if steps and t.get("stopped_early") else ""
         lines.append(f"| {key[0]} | {key[1]}x{GROUP_SIZE} | {fmt(t.get('warmup_s'), '.1f')} | "
                      f"{steps or why} | {fmt(ph.get('gen'))} | "
                      f"{fmt(ph.get('score_and_logprobs'))} | {fmt(ph.get('update'))} | {fmt(t.get('peak_gib'), '.1f')} | "
                      f"{fmt(t.get('mfu'), '.4f')} |")
-    lines += ["", "## counterpoint (the driver's step loop in one process)", "",
+    lines += ["", "## counterpoint's step loop in one process (no Ray), secondary", "",
               "| model | completions | engine | load s | warm-up s (compile) | timed steps s | tokens per step | "
               "learner tok/s | ppl_ratio range |",
               "|---|---|---|---|---|---|---|---|---|"]
     for key, c in c_rows.items():
         why = c.get("skipped") or c.get("error") or ""
-        ppl = c.get("ppl_ratio") or []
         lines.append(f"| {key[0]} | {key[1]}x{GROUP_SIZE} | {c.get('engine', '')} | {fmt(c.get('load_s'), '.1f')} | "
-                     f"{fmt(c.get('warmup_s'), '.1f')} | {', '.join(fmt(s) for s in c.get('steps_s', [])) or why} | "
+                     f"{fmt(c.get('warmup_s'), '.1f')} | {', '.join(fmt(x) for x in c.get('steps_s', [])) or why} | "
                      f"{', '.join(str(n) for n in c.get('gen_tokens', []))} | {fmt(c.get('learner_tokens_per_s'), '.0f')} | "
-                     f"{fmt(min(ppl), '.4f') if ppl else '–'}–{fmt(max(ppl), '.4f') if ppl else '–'} |")
+                     f"{_range(c.get('ppl_ratio'))} |")
     lines += ["", "## Versions", "", "```", json.dumps(doc["versions"], indent=1), "```"]
     if notes:
         lines += ["", notes.strip()]
@@ -622,19 +807,21 @@ def combine(results: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {**results[0], "shapes": rows}
 
 
-def write_report(trl_res, cp_res, command: str, json_out: Path, md_out: Path, notes: str = "") -> None:
-    doc = merge(trl_res, cp_res, command)
+def write_report(trl_res, cp_res, command: str, json_out: Path, md_out: Path, notes: str = "",
+                 trl_vllm_res=None, train_res=None) -> None:
+    doc = merge(trl_res, cp_res, command, trl_vllm_res, train_res)
     validate_results(doc)
     json_out.write_text(json.dumps(doc, indent=1) + "\n")
-    md_out.write_text(markdown(doc, trl_res, cp_res, notes))
+    md_out.write_text(markdown(doc, trl_res, cp_res, notes, trl_vllm_res, train_res))
     print(f"wrote {json_out} and {md_out}", flush=True)
 
 
 def report(args) -> None:
-    trl_res = combine([json.loads(p.read_text()) for p in args.trl])
-    cp_res = combine([json.loads(p.read_text()) for p in args.counterpoint])
-    write_report(trl_res, cp_res, args.command, args.json_out, args.md_out,
-                 args.notes.read_text() if args.notes else "")
+    def load(paths):
+        return combine([json.loads(p.read_text()) for p in paths])
+
+    write_report(load(args.trl), load(args.counterpoint), args.command, args.json_out, args.md_out,
+                 args.notes.read_text() if args.notes else "", load(args.trl_vllm), load(args.train))
 
 
 # ---------------------------------------------------------------- one call, every GPU
@@ -775,7 +962,7 @@ def _visible_gpus() -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="part", required=True)
-    for name in ("trl", "counterpoint", "all"):
+    for name in ("trl", "counterpoint", "train", "all"):
         p = sub.add_parser(name)
         p.add_argument("--tokenizer", type=Path, default=ROOT / ".devcache" / "tokenizer")
         p.add_argument("--models", type=Path, default=Path("/tmp/gpu-vs-trl/models"))
@@ -785,6 +972,22 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--trl-steps-4x8", type=int, default=5, help="TRL's timed steps on the 4x8 shapes")
         p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
         p.add_argument("--cpu", action="store_true", help="dry run on CPU (use --shapes tiny:1)")
+        if name == "trl":
+            p.add_argument("--vllm", action="store_true", help="generation by vLLM colocated in the trainer's process")
+            p.add_argument("--vllm-gpu-util", type=float, default=0.3, help="TRL's vllm_gpu_memory_utilization")
+            p.add_argument("--accumulate", action="store_true",
+                           help="one group per micro-step, gradient accumulation over the step's groups")
+            ckpt = p.add_mutually_exclusive_group()
+            ckpt.add_argument("--checkpointing", dest="checkpointing", action="store_true", default=None,
+                              help="gradient checkpointing on (TRL's default)")
+            ckpt.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+        if name == "counterpoint":
+            p.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="the rollout engine in the loop")
+        if name == "train":
+            p.add_argument("--config", type=Path, default=TRAIN_CONFIG)
+            p.add_argument("--modes", type=lambda x: x.split(","), default=["sync", "one_step_off"])
+            p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the medians")
+            p.add_argument("--set", action="append", default=[], help="more overrides for every run")
         if name == "all":
             p.add_argument("--out-dir", type=Path, required=True, help="shards, logs and the report go here")
             p.add_argument("--parts", default="trl,counterpoint", type=_parts, help="trl, counterpoint or both")
@@ -800,6 +1003,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("report")
     p.add_argument("--trl", type=Path, nargs="*", default=[], help="TRL result file(s), one per process")
     p.add_argument("--counterpoint", type=Path, nargs="*", default=[], help="counterpoint result file(s)")
+    p.add_argument("--trl-vllm", type=Path, nargs="*", default=[], help="TRL + vLLM result file(s)")
+    p.add_argument("--train", type=Path, nargs="*", default=[], help="`counterpoint train` result file(s)")
     p.add_argument("--command", required=True, help="the device command(s) that produced the inputs")
     p.add_argument("--notes", type=Path, help="markdown appended to the report (findings, profile)")
     p.add_argument("--json-out", type=Path, default=ROOT / "bench" / "results" / "gpu-vs-trl.json")
@@ -814,7 +1019,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_all(args)
     args.deadline = time.monotonic() + args.deadline_s
     args.stop = time.monotonic() + (args.stop_s if args.stop_s is not None else args.deadline_s + 60)
-    result = trl(args) if args.part == "trl" else counterpoint(args)
+    result = {"trl": trl, "counterpoint": counterpoint, "train": train_side}[args.part](args)
     save(result, args.out)
     return 0 if all("error" not in r for r in result["shapes"]) else 1
 

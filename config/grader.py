@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from config.code_exec import CodeExecConfig
+from config.vowel_share import VowelShareConfig
 
 Style = Literal["common-practice", "lead-sheet", "film-ambient"]
 Checker = Literal["reference", "strict"]
@@ -19,7 +20,8 @@ class GraderConfig(BaseModel):
 
     task: str = Field(
         "voice-leading", min_length=1,
-        description="Verifier task: a registered name (graders/tasks.py: 'voice-leading', 'code-exec') or "
+        description="Verifier task: a registered name (graders/tasks.py: 'voice-leading', 'code-exec', "
+        "'vowel-share') or "
         "'module:factory' for an unregistered one the grader process can import.",
     )
     fixture: str | None = Field(
@@ -121,6 +123,11 @@ class GraderConfig(BaseModel):
         default_factory=CodeExecConfig,
         description="The code-exec task's settings (task: code-exec): sandbox limits, isolation, "
         "concurrency per replica, reward sentinel and split, which tasks (config/code_exec.py).",
+    )
+    vowel_share: VowelShareConfig = Field(
+        default_factory=VowelShareConfig,
+        description="The vowel-share task's settings (task: vowel-share, a synthetic reward for speed "
+        "benchmarks): prompt length and pool sizes (config/vowel_share.py).",
     )
 
     @model_validator(mode="after")

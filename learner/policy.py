@@ -251,6 +251,7 @@ class PolicyLearner:
             learning_rate=lr,
             entropy_bonus_active=float(bonus),
             learner_cuda_graphs=float(self.scorer is not None and self.scorer.disabled is None),
+            learner_graph_capture_s=self.scorer.capture_s if self.scorer is not None else 0.0,
             response_tokens=float(batch.num_response_tokens()),
             total_tokens=float(batch.num_total_tokens()),
             sequences=float(len(batch)),

@@ -16,11 +16,10 @@ from rollout.engines.hf_fast import (
     batch_bucket,
     cache_len,
     filter_logits,
-    load_safetensors_bytes,
-    parse_adapter,
     split_rows,
     stop_string_cut,
 )
+from rollout.engines.lora_weights import load_safetensors_bytes, parse_adapter
 from rollout.types import AdapterPayload, Prompt, SamplingParams
 
 MODEL = ModelConfig(name_or_path="tiny-random", dtype="float32")  # configs/smoke.yaml's model

@@ -196,22 +196,38 @@ def test_gpu_bench_config_and_results_follow_their_schemas(tmp_path):
     assert (cfg.trainer.prompts_per_step, cfg.trainer.group_size, cfg.rollout.max_tokens) == (4, 8, 384)
     assert cfg.model.dtype == "bfloat16" and cfg.rollout.engine == "hf" and cfg.learner.use_gpu
     assert cfg.rollout.num_gpus + cfg.learner.gpus_per_worker <= 1  # replica and learner share one GPU
-    # one side measured, the other skipped: the row stays, with nulls where nothing was measured
+    # sides measured or skipped: a row per shape stays, with nulls where nothing was measured
     cp = {"versions": {"torch": "x"}, "shapes": [
         {"model": "qwen3-4b", "prompts": 1, "s_per_step": 4.0, "gen_tokens": [3072, 3070, 3072],
-         "phases_s": {"gen": 2.5, "update_actor": 1.3}, "peak_gib": 52.5, "mfu": 0.04},
+         "phases_s": {"gen": 2.5, "update_actor": 1.3}, "peak_gib": 52.5, "mfu": 0.04, "params": 4_000_000_000,
+         "prompt_tokens": 200.0},
         {"model": "qwen3-0.6b", "prompts": 4, "skipped": "deadline"}]}
     trl = {"versions": {"trl": "1.16.0"}, "shapes": [{"model": "qwen3-4b", "prompts": 1, "s_per_step": 40.0},
                                                        {"model": "qwen3-4b", "prompts": 4, "skipped": "deadline"}]}
-    doc = bench.merge(trl, cp, "python3 bench/gpu_vs_trl.py ...")
+    trl_vllm = {"versions": {"vllm": "0.26.0"}, "shapes": [{"model": "qwen3-4b", "prompts": 1, "s_per_step": 2.5}]}
+    train = {"versions": {}, "shapes": [
+        {"model": "qwen3-4b", "prompts": 1, "mode": "sync", "s_per_step": 2.25, "gen_tokens": [3072, 3072],
+         "phases_s": {"gen": 1.5}, "peak_gpu_mib": 61440},
+        {"model": "qwen3-4b", "prompts": 1, "mode": "one_step_off", "s_per_step": 2.0, "gen_tokens": [3072, 3072],
+         "phases_s": {"gen": 0.1}, "peak_gpu_mib": 71680},
+        {"model": "qwen3-4b", "prompts": 4, "mode": "sync", "skipped": "deadline"}]}
+    doc = bench.merge(trl, cp, "python3 bench/gpu_vs_trl.py ...", trl_vllm, train)
     bench.validate_results(doc)
     rows = {(r["model"], r["prompts"]): r for r in doc["shapes"]}
     assert [(r["model"], r["prompts"]) for r in doc["shapes"]] == [("qwen3-4b", 1), ("qwen3-4b", 4), ("qwen3-0.6b", 4)]
-    assert rows[("qwen3-4b", 1)]["tokens"] == 3071 and rows[("qwen3-4b", 1)]["trl_s_per_step"] == 40.0
+    four = rows[("qwen3-4b", 1)]
+    assert four["tokens"] == 3072 and four["trl_s_per_step"] == 40.0 and four["trl_vllm_s_per_step"] == 2.5
+    # the headline takes the faster mode, its phases and its memory; both modes are kept
+    assert four["counterpoint_train_s_per_step"] == 2.0 and four["counterpoint_train_modes"] == {"sync": 2.25,
+                                                                                                "one_step_off": 2.0}
+    assert four["phases_s"] == {"gen": 0.1} and four["peak_gib"] == 70.0 and four["counterpoint_s_per_step"] == 4.0
+    assert four["mfu"] == pytest.approx(bench.step_model_flops(4_000_000_000, 8, 200.0, 384) / 2.0 / 989e12)
     assert rows[("qwen3-4b", 4)]["counterpoint_s_per_step"] is None and rows[("qwen3-4b", 4)]["tokens"] == 4 * 8 * 384
+    assert rows[("qwen3-4b", 4)]["counterpoint_train_s_per_step"] is None
+    assert rows[("qwen3-4b", 4)]["counterpoint_train_modes"] == {}
     assert rows[("qwen3-0.6b", 4)]["trl_s_per_step"] is None and rows[("qwen3-0.6b", 4)]["mfu"] is None
-    md = bench.markdown(doc, trl, cp)
-    assert "| qwen3-4b | 1x8 | 40.00 | 4.00 | 0.100 |" in md
+    md = bench.markdown(doc, trl, cp, trl_vllm_res=trl_vllm, train_res=train)
+    assert "| qwen3-4b | 1x8 | 2.50 | 2.00 | 0.800 | 2.25 | 2.00 |" in md
     # the writer refuses anything off the schema
     with pytest.raises(ValueError, match="keys"):
         bench.validate_results({**doc, "extra": 1})

