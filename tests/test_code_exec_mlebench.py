@@ -311,6 +311,8 @@ def test_rmsle_rows_by_position_or_by_id(tmp_path):
     assert floats == {"mle-bench": 0.0, "counterpoint": 0.0}  # 1.0 is id 1
     no_id = _both(task, ans.drop(columns=["id"]), ans)
     assert no_id["mle-bench"] == 0.0 and "lack ['id']" in no_id["counterpoint"]
+    text_ids = _both(task, ans.assign(id=["a", "b", "c"]), ans)
+    assert text_ids["mle-bench"] == 0.0 and "ids must be numbers like the test set's, e.g. not 'a'" in text_ids["counterpoint"]
 
 
 def test_rmsle_negative_predictions(tmp_path):

@@ -221,6 +221,9 @@ def align_counterpoint(task, sub: pd.DataFrame, answers: pd.DataFrame) -> Aligne
     if len(sub) != len(answers):
         raise InvalidSubmission(f"{len(sub)} rows, expected {len(answers)}")
     got, want = _id_keys(sub[idc], answers[idc])
+    if got.isna().any():
+        raise InvalidSubmission(f"ids must be numbers like the test set's, e.g. not "
+                                f"'{sub[idc][got.isna()].iloc[0]}'")
     if got.duplicated().any():
         raise InvalidSubmission(f"duplicate ids, e.g. {sub[idc][got.duplicated()].iloc[0]!r}")
     rows = got.get_indexer(want)
