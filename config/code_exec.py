@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Isolation = Literal["none", "namespaces"]
 Split = Literal["val", "test"]
+GradingRules = Literal["mle-bench", "counterpoint"]  # graders/code_exec/grading.py defines both
 
 
 class CodeExecConfig(BaseModel):
@@ -95,6 +96,15 @@ class CodeExecConfig(BaseModel):
         "$COUNTERPOINT_CACHE (or ~/.cache/counterpoint)/code-exec/tasks-seed<seed>."
     )
     seed: int = Field(0, ge=0, description="Seed of the bundled tasks' data and splits.")
+    grading_rules: GradingRules = Field(
+        "mle-bench", description="Rule set grading a task whose task.json names none (a task's "
+        "own `grading_rules` key wins): `mle-bench` = the verdict and metric of MLE-bench's "
+        "grade.py for that metric (pizza AUC, spooky log loss, nomad2018 RMSLE), so a task "
+        "prepared the MLE-bench way grades as MLE-bench grades it; `counterpoint` = the same "
+        "metrics with the documented differences (rows matched by id, ...: "
+        "graders/code_exec/grading.py COUNTERPOINT_DIFFERENCES). The bundled tasks name "
+        "`counterpoint`. Health's `checker` says which rule set grades."
+    )
 
     @field_validator("work_root", "tasks_dir")
     @classmethod

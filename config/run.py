@@ -124,6 +124,25 @@ class RunConfig(BaseModel):
                                  "head when on): trainer.prefix_mode must be 'none'")
         return self
 
+    @model_validator(mode="after")
+    def _learner_reproduces_the_sampling_distribution(self) -> "RunConfig":
+        # The engines return log-probs of the distribution they sampled from, after temperature,
+        # top-k and top-p (vLLM's processed_logprobs, the hf engines' warped logits); the learner
+        # scores log_softmax(logits / temperature) over the whole vocabulary (learner/passes.py).
+        # Under truncation the two differ on every token (top_p 0.9 on smoke: ppl_ratio 1/0.9 each
+        # step), so ppl_ratio, the TIS weights and the PPO ratio would be silently wrong. The eval
+        # section's own top_p/top_k stay free: eval samples never reach the learner.
+        r = self.rollout
+        truncated = [f"rollout.{name}={value}" for name, value, on in
+                     (("top_p", r.top_p, r.top_p < 1), ("top_k", r.top_k, r.top_k > 0)) if on]
+        if truncated:
+            raise ValueError(
+                f"{' and '.join(truncated)} {'are' if len(truncated) > 1 else 'is'} refused: the engines return log-probs of the "
+                "top-p/top-k truncated distribution but the learner computes log_softmax(logits / "
+                "temperature), so ppl_ratio, TIS weights and the PPO ratio would be wrong; train with "
+                "rollout.top_p=1 and rollout.top_k=-1 (eval.top_p / eval.top_k may truncate)")
+        return self
+
 
 class ConfigError(ValueError):
     """A config file or override that does not fit the schema; the message names the key."""
@@ -161,8 +180,12 @@ def config_from_dict(tree: dict[str, Any], source: str = "<dict>") -> RunConfig:
         lines = []
         for e in err.errors():
             loc = ".".join(str(p) for p in e["loc"])
-            lines.append(f"  {loc}: {e['msg']}")
-        raise ConfigError(f"invalid config {source}:\n" + "\n".join(lines)) from None
+            # A model validator's error has no location and pydantic prefixes "Value error, ".
+            msg = e["msg"].removeprefix("Value error, ") if e["type"] == "value_error" else e["msg"]
+            lines.append(f"{loc}: {msg}" if loc else msg)
+        if len(lines) == 1:  # one problem, one line
+            raise ConfigError(f"invalid config {source}: {lines[0]}") from None
+        raise ConfigError(f"invalid config {source}:\n" + "\n".join(f"  {line}" for line in lines)) from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

@@ -66,7 +66,9 @@ class SearchConfig(BaseModel):
     )
     seed: int = Field(
         0, ge=0, description="Seed of the policy's random choices; each expansion draws from "
-        "Random(f'{seed}:{expansion index in the tree}'), so a resumed tree chooses the same way."
+        "Random(f'{run seed}:{seed}:{step}:{expansion index in the tree}'): every round (step) "
+        "draws new coins, also when each round grows a fresh tree, and a resumed run chooses the "
+        "same way."
     )
 
     @model_validator(mode="after")

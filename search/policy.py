@@ -9,8 +9,12 @@ AIDE (Jiang et al. 2025, `aide/agent.py: search_policy`), per expansion:
 
 Counterpoint's one change: an expansion samples N/E siblings from the one (mode, parent) it
 picks, so the siblings share a prompt and form one GRPO group (AIDE grows one node per step).
-The random draw is seeded by (seed, expansion index in the tree): the same tree and config give
-the same choice, in a fresh process or after a resume.
+The random draw comes from a stream keyed on (run seed, search.seed, step, expansion index in
+the tree). AIDE draws every coin from one continuing stream; keyed on the expansion index alone,
+a fresh tree per round (search.carry_tree=false) would restart at expansion 0 and draw the same
+coins every round, so "debug with probability 0.5" would become always or never for a run. With
+the step in the key each round draws new coins, while the same (run seed, step) and tree still
+give the same choice, in a fresh process or after a resume.
 """
 
 from __future__ import annotations
@@ -29,14 +33,16 @@ class Choice:
     reason: str  # which rule fired: initial_drafts | debug | improve_best | no_valid_node
 
 
-def rng_for(cfg: SearchConfig, expansion: int) -> random.Random:
+def rng_for(cfg: SearchConfig, run_seed: int, step: int, expansion: int) -> random.Random:
     # str seeds are hashed with sha512 (not PYTHONHASHSEED): stable across processes.
-    return random.Random(f"{cfg.seed}:{expansion}")
+    return random.Random(f"{run_seed}:{cfg.seed}:{step}:{expansion}")
 
 
-def choose_expansion(tree: Tree, cfg: SearchConfig, expansion: int | None = None) -> Choice:
-    """The (mode, parent) of expansion number `expansion` (default: the tree's next one)."""
-    rng = rng_for(cfg, tree.expansions if expansion is None else expansion)
+def choose_expansion(tree: Tree, cfg: SearchConfig, *, run_seed: int, step: int,
+                     expansion: int | None = None) -> Choice:
+    """The (mode, parent) of expansion number `expansion` (default: the tree's next one) of
+    training step `step` in a run seeded `run_seed` (RunConfig.seed)."""
+    rng = rng_for(cfg, run_seed, step, tree.expansions if expansion is None else expansion)
     if len(tree.draft_nodes()) < cfg.num_drafts:
         return Choice("draft", None, "initial_drafts")
     # Draw whether or not a debuggable node exists, so the stream does not depend on it.

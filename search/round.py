@@ -87,9 +87,10 @@ def _result(res: Any, where: str) -> dict[str, Any]:
 
 
 def grow_round(tree: Tree | None, case: Mapping[str, Any], cfg: SearchConfig, generate: Generate,
-               execute: Execute, round_index: int) -> Round:
+               execute: Execute, round_index: int, *, run_seed: int) -> Round:
     """Grow cfg.expansions_per_round expansions of cfg.siblings nodes each on (a copy of) `tree`
-    (a fresh tree when None) for task `case`; `round_index` is the training step."""
+    (a fresh tree when None) for task `case`; `round_index` is the training step and, with
+    `run_seed` (RunConfig.seed), keys the policy's random stream (search/policy.py)."""
     tree = new_tree(case) if tree is None else tree.copy()
     if tree.task_id != str(case["id"]):
         raise ValueError(f"tree is of task {tree.task_id!r}, case is {case['id']!r}")
@@ -101,7 +102,7 @@ def grow_round(tree: Tree | None, case: Mapping[str, Any], cfg: SearchConfig, ge
     expansions: list[dict[str, Any]] = []
     llm_s = exec_s = 0.0
     for group in range(cfg.expansions_per_round):
-        choice = choose_expansion(tree, cfg)
+        choice = choose_expansion(tree, cfg, run_seed=run_seed, step=round_index)
         parent = tree.get(choice.parent_id) if choice.parent_id else None
         messages = render_prompt(choice.mode, case, parent, cfg, scaffold)
         where = f"step {round_index} expansion {group} ({choice.mode})"

@@ -134,7 +134,8 @@ class TreeRounds:
             scores.extend(got)
             return [result_of(s, text) for s, (_, text) in zip(got, items)]
 
-        rnd = grow_round(self._tree(parts, case_id, step), case, cfg.search, generate, execute, step)
+        rnd = grow_round(self._tree(parts, case_id, step), case, cfg.search, generate, execute, step,
+                         run_seed=cfg.seed)
         self.trees[case_id] = rnd.tree
         self.last = rnd
         if case_id not in self.ladders:

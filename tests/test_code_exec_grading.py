@@ -60,7 +60,7 @@ def _sub_ll(rows=None):
 
 def test_grade_log_loss_splits_val_and_test():
     t = _task("log_loss", "xyz", ["label"], "xyz")
-    g = grade(t, _sub_ll(), _answers_ll())
+    g = grade(t, _sub_ll(), _answers_ll(), "counterpoint")
     assert g.test == pytest.approx(-(math.log(0.8) + math.log(0.6)) / 2)
     assert g.val == pytest.approx(-(math.log(0.7) + math.log(0.5)) / 2)
 
@@ -79,26 +79,26 @@ def test_grade_log_loss_splits_val_and_test():
 def test_invalid_log_loss_submissions(mutate, msg):
     t = _task("log_loss", "xyz", ["label"], "xyz")
     with pytest.raises(InvalidSubmission, match=msg.replace("[", r"\[").replace("]", r"\]")):
-        grade(t, mutate(_sub_ll()), _answers_ll())
+        grade(t, mutate(_sub_ll()), _answers_ll(), "counterpoint")
 
 
 def test_probability_rows_within_tolerance_are_valid():
     t = _task("log_loss", "xyz", ["label"], "xyz")
-    assert grade(t, _sub_ll().assign(x=lambda s: s["x"] + 5e-7), _answers_ll()).test > 0
+    assert grade(t, _sub_ll().assign(x=lambda s: s["x"] + 5e-7), _answers_ll(), "counterpoint").test > 0
 
 
 def test_rmsle_and_auc_checks():
     t = _task("rmsle", ["y1", "y2"], ["y1", "y2"])
     ans = pd.DataFrame({"id": [1, 2], "y1": [1.0, 2.0], "y2": [0.5, 0.1], "split": ["test", "test"]})
     sub = pd.DataFrame({"id": [2, 1], "y1": [2.0, 1.0], "y2": [0.1, 0.5]})
-    assert grade(t, sub, ans).test == 0.0 and grade(t, sub, ans).val is None
+    assert grade(t, sub, ans, "counterpoint").test == 0.0 and grade(t, sub, ans, "counterpoint").val is None
     with pytest.raises(InvalidSubmission, match="negative"):
-        grade(t, sub.assign(y2=[-0.1, 0.5]), ans)
+        grade(t, sub.assign(y2=[-0.1, 0.5]), ans, "counterpoint")
     with pytest.raises(InvalidSubmission, match="NaN or infinite"):
-        grade(t, sub.assign(y1=[np.inf, 1.0]), ans)
+        grade(t, sub.assign(y1=[np.inf, 1.0]), ans, "counterpoint")
     a = _task("roc_auc", ["target"], ["target"])
     ans = pd.DataFrame({"id": [1, 2, 3], "target": [0, 1, 1]})  # no split column: all test
-    g = grade(a, pd.DataFrame({"id": [1, 2, 3], "target": [0.1, 0.9, 0.05]}), ans)
+    g = grade(a, pd.DataFrame({"id": [1, 2, 3], "target": [0.1, 0.9, 0.05]}), ans, "counterpoint")
     assert g.test == pytest.approx(0.5) and g.val is None
 
 

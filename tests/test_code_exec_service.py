@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,6 +59,23 @@ def test_registered_and_health_reports_isolation(client):
     assert (health.task, health.pool_size, health.heldout_pool_size) == ("code-exec", 3, 3)
     assert health.details["isolation"] == detect_isolation()[0] == "namespaces"
     assert health.details["tasks"] == TASKS and health.details["sentinel"] == -0.25
+
+
+def test_health_says_which_grading_rules_grade(client, tasks_dir, tmp_path):
+    """Health's checker (what the run receipt records as checker and grader_health.checker) and
+    details name the rule set; tasks under different rule sets are listed task by task."""
+    health = client.health()
+    assert health.checker == "counterpoint"
+    assert health.details["grading_rules"] == {t: "counterpoint" for t in TASKS}
+    assert health.details["grading_rules_default"] == "mle-bench"
+    assert all(c.details["grading_rules"] == "counterpoint" for c in client.cases(0, "train"))
+    mixed = tmp_path / "tasks"
+    for tid in ("tabular-binary", "docs-topic"):
+        shutil.copytree(Path(tasks_dir) / tid, mixed / tid)
+    tj = mixed / "docs-topic" / "task.json"
+    tj.write_text(json.dumps({k: v for k, v in json.loads(tj.read_text()).items() if k != "grading_rules"}))
+    core = GraderCore(make_task(GraderConfig(task="code-exec", code_exec={"tasks_dir": str(mixed)})))
+    assert core.health_record().checker == "docs-topic=mle-bench,tabular-binary=counterpoint"
 
 
 def test_cases_carry_prompt_and_task_metadata(client):

@@ -92,3 +92,14 @@ def test_malformed_task_dirs_are_named(built, tmp_path):
                                                "answers": "public/answers.csv"}))
     with pytest.raises(TaskError, match="inside public/"):
         load_task(bad)
+
+
+def test_bundled_tasks_name_the_counterpoint_rules_they_describe(built):
+    """The bundled tasks' task.json names `counterpoint` (the rules their descriptions state),
+    whatever grader.code_exec.grading_rules says; the log-loss description states scikit-learn's
+    clipping at the float64 eps, not 1e-15."""
+    tasks = load_tasks(built)
+    assert {t.grading_rules for t in tasks.values()} == {"counterpoint"}
+    assert {t.rules("mle-bench") for t in tasks.values()} == {"counterpoint"}
+    desc = (tasks["docs-topic"].public / "description.md").read_text()
+    assert "within 1e-6" in desc and "eps = 2.2e-16" in desc and "1e-15" not in desc

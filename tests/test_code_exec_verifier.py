@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -126,3 +128,41 @@ def test_a_users_mlebench_style_task_dir_works_unchanged(tmp_path):
         "import pandas as pd\nt = pd.read_csv('test.csv')\n"
         "pd.DataFrame({'id': t['id'], 'y': t['x'] % 2}).to_csv('submission.csv', index=False)"))
     assert (r.status, r.test_metric, r.val_metric, r.reward) == ("ok", 1.0, None, 1.0)
+
+
+def test_an_mlebench_prepared_task_gets_mlebench_verdict_and_metric(tmp_path):
+    """spooky-author-identification as MLE-bench prepares it (one-hot private/test.csv) and a
+    task.json naming no rule set: the default config grades it by MLE-bench's rules, so a script
+    whose rows sum to 1 + 5e-6 scores what MLE-bench's grade.py gives; the same task naming
+    `counterpoint` refuses those rows (its stated 1e-6 bound)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import mlebench_reference as ref
+
+    comp = tmp_path / "tasks" / "spooky-author-identification"
+    (comp / "public").mkdir(parents=True)
+    (comp / "private").mkdir()
+    ids = [f"id{i:05d}" for i in range(30)]
+    answers = pd.DataFrame({"id": ids, **{c: [int(i % 3 == k) for i in range(30)] for k, c in enumerate(ref.CLASSES)}})
+    answers.to_csv(comp / "private" / "test.csv", index=False)
+    pd.DataFrame({"id": ids, "text": ["a"] * 30}).to_csv(comp / "public" / "test.csv", index=False)
+    (comp / "public" / "description.md").write_text("Who wrote it?\n")
+    task_json = {"id": "spooky-author-identification", "metric": "log_loss", "id_column": "id",
+                 "target_columns": ref.CLASSES, "answer_columns": ref.CLASSES, "answers": "private/test.csv"}
+    (comp / "task.json").write_text(json.dumps(task_json))
+    script = _py("import pandas as pd\nt = pd.read_csv('test.csv')\n"
+                 "s = pd.DataFrame({'id': t['id'], 'EAP': 0.5 + 5e-6, 'HPL': 0.3, 'MWS': 0.2})\n"
+                 "s.iloc[::-1].to_csv('submission.csv', index=False)")
+    v = CodeExecTask(CodeExecConfig(tasks_dir=str(tmp_path / "tasks"), timeout_s=20.0, grace_s=0.5))
+    assert v.grading_rules == {"spooky-author-identification": "mle-bench"}
+    assert v.cases()[0]["task"]["grading_rules"] == "mle-bench"
+    r = v.score("spooky-author-identification", script)
+    sub = pd.DataFrame({"id": ids[::-1], "EAP": 0.5 + 5e-6, "HPL": 0.3, "MWS": 0.2})
+    want = ref.spooky_grade(ref.read_csv(io.BytesIO(sub.to_csv(index=False).encode())),
+                            ref.read_csv(comp / "private" / "test.csv"))
+    assert (r.status, r.val_metric) == ("ok", None) and r.test_metric == want
+    (comp / "task.json").write_text(json.dumps({**task_json, "grading_rules": "counterpoint"}))
+    v = CodeExecTask(CodeExecConfig(tasks_dir=str(tmp_path / "tasks"), timeout_s=20.0, grace_s=0.5))
+    r = v.score("spooky-author-identification", script)
+    assert r.status == "invalid_submission" and "do not sum to 1 within 1e-06" in r.message

@@ -86,3 +86,35 @@ def test_gpu_fraction_keeps_one_rank_per_gpu():
     assert load_config(None, ["learner.use_gpu=true", "learner.workers=2", "learner.gpus_per_worker=0.6"])
     with pytest.raises(ConfigError, match="gpus_per_worker"):
         load_config(None, ["learner.use_gpu=true", "learner.workers=2", "learner.gpus_per_worker=0.5"])
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["rollout.top_p=0.9"], "rollout.top_p=0.9 is refused"),
+    (["rollout.top_k=50"], "rollout.top_k=50 is refused"),
+    (["rollout.top_p=0.95", "rollout.top_k=20"], "rollout.top_p=0.95 and rollout.top_k=20 are refused"),
+])
+def test_truncated_rollout_sampling_is_refused_in_one_line(overrides, named):
+    """The engines' log-probs are of the top-p/top-k truncated distribution, the learner's of the
+    full softmax: ppl_ratio, TIS and the PPO ratio would be wrong, so the config refuses it."""
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIGS[0].parent / "smoke.yaml", overrides)
+    text = str(info.value)
+    assert "\n" not in text and named in text and "log_softmax(logits / temperature)" in text
+    assert "ppl_ratio" in text and "rollout.top_p=1 and rollout.top_k=-1" in text
+
+
+def test_untruncated_rollout_and_truncated_eval_sampling_are_accepted():
+    for overrides in (["rollout.top_k=-1"], ["rollout.top_k=0"], ["rollout.top_p=1.0"],
+                      ["eval.top_p=0.9", "eval.top_k=20"]):  # eval samples never reach the learner
+        load_config(CONFIGS[0].parent / "smoke.yaml", overrides)
+
+
+def test_train_dry_run_refuses_top_p_before_anything_starts(tmp_path: Path):
+    from cliharness import cli
+
+    proc = cli("train", "--config", "configs/smoke.yaml", "--set", "rollout.top_p=0.9", "--dry-run",
+               "--set", f"trainer.runs_dir={tmp_path / 'runs'}", timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: invalid config configs/smoke.yaml: rollout.top_p=0.9 is refused")
+    assert not (tmp_path / "runs").exists()

@@ -252,7 +252,7 @@ def _tree_run(root: Path, qualities: list[dict[int, float]], untrained: dict[int
     cfg = SearchConfig(nodes_per_round=4, expansions_per_round=2, num_drafts=2, seed=1)
     tree, rounds = None, []
     for step, quality in enumerate([*qualities, *([untrained] if untrained else [])], start=1):
-        rnd = grow_round(tree, CASE, cfg, _scripted_policy, _scripted_execute(quality), step)
+        rnd = grow_round(tree, CASE, cfg, _scripted_policy, _scripted_execute(quality), step, run_seed=0)
         from search.diagnostics import round_diagnostics
         rnd.summary["diagnostics"] = round_diagnostics(rnd.nodes, rnd.tree, cfg.select_on, {})
         tree = rnd.tree

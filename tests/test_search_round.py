@@ -96,14 +96,16 @@ class Executor:
         return self.verifier.score_many(items)
 
 
-# seed 3: expansion 1 draws debug (0.27 < 0.5, picks the crashed draft), expansion 2 improve (0.81)
+# run seed 3, search seed 3, step 5: expansion 1 draws debug (0.31 < 0.5, picks the crashed
+# draft), expansion 2 improve (0.86); steps 1-2 of SMALL below: debug (0.28), improve (0.81, 0.73)
+RUN_SEED = 3
 CFG = SearchConfig(nodes_per_round=12, expansions_per_round=3, num_drafts=2, seed=3)
 
 
 @pytest.fixture(scope="module")
 def grown(verifier, case):
     policy, execute = ScriptedPolicy(version=4), Executor(verifier)
-    rnd = grow_round(None, case, CFG, policy, execute, round_index=5)
+    rnd = grow_round(None, case, CFG, policy, execute, round_index=5, run_seed=RUN_SEED)
     return rnd, policy, execute
 
 
@@ -210,10 +212,11 @@ SMALL = SearchConfig(nodes_per_round=8, expansions_per_round=2, num_drafts=2, se
 
 
 def test_round_continued_from_a_saved_tree_is_the_same_round(verifier, case):
-    r1 = grow_round(None, case, SMALL, ScriptedPolicy(), Executor(verifier), round_index=1)
+    r1 = grow_round(None, case, SMALL, ScriptedPolicy(), Executor(verifier), 1, run_seed=RUN_SEED)
     saved = r1.tree.dumps()
-    live = grow_round(r1.tree, case, SMALL, ScriptedPolicy(), Executor(verifier), round_index=2)
-    resumed = grow_round(Tree.loads(saved), case, SMALL, ScriptedPolicy(), Executor(verifier), round_index=2)
+    live = grow_round(r1.tree, case, SMALL, ScriptedPolicy(), Executor(verifier), 2, run_seed=RUN_SEED)
+    resumed = grow_round(Tree.loads(saved), case, SMALL, ScriptedPolicy(), Executor(verifier), 2,
+                         run_seed=RUN_SEED)
     assert r1.tree.dumps() == saved  # growing a round never touches the caller's tree
     assert [e["mode"] for e in r1.expansions] == ["draft", "debug"]
     assert [e["mode"] for e in live.expansions] == ["improve", "improve"]
@@ -241,11 +244,12 @@ class Broken:
 def test_collaborators_breaking_the_contract_fail_the_round(verifier, case):
     tiny = SearchConfig(nodes_per_round=4, expansions_per_round=1, num_drafts=1)
     with pytest.raises(RoundError, match="generate returned 3 completions, asked 4"):
-        grow_round(None, case, tiny, Broken(3), Executor(verifier), round_index=1)
+        grow_round(None, case, tiny, Broken(3), Executor(verifier), round_index=1, run_seed=RUN_SEED)
     with pytest.raises(RoundError, match="execute returned 0 results for 4"):
-        grow_round(None, case, tiny, ScriptedPolicy(), lambda items: [], round_index=1)
+        grow_round(None, case, tiny, ScriptedPolicy(), lambda items: [], round_index=1, run_seed=RUN_SEED)
     with pytest.raises(ValueError, match="tree is of task"):
-        grow_round(Tree("docs-topic", "log_loss", "lower"), case, tiny, ScriptedPolicy(), Executor(verifier), 1)
+        grow_round(Tree("docs-topic", "log_loss", "lower"), case, tiny, ScriptedPolicy(), Executor(verifier), 1,
+                   run_seed=RUN_SEED)
 
 
 def test_driver_adapters_give_the_same_round_as_the_verifier(grown, verifier, case):
@@ -263,7 +267,38 @@ def test_driver_adapters_give_the_same_round_as_the_verifier(grown, verifier, ca
                 for (cid, text), r in zip(items, verifier.score_many(items))]
 
     rnd, _, _ = grown
-    again = grow_round(None, case_dict(info), CFG, ScriptedPolicy(version=4), execute, round_index=5)
+    again = grow_round(None, case_dict(info), CFG, ScriptedPolicy(version=4), execute, round_index=5,
+                       run_seed=RUN_SEED)
     keys = ("id", "parent_id", "mode", "status", "reward", "val_metric", "test_metric", "oriented", "code",
             "exc_type", "limits", "isolation", "debug_depth", "n_children")
     assert [[getattr(n, k) for k in keys] for n in again.nodes] == [[getattr(n, k) for k in keys] for n in rnd.nodes]
+
+
+def test_fresh_tree_rounds_toss_new_coins_every_step():
+    """carry_tree false, AIDE's defaults (32 nodes, 4 expansions: 8 drafts, then 3 coins), 120
+    rounds: the debug share of the coin-tossing expansions is debug_prob within 4 binomial
+    standard deviations, for several run seeds, and a round grown again at the same (run seed,
+    step) makes the same choices. Keyed on the expansion alone, each round drew the same three
+    coins: seed 0 debugged in 120 of 120 rounds, seed 2 in 0."""
+    cfg = SearchConfig()
+    case = {"id": TASK, "prompt_messages": [{"role": "user", "content": "task"}],
+            "task": {"metric": "roc_auc", "direction": "higher"}}
+
+    def generate(prompts, n):
+        return [Generation(text=py("x = 1\n"), prompt_token_ids=[1], token_ids=[2], logprobs=[-0.1])] * n
+
+    def execute(items):  # half the siblings crash: a buggy leaf is always there to debug
+        return [{"status": "ok", "reward": 0.4, "val_metric": 0.7, "test_metric": 0.6, "oriented": 0.7}
+                if k % 2 else {"status": "crashed", "reward": -0.5} for k in range(len(items))]
+
+    for run_seed in (0, 1, 2):
+        rounds = [grow_round(None, case, cfg, generate, execute, step, run_seed=run_seed) for step in range(1, 121)]
+        coins = [e["mode"] for r in rounds for e in r.expansions[1:]]
+        n, share = len(coins), coins.count("debug") / len(coins)
+        assert n == 360 and abs(share - cfg.debug_prob) <= 4 * (0.25 / n) ** 0.5, (run_seed, share)
+        again = grow_round(None, case, cfg, generate, execute, 7, run_seed=run_seed)
+
+        def choices(rnd):
+            return [(e["mode"], e["parent_id"], e["reason"]) for e in rnd.expansions]
+
+        assert choices(again) == choices(rounds[6])

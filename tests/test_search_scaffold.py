@@ -104,7 +104,7 @@ def test_grow_round_forces_the_head_stops_the_block_and_runs_head_block_tail():
                  "code": extract_code(c)} for _, c in items]
 
     cfg = SearchConfig(nodes_per_round=4, expansions_per_round=2, num_drafts=2, scaffold=True)
-    rnd = grow_round(None, CASE, cfg, generate, execute, round_index=1)
+    rnd = grow_round(None, CASE, cfg, generate, execute, round_index=1, run_seed=0)
     sc = scaffold_of(TASK)
     assert calls == [{"assistant_prefix": sc.prefix, "stop": sc.stop}] * 2
     assert [c for _, c in runs[:2]] == [sc.completion("M0()"), sc.completion("M1()")]
@@ -116,9 +116,10 @@ def test_grow_round_forces_the_head_stops_the_block_and_runs_head_block_tail():
 
     with pytest.raises(ValueError, match="has no scaffold"):
         grow_round(None, {**CASE, "task": {k: v for k, v in TASK.items() if k != "scaffold"}}, cfg,
-                   generate, execute, round_index=1)
+                   generate, execute, round_index=1, run_seed=0)
     plain = grow_round(None, CASE, SearchConfig(nodes_per_round=2, expansions_per_round=1), 
-                       lambda p, n: [Generation(text="```python\nx\n```")] * n, execute, round_index=1)
+                       lambda p, n: [Generation(text="```python\nx\n```")] * n, execute, round_index=1,
+                       run_seed=0)
     assert plain.nodes[0].assistant_prefix == "" and "model = " not in runs[-1][1]  # switch off: whole scripts
 
 

@@ -29,7 +29,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-BUILD_VERSION = 3  # 2: task.json carries a scaffold; 3: its head ends "model =" (no trailing space)
+# 2: task.json carries a scaffold; 3: its head ends "model =" (no trailing space); 4: task.json
+# names grading_rules "counterpoint" and log loss clips at the float64 eps (scikit-learn's)
+BUILD_VERSION = 4
 FLOAT_FORMAT = "%.6g"
 _TOPIC_GROUPS = {
     "statements": "assert assignment augassign async break class compound continue del else "
@@ -133,7 +135,8 @@ def _metric_text(metric: str, targets: list[str]) -> str:
     if metric == "log_loss":
         return ("Submissions are scored by multi-class log loss. Give one probability per class "
                 f"({', '.join(f'`{c}`' for c in targets)}); each row must sum to 1 (within "
-                "1e-6). Probabilities are clipped to [1e-15, 1 - 1e-15].")
+                "1e-6). Probabilities are clipped to [eps, 1 - eps], eps = 2.2e-16 (the float64 "
+                "machine epsilon, as scikit-learn's log_loss does).")
     return ("Submissions are scored by the mean over the target columns of the root mean "
             "squared logarithmic error, sqrt(mean((log(1 + pred) - log(1 + true))^2)). "
             "Predictions must be >= 0.")
@@ -269,6 +272,7 @@ def build_task(task_id: str, out_dir: Path, seed: int) -> Path:
         "target_columns": targets, "answer_columns": answer_cols,
         **({"classes": classes} if classes else {}),
         "reward": REWARD_MAPS[metric], "answers": "private/answers.csv",
+        "grading_rules": "counterpoint",  # the rules the descriptions above state (grading.py)
         "split_seed": task_seed, "rows": rows, "source": source,
         "build_version": BUILD_VERSION,
         "scaffold": _scaffold(metric, idc, answer_cols, targets, "text" in X.columns),

@@ -12,7 +12,11 @@
   ``admitted`` = status ok, ``verdict`` = status, ``test_metric``; ``details`` holds val_metric,
   oriented, exec_time, term_tail, exc_type, message, isolation, limits and ``worker`` (host:pid
   of the process that ran it).
-- health: the isolation level in force (and why), the limits that matter to callers.
+- health: the isolation level in force (and why), the limits that matter to callers, and which
+  grading rule set grades (graders/code_exec/grading.py): ``checker`` names it (tasks graded
+  under different rule sets: ``task=rules`` pairs), so the run receipt's ``checker`` and
+  ``grader_health.checker`` record it and evals refuse to compare rewards across rule sets;
+  ``details.grading_rules`` maps every task to its rule set.
 
 The factory refuses to build the task (a ValueError naming the cause, so `grader serve` exits 2
 before anything starts and a Serve replica fails its constructor) when the host offers less
@@ -67,7 +71,17 @@ def list_tasks(cfg) -> list[dict]:
     """The tasks' summaries ({"id", "metric", "direction", ...}) from a GraderConfig, without
     starting a sandbox (`grader list --task code-exec`)."""
     ce = cfg.code_exec
-    return [t.summary() for _, t in sorted(load_tasks(resolve_tasks_dir(ce.tasks_dir, ce.seed)).items())]
+    tasks = sorted(load_tasks(resolve_tasks_dir(ce.tasks_dir, ce.seed)).items())
+    return [{**t.summary(), "grading_rules": t.rules(ce.grading_rules)} for _, t in tasks]
+
+
+def rules_checker(grading_rules: dict[str, str]) -> str:
+    """Health's `checker` for code-exec: the one rule set grading every task, else each task's
+    as `task=rules` (comma-separated, by task id)."""
+    names = set(grading_rules.values())
+    if len(names) == 1:
+        return names.pop()
+    return ",".join(f"{tid}={rules}" for tid, rules in sorted(grading_rules.items()))
 
 
 class CodeExecGraderTask:
@@ -88,7 +102,9 @@ class CodeExecGraderTask:
         return TaskInfo(
             pool_size=len(self._cases), heldout_pool_size=len(self._cases),
             pool_source=str(self.verifier.tasks_dir),
-            details={"isolation": sandbox.isolation, "isolation_reason": sandbox.isolation_reason,
+            checker=rules_checker(self.verifier.grading_rules),
+            details={"grading_rules": dict(self.verifier.grading_rules),
+                     "grading_rules_default": cfg.grading_rules,"isolation": sandbox.isolation, "isolation_reason": sandbox.isolation_reason,
                      "min_isolation": cfg.min_isolation, "max_concurrent": cfg.max_concurrent,
                      "queue_wait_s": cfg.queue_wait_s, "timeout_s": cfg.timeout_s,
                      "reward_split": cfg.reward_split, "sentinel": cfg.sentinel,

@@ -1,6 +1,7 @@
 """A code-exec task on disk (MLE-bench layout) and where the bundled ones live.
 
-    <task_dir>/task.json            id, metric, direction, id_column, target_columns, ...
+    <task_dir>/task.json            id, metric, direction, id_column, target_columns,
+                                    grading_rules (mle-bench | counterpoint), ...
     <task_dir>/public/              what a script sees: train.csv, test.csv,
                                     sample_submission.csv, description.md (or the task's own names)
     <task_dir>/private/answers.csv  id, answer column(s) and `split` (val|test) — never copied out
@@ -11,6 +12,11 @@ one submission twice from private/answers.csv: `val_metric` on the val rows (wha
 selects on and, by default, what the reward uses) and `test_metric` on the test rows (what is
 reported). An answers file without a `split` column (e.g. an MLE-bench prepared competition's
 private/test.csv named in task.json) is all test: val_metric is then None.
+
+Grading rules (grading.py): task.json `grading_rules` names the rule set; without it the grader's
+`code_exec.grading_rules` applies (TaskSpec.grading_rules is then None). Log-loss answers are
+either one label column (`answer_columns`, default ["label"]) or one-hot, one column per class
+(`answer_columns` = the classes: MLE-bench's spooky private/test.csv).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from graders.code_exec.grading import METRICS, REWARD_MAPS
+from graders.code_exec.grading import METRICS, REWARD_MAPS, RULE_SETS
 
 
 class TaskError(ValueError):
@@ -44,6 +50,11 @@ class TaskSpec:
     rows: dict = field(default_factory=dict)
     source: str = ""
     scaffold: dict | None = None  # template script for small policies (search/scaffold.py)
+    grading_rules: str | None = None  # as task.json names it; None = code_exec.grading_rules
+
+    def rules(self, default: str) -> str:
+        """The rule set grading this task: its own, else the grader's configured default."""
+        return self.grading_rules or default
 
     @property
     def public(self) -> Path:
@@ -88,12 +99,19 @@ def load_task(task_dir: str | os.PathLike) -> TaskSpec:
     if metric == "roc_auc" and len(targets) != 1:
         raise TaskError(f"{tj}: roc_auc takes one target column, got {list(targets)}")
     answer_cols = tuple(raw.get("answer_columns", ["label"] if metric == "log_loss" else targets))
+    if metric == "log_loss" and len(answer_cols) != 1 and set(answer_cols) != set(classes):
+        raise TaskError(f"{tj}: log_loss answer_columns must be one label column or the classes "
+                        f"(one-hot), got {list(answer_cols)}")
+    rules = raw.get("grading_rules")
+    if rules is not None and rules not in RULE_SETS:
+        raise TaskError(f"{tj}: grading_rules {rules!r} is not one of {list(RULE_SETS)}")
     spec = TaskSpec(
         id=str(raw["id"]), dir=d, metric=metric, direction=direction,
         id_column=raw["id_column"], target_columns=targets, answer_columns=answer_cols,
         classes=classes, reward=reward, answers=raw.get("answers", "private/answers.csv"),
         description=raw.get("description", "description.md"), split_seed=raw.get("split_seed"),
         rows=raw.get("rows", {}), source=raw.get("source", ""), scaffold=raw.get("scaffold"),
+        grading_rules=rules,
     )
     if not spec.public.is_dir():
         raise TaskError(f"{d}: missing public/ directory")

@@ -7,7 +7,6 @@ A plain object for the grader registry: no Ray, no gRPC. The service layer maps
 
 from __future__ import annotations
 
-import io
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -16,7 +15,8 @@ import pandas as pd
 
 from config.code_exec import CodeExecConfig
 from graders.code_exec.extract import extract_code
-from graders.code_exec.grading import InvalidSubmission, grade, oriented, reward_of
+from graders.code_exec.grading import (InvalidSubmission, grade, oriented, parse_submission,
+                                       read_csv_exact, reward_of)
 from graders.code_exec.sandbox import ResourceExhausted, Sandbox  # noqa: F401 (re-export)
 from graders.code_exec.task import TaskSpec, load_tasks, resolve_tasks_dir
 
@@ -83,7 +83,9 @@ class CodeExecTask:
         self.tasks_dir = resolve_tasks_dir(self.cfg.tasks_dir, self.cfg.seed)
         self.tasks: dict[str, TaskSpec] = load_tasks(self.tasks_dir)
         self.sandbox = Sandbox(self.cfg)
-        self._answers = {tid: pd.read_csv(t.answers_path) for tid, t in self.tasks.items()}
+        self._answers = {tid: read_csv_exact(t.answers_path) for tid, t in self.tasks.items()}
+        # which rule set grades each task (grading.py): its task.json's, else the config's
+        self.grading_rules = {tid: t.rules(self.cfg.grading_rules) for tid, t in self.tasks.items()}
 
     @property
     def isolation(self) -> str:
@@ -108,7 +110,8 @@ class CodeExecTask:
                     {"role": "system", "content": SYSTEM_PROMPT.format(timeout=self.cfg.timeout_s)},
                     {"role": "user", "content": user},
                 ],
-                "task": {**t.summary(), **({"scaffold": t.scaffold} if t.scaffold else {})},
+                "task": {**t.summary(), "grading_rules": self.grading_rules[tid],
+                         **({"scaffold": t.scaffold} if t.scaffold else {})},
             })
         return out
 
@@ -139,12 +142,7 @@ class CodeExecTask:
         try:
             if data is None:
                 raise InvalidSubmission(why)
-            try:
-                sub = pd.read_csv(io.BytesIO(data))
-            except Exception as e:  # any parse failure is the submission's
-                raise InvalidSubmission(f"submission.csv is not a readable CSV: "
-                                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
-            g = grade(t, sub, self._answers[case_id])
+            g = grade(t, parse_submission(data), self._answers[case_id], self.grading_rules[case_id])
         except InvalidSubmission as e:
             return self._failed(case_id, "invalid_submission", code, str(e), res)
         use_val = self.cfg.reward_split == "val" and g.val is not None
