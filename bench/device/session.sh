@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# One stage of the GPU bench session on a lent H200 (issue 21). Every call of the session runs
+#   bash bench/device/session.sh K STAGE [ARGS...]
+# carrying .whl/gpu/pK (bench/device/pack.sh made the N pieces; K = 0 carries none), so that the
+# pieces arrive while the first stages already measure what needs no vLLM. The calls must follow
+# each other without idle gaps (a machine goes back after 30 s idle and keeps nothing).
+#
+# Stages (each writes its JSON, logs and a table under $OUT):
+#   learner              build the random-init Qwen3 models, then bench/learner_gpu.py on 4B 1x8 and 4x8
+#                        (eager with a shared prefix / eager / CUDA graphs) and record the learner
+#                        settings the measurement picks in /tmp/cp-choice.env
+#   none                 only take the piece
+#   trl SHAPES [FLAGS]   TRL + vLLM colocate (bench/gpu_vs_trl.py trl --vllm)
+#   loop SHAPES          counterpoint's step loop in one process with the vLLM engine (no Ray)
+#   train SHAPES MODES [--set k=v ...]   `counterpoint train` on Ray (bench/gpu_vs_trl.py train)
+set -uo pipefail
+K=$1; STAGE=$2; shift 2
+OUT=${OUT:-/tmp/cp-out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+  GRPC_ENABLE_FORK_SUPPORT=false TOKENIZERS_PARALLELISM=false COUNTERPOINT_CACHE=/tmp/cp-cache \
+  VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1
+export PYTHONPATH=/tmp/site:$PWD
+MODELS=/tmp/gpu-vs-trl/models RUNS=/tmp/gpu-vs-trl/runs
+TOK=$PWD/.devcache/tokenizer  # carried in the first call: cp -r .devcache/tokenizer /tmp/cp-tok (see below)
+if [ -d "$TOK" ]; then mkdir -p /tmp/cp-tok && cp -r "$TOK" /tmp/cp-tok/; fi
+TOK=/tmp/cp-tok/tokenizer  # later calls need not carry it
+
+# ---- the piece this call carries; everything is installed once the last one is there
+PIECES=/root/cp-pieces
+mkdir -p "$PIECES"
+if [ "$K" != 0 ]; then cp .whl/gpu/p"$K"/* "$PIECES"/ && echo "piece $K in $(du -sh "$PIECES" | cut -f1)"; fi
+if [ -f "$PIECES/PIECES" ] && [ ! -f /tmp/site/.cp-installed ] \
+    && [ "$(ls "$PIECES"/bundle.tar.* | wc -l)" -eq "$(cat "$PIECES/PIECES")" ]; then
+  t0=$(date +%s)
+  cat "$PIECES"/bundle.tar.* > /root/bundle.tar && (cd /root && sha256sum -c "$PIECES/bundle.sha256") || exit 1
+  rm -rf /root/wheels && tar -xf /root/bundle.tar -C /root && rm /root/bundle.tar
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    /root/wheels/*.whl && touch /tmp/site/.cp-installed || exit 1
+  python3 -c "import vllm, ray, trl, grpc; from graders.proto import grader_pb2_grpc; print('installed: vllm', vllm.__version__, 'ray', ray.__version__, 'trl', trl.__version__, 'grpc', grpc.__version__)" || exit 1
+  echo "install took $(( $(date +%s) - t0 )) s"
+fi
+
+bench() { python3 bench/gpu_vs_trl.py "$@" --tokenizer "$TOK" --models "$MODELS" --runs "$RUNS"; }
+choice() { [ -f /tmp/cp-choice.env ] && cat /tmp/cp-choice.env; }
+
+case "$STAGE" in
+  none) ;;
+  learner)
+    nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+    python3 - "$TOK" "$MODELS" <<'PY' || exit 1
+import sys, time
+from pathlib import Path
+sys.path.insert(0, ".")
+from bench.gpu_vs_trl import build_model
+for shape in ("qwen3-4b", "qwen3-0.6b"):
+    t = time.time(); build_model(shape, Path(sys.argv[1]), Path(sys.argv[2]) / shape, "cuda"); print(shape, f"built in {time.time() - t:.0f} s")
+PY
+    for P in "$@"; do
+      python3 bench/learner_gpu.py --model "$MODELS/qwen3-4b" --prompts "$P" --profile \
+        --out "$OUT/learner-4b-$P.json" 2>&1 | tee "$OUT/learner-4b-$P.log" | grep -v "Loading weights"
+    done
+    # Which learner settings the measurement picks for the Ray runs: graphs only where they ran,
+    # matched eager (adapter distance within 1e-2 of eager's movement) and were faster.
+    python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+sets = []
+for f in sorted(Path(sys.argv[1]).glob("learner-4b-*.json")):
+    doc = json.loads(f.read_text()); rows = {r["variant"]: r for r in doc["rows"]}
+    g, e, s = (rows.get(k, {}) for k in ("graphs", "eager", "eager_shared"))
+    ok = g.get("update_s") and e.get("update_s") and g["update_s"] < e["update_s"] \
+        and min(g.get("cuda_graphs") or [0]) == 1 and doc["checks"].get("graphs_vs_eager", 1) < 1e-2
+    if not ok:
+        sets.append("learner.cuda_graphs=false")
+    if not ok and s.get("update_s") and e.get("update_s") and s["update_s"] < e["update_s"]:
+        sets.append("learner.share_prompt_prefix=true")
+Path("/tmp/cp-choice.env").write_text(" ".join(f"--set {x}" for x in dict.fromkeys(sets)))
+print("learner settings for the Ray runs:", Path("/tmp/cp-choice.env").read_text() or "the defaults")
+PY
+    ;;
+  trl)
+    SHAPES=$1; shift
+    for S in ${SHAPES//,/ }; do
+      bench trl --vllm --shapes "$S" --out "$OUT/trl-vllm-${S//:/-}.json" "$@" 2>&1 \
+        | tee "$OUT/trl-vllm-${S//:/-}.log" | grep -E "^\[trl\]|Error|error" | cut -c 1-1500
+    done ;;
+  loop)
+    bench counterpoint --engine vllm --shapes "$1" --out "$OUT/loop.json" 2>&1 | tee "$OUT/loop.log" \
+      | grep -E "^\[counterpoint\]|Error" | cut -c 1-1500 ;;
+  train)
+    SHAPES=$1; MODES=$2; shift 2
+    # shellcheck disable=SC2046
+    bench train --shapes "$SHAPES" --modes "$MODES" --out "$OUT/train-${SHAPES//[:,]/-}-${MODES//,/-}.json" \
+      $(choice) "$@" 2>&1 | grep -E "^\[train\]|Error" | cut -c 1-1200
+    for f in "$RUNS"/gpu-bench-*/logs/driver.log; do [ -f "$f" ] && tail -3 "$f"; done 2>/dev/null | tail -12 ;;
+  *) echo "unknown stage $STAGE"; exit 2 ;;
+esac
+nvidia-smi --query-gpu=memory.used --format=csv,noheader

@@ -1,0 +1,178 @@
+"""The learner's update on one GPU, variant against variant, on the same batches (issue 21, item 3).
+
+    python3 bench/learner_gpu.py --model /tmp/gpu-vs-trl/models/qwen3-4b --prompts 1 \
+        --variants eager_shared,eager,graphs --out $OUT/learner-4b-1.json
+
+Each variant is the PolicyLearner that the Ray Train worker runs, with configs/gpu-bench.yaml's
+learner section and a few overrides:
+- ``eager_shared``: the CUDA path as it was before issue 21: the group's prompt shared
+  (share_prompt_prefix), no graphs;
+- ``eager``: no shared prefix, no graphs;
+- ``graphs``: the update's forward and backward captured as CUDA graphs (learner/graphed.py).
+The batches are random tokens in GRPO groups of G=8, with the bench's shape: ~200 prompt and 384
+response tokens. A step counts what learner/worker.py counts as update_actor, the adapter's
+export included. The first ``--warmup`` steps hold the graph capture and are left out.
+
+Checks: ``graphs`` must end where ``eager`` ends from the same init on the same batches
+(relative distance of the adapters, against the noise floor of eager against eager_shared,
+which differ only in summation order). ``--profile`` adds one profiled step per variant: the
+device's busy time against the step's wall time, and the ops that keep it busy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = {
+    "eager_shared": {"share_prompt_prefix": True, "cuda_graphs": False},
+    "eager": {"share_prompt_prefix": False, "cuda_graphs": False},
+    "graphs": {"share_prompt_prefix": False, "cuda_graphs": True},
+}
+
+
+def learner_config(model: str, prompts: int, overrides: dict, cpu: bool):
+    import yaml
+
+    from config import RunConfig
+
+    tree = yaml.safe_load((ROOT / "configs" / "gpu-bench.yaml").read_text())
+    tree["model"]["name_or_path"] = model
+    tree["trainer"]["prompts_per_step"] = prompts
+    tree["learner"].update(overrides)
+    if cpu:
+        tree["learner"]["use_gpu"] = False
+        tree["model"]["dtype"] = "float32"
+    return RunConfig.model_validate(tree)
+
+
+def batches(n: int, prompts: int, vocab: int, prompt_len: int, response_len: int):
+    from bench.synthetic import grouped_batch
+
+    return [grouped_batch(prompts * 8, 8, prompt_len, (response_len, response_len), vocab, seed=100 + k,
+                          rollout_logprob=-12.0) for k in range(n)]
+
+
+def profile_step(policy, batch, gpu: bool) -> dict:
+    """One step under torch.profiler: wall, the device's busy time (its kernels' sum), top ops."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        policy.step(batch)
+        if gpu:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    attr = "self_device_time_total" if gpu else "self_cpu_time_total"
+    avgs = prof.key_averages()
+    busy = sum(getattr(e, attr, 0.0) for e in avgs if (not gpu) or getattr(e, "device_type", None) is not None)
+    kernels = sum(e.count for e in avgs if getattr(e, attr, 0.0) > 0)
+    top = sorted(avgs, key=lambda e: getattr(e, attr, 0.0), reverse=True)[:10]
+    return {"wall_s": wall, "device_busy_s": busy / 1e6 if gpu else None, "ops_with_time": kernels,
+            "top": [{"name": e.key[:70], "ms": getattr(e, attr, 0.0) / 1e3, "calls": e.count} for e in top]}
+
+
+def run_variant(name: str, args, data) -> tuple[dict, dict]:
+    import torch
+
+    from learner.lora import adapter_state_dict
+    from learner.policy import PolicyLearner
+    from rollout.types import adapter_version
+
+    gpu = torch.cuda.is_available() and not args.cpu
+    cfg = learner_config(str(args.model), args.prompts, VARIANTS[name], args.cpu)
+    if gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    policy = PolicyLearner.for_run(cfg, device="cuda" if gpu else "cpu")
+    load_s = time.perf_counter() - t
+    init = {k: v.clone() for k, v in adapter_state_dict(policy.peft_model).items()}  # CPU tensors are views
+    steps, metrics = [], []
+    for batch in data:
+        t = time.perf_counter()
+        m, phases = policy.step(batch)
+        policy.payload(adapter_version(policy.step_count))  # exported every step, as the worker does
+        if gpu:
+            torch.cuda.synchronize()
+        steps.append(time.perf_counter() - t)
+        metrics.append(m)
+    final = adapter_state_dict(policy.peft_model)
+    row = {"variant": name, "load_s": load_s, "steps_s": steps,
+           "update_s": statistics.median(steps[args.warmup:]) if len(steps) > args.warmup else None,
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+           "loss": [m["loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics],
+           "ppl_ratio": [m["ppl_ratio"] for m in metrics], "cuda_graphs": [m["learner_cuda_graphs"] for m in metrics],
+           "stats": policy.stats()}
+    if args.profile:
+        row["profile"] = profile_step(policy, data[-1], gpu)
+    del policy
+    return row, {"init": init, "final": final}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True, help="a model dir (bench/gpu_vs_trl.py builds them)")
+    ap.add_argument("--prompts", type=int, default=1, help="groups of 8 per step")
+    ap.add_argument("--variants", default="eager_shared,eager,graphs")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=200)
+    ap.add_argument("--response-len", type=int, default=384)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cpu", action="store_true", help="dry run on CPU (a tiny model, short rows)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    from bench.synthetic import relative_gap
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(args.model)).vocab_size
+    data = batches(args.steps, args.prompts, vocab, args.prompt_len, args.response_len)
+    rows, states = [], {}
+    for name in args.variants.split(","):
+        try:
+            row, states[name] = run_variant(name, args, data)
+        except Exception as err:  # noqa: BLE001 - record it, go on with the next variant
+            import traceback
+
+            traceback.print_exc()
+            row = {"variant": name, "error": f"{type(err).__name__}: {err}"[:500]}
+        rows.append(row)
+        print(f"[learner] {json.dumps({k: v for k, v in row.items() if k not in ('profile', 'stats')})}", flush=True)
+    checks = {}
+    if "eager" in states:
+        base = states["eager"]
+        moved = {k: base["final"][k].float() - base["init"][k].float() for k in base["final"]}
+        for name, st in states.items():
+            if name != "eager":
+                checks[f"{name}_vs_eager"] = relative_gap(st["final"], base["final"], moved)
+    doc = {"model": str(args.model), "prompts": args.prompts, "rows": rows, "checks": checks}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1))
+    print(f"{'variant':<14} {'update s':>9} {'steps s':<40} {'peak GiB':>8}")
+    for r in rows:
+        steps = ", ".join(f"{x:.3f}" for x in r.get("steps_s", []))
+        upd = f"{r['update_s']:.3f}" if r.get("update_s") is not None else r.get("error", "-")[:60]
+        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
+        print(f"{r['variant']:<14} {upd:>9} {steps:<40} {peak:>8}")
+        if "profile" in r:
+            p = r["profile"]
+            busy = f"{p['device_busy_s']:.3f}" if p["device_busy_s"] is not None else "-"
+            print(f"{'':<14} profiled step: wall {p['wall_s']:.3f} s, device busy {busy} s, {p['ops_with_time']} ops")
+    print("adapter distance (relative to eager's movement):", json.dumps({k: f"{v:.2e}" for k, v in checks.items()}))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
