@@ -560,6 +560,7 @@ def train_figures(run: Path, skip: int, mode: str) -> dict[str, Any]:
         "phases_s": {p: median([t["phases_s"].get(p, 0.0) for t in kept]) for p in PHASES},
         "ppl_ratio": [m.get("ppl_ratio") for m in metrics],
         "adapter_staleness": [m.get("adapter_staleness") for m in metrics],
+        "generate_s": median([m.get("generate_s", 0.0) for m in metrics[skip:-1] or metrics]),
         "learner_cuda_graphs": [m.get("learner_cuda_graphs") for m in metrics],
         "gen_tokens": [int(m.get("generated_tokens", 0)) for m in metrics],
         "samples": samples, "samples_behind": off, "max_behind": worst,
@@ -741,18 +742,19 @@ def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[s
             + f" | {fmt(row['trl_s_per_step'])} | {fmt(row['counterpoint_s_per_step'])} | "
               f"{fmt(row['peak_gib'], '.1f')} | {fmt(row['mfu'], '.4f')} |")
     lines += ["", "## counterpoint train (Ray Serve vLLM replica + Ray Train learner + gRPC grader, one GPU)", "",
-              "| model | completions | mode | exit | timed steps s | gen | score | update_actor | update_weights | "
-              "ppl_ratio range | staleness | samples on their step's version (sync) / at most one behind | "
-              "learner graphs | start-up s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| model | completions | mode | exit | timed steps s | gen (wait) | generate call | score | update_actor | "
+              "update_weights | ppl_ratio range | staleness | samples on their step's version (sync) / at most one "
+              "behind | learner graphs | start-up s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (train_res or {}).get("shapes", []):
         ph = r.get("phases_s", {})
         why = r.get("skipped") or ""
         stale = sorted({int(x) for x in r.get("adapter_staleness", []) if x is not None})
         lines.append(
             f"| {r['model']} | {r['prompts']}x{GROUP_SIZE} | {r['mode']} | {r.get('exit_code', '–')} | "
-            f"{', '.join(fmt(x) for x in r.get('steps_s', [])) or why} | "
-            + " | ".join(fmt(ph.get(p)) for p in ("gen", "score", "update_actor", "update_weights"))
+            f"{', '.join(fmt(x) for x in r.get('steps_s', [])) or why} | {fmt(ph.get('gen'))} | "
+            f"{fmt(r.get('generate_s'))} | "
+            + " | ".join(fmt(ph.get(p)) for p in ("score", "update_actor", "update_weights"))
             + f" | {_range(r.get('ppl_ratio'))} | {stale or '–'} | "
               f"{r.get('samples', 0) - r.get('samples_behind', 0)}/{r.get('samples', 0)} on, max behind "
               f"{r.get('max_behind', '–')} ({'OK' if r.get('versions_ok') else 'FAIL'}) | "

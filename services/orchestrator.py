@@ -244,7 +244,10 @@ def run_steps(parts: RunParts, first_step: int) -> None:
                 learner_metrics=dict(result.metrics), phases_s=dict(timer.seconds), total_s=live_s,
                 adapter_version=parts.version,
                 extra={"frac_reward_zero_std": frac_reward_zero_std(torch.tensor(rewards), torch.tensor(ro.groups)),
-                       "adapter_staleness": float(staleness)},
+                       "adapter_staleness": float(staleness),
+                       # the generate call's own seconds; with one_step_off the `gen` phase is only
+                       # the wait for it, the rest overlapped the previous update
+                       "generate_s": ro.gen_seconds},
             ))
     finally:
         if pool is not None:

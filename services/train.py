@@ -148,8 +148,10 @@ class StepRecorder:
             "step_seconds": rec.total_s,
             **search_scalars,
         }
-        if rec.phases_s.get("gen"):
-            scalars["tokens_per_second"] = generated / rec.phases_s["gen"]
+        # the generate call's own time: with one_step_off the gen phase is only the wait for it
+        gen_s = rec.extra.get("generate_s") or rec.phases_s.get("gen")
+        if gen_s:
+            scalars["tokens_per_second"] = generated / gen_s
         self.run.append_metrics(rec.step, scalars)
         self.run.append_timing(rec.step, rec.total_s, rec.phases_s)
         self.metrics.record_step(rec.step, scalars, {**rec.phases_s, "total": rec.total_s}, generated, rec.adapter_version)

@@ -118,3 +118,24 @@ def test_train_dry_run_refuses_top_p_before_anything_starts(tmp_path: Path):
     assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith("error: invalid config configs/smoke.yaml: rollout.top_p=0.9 is refused")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("name, overrides, gpus", [
+    ("gpu-bench.yaml", [], 1.0),  # replica and learner share ONE GPU by halves
+    ("gpu-bench.yaml", ["trainer.prompts_per_step=4", "trainer.mode=one_step_off"], 1.0),
+    ("gpu-bench-2gpu.yaml", [], 2.0),  # each on a GPU of its own
+    # two replicas, one per GPU: 0.6 each cannot share one; the learner's 0.4 fits beside either
+    ("gpu-bench-2gpu.yaml", ["rollout.replicas=2", "rollout.num_gpus=0.6", "learner.gpus_per_worker=0.4"], 1.6),
+])
+def test_gpu_bench_placements_reserve_what_the_host_has(name, overrides, gpus):
+    """The GPU bench configs ask Ray for the GPUs their host has (fractions that add up per GPU):
+    a reservation above it would keep a part waiting forever, one below it would leave a GPU idle."""
+    from services.launch import required_resources
+
+    cfg = load_config(CONFIGS[0].parent / name, overrides)
+    assert required_resources(cfg)["GPU"] == pytest.approx(gpus)
+    assert cfg.rollout.engine == "vllm" and cfg.learner.use_gpu and cfg.grader.task == "vowel-share"
+    # every part fits on one GPU, and a replica with a learner beside it leaves it room
+    assert cfg.rollout.num_gpus <= 1 and cfg.learner.gpus_per_worker <= 1
+    if cfg.rollout.num_gpus < 1:
+        assert cfg.rollout.num_gpus + cfg.learner.gpus_per_worker <= 1
