@@ -56,9 +56,10 @@ from bench.gpu_vs_trl import build_model
 for shape in ("qwen3-4b", "qwen3-0.6b"):
     t = time.time(); build_model(shape, Path(sys.argv[1]), Path(sys.argv[2]) / shape, "cuda"); print(shape, f"built in {time.time() - t:.0f} s")
 PY
-    for P in "$@"; do
-      python3 bench/learner_gpu.py --model "$MODELS/qwen3-4b" --prompts "$P" --profile \
-        --out "$OUT/learner-4b-$P.json" 2>&1 | tee "$OUT/learner-4b-$P.log" | grep -v "Loading weights"
+    for P in "$@"; do  # P or P:variants
+      python3 bench/learner_gpu.py --model "$MODELS/qwen3-4b" --prompts "${P%%:*}" --profile \
+        --variants "$( [ "${P#*:}" != "$P" ] && echo "${P#*:}" || echo eager_shared,eager,graphs )" \
+        --out "$OUT/learner-4b-${P%%:*}.json" 2>&1 | tee "$OUT/learner-4b-${P%%:*}.log" | grep -v "Loading weights"
     done
     # Which learner settings the measurement picks for the Ray runs: graphs only where they ran,
     # matched eager (adapter distance within 1e-2 of eager's movement) and were faster.
@@ -79,21 +80,37 @@ Path("/tmp/cp-choice.env").write_text(" ".join(f"--set {x}" for x in dict.fromke
 print("learner settings for the Ray runs:", Path("/tmp/cp-choice.env").read_text() or "the defaults")
 PY
     ;;
-  trl)
-    SHAPES=$1; shift
-    for S in ${SHAPES//,/ }; do
-      bench trl --vllm --shapes "$S" --out "$OUT/trl-vllm-${S//:/-}.json" "$@" 2>&1 \
-        | tee "$OUT/trl-vllm-${S//:/-}.log" | grep -E "^\[trl\]|Error|error" | cut -c 1-1500
-    done ;;
+  trl)  # trl SHAPE FLAGS... [-- FALLBACK FLAGS...]: the fallback runs when the first errs (e.g. out of memory)
+    S=$1; shift; FIRST=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do FIRST+=("$1"); shift; done; [ $# -gt 0 ] && shift
+    f="$OUT/trl-vllm-${S//:/-}.json"
+    bench trl --vllm --shapes "$S" --out "$f" "${FIRST[@]}" 2>&1 | tee "$OUT/trl-vllm-${S//:/-}.log" \
+      | grep -E "^\[trl\]|Error" | cut -c 1-1500
+    if [ $# -gt 0 ] && grep -q '"error"' "$f" 2>/dev/null; then
+      mv "$f" "${f%.json}-first.json"
+      bench trl --vllm --shapes "$S" --out "$f" "$@" 2>&1 | tee -a "$OUT/trl-vllm-${S//:/-}.log" \
+        | grep -E "^\[trl\]|Error" | cut -c 1-1500
+    fi ;;
   loop)
     bench counterpoint --engine vllm --shapes "$1" --out "$OUT/loop.json" 2>&1 | tee "$OUT/loop.log" \
       | grep -E "^\[counterpoint\]|Error" | cut -c 1-1500 ;;
   train)
     SHAPES=$1; MODES=$2; shift 2
     # shellcheck disable=SC2046
-    bench train --shapes "$SHAPES" --modes "$MODES" --out "$OUT/train-${SHAPES//[:,]/-}-${MODES//,/-}.json" \
-      $(choice) "$@" 2>&1 | grep -E "^\[train\]|Error" | cut -c 1-1200
-    for f in "$RUNS"/gpu-bench-*/logs/driver.log; do [ -f "$f" ] && tail -3 "$f"; done 2>/dev/null | tail -12 ;;
+    f="$OUT/train-${SHAPES//[:,]/-}-${MODES//,/-}.json"
+    bench train --shapes "$SHAPES" --modes "$MODES" --out "$f" $(choice) "$@" 2>&1 | grep -E "^\[train\]|Error" \
+      | cut -c 1-1200
+    # a run that failed: the end of its driver log, where the cause is
+    python3 - "$f" "$RUNS" <<'PY'
+import json, sys
+from pathlib import Path
+for row in json.loads(Path(sys.argv[1]).read_text())["shapes"]:
+    if row.get("exit_code") not in (0, None):
+        name = Path(row["log"]).stem
+        log = Path(sys.argv[2]) / name / "logs" / "driver.log"
+        text = (log if log.is_file() else Path(row["log"])).read_text().splitlines()
+        print(f"--- {name} exit {row['exit_code']}:", *text[-40:], sep="\n")
+PY
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=memory.used --format=csv,noheader

@@ -35,6 +35,14 @@ def make_engine(
 
     model_dir = resolve_model(model_cfg)
     chosen = resolve_kind(kind or rollout_cfg.engine)
+    if chosen == "hf" and (kind or rollout_cfg.engine) == "auto" and rollout_cfg.num_gpus > 0:
+        import logging
+
+        # A GPU replica without vLLM still runs (the transformers fast path), but far slower on
+        # most shapes: say so where the run's log and the receipt (rollout_engine) show it.
+        logging.getLogger(__name__).warning(
+            "rollout.engine=auto on a GPU replica: vLLM is not installed, so the transformers engine samples "
+            "(pip install 'counterpoint[vllm]'; pyproject.toml names the vLLM for each torch/CUDA)")
     if chosen == "vllm":
         from rollout.engines.vllm_engine import VllmEngine
 
