@@ -82,11 +82,14 @@ class LearnerConfig(BaseModel):
         "shared prefix cannot be captured as a CUDA graph (cuda_graphs)."
     )
     cuda_graphs: bool = Field(
-        True, description="On a CUDA worker, capture the update's forward and backward as CUDA graphs, "
-        "one per micro-batch shape, and replay them (learner/graphed.py): eagerly, peft's LoRA layers "
-        "keep the GPU waiting on Python's kernel launches. Applies with one worker, no DeepSpeed, no "
-        "gradient checkpointing, LoRA dropout 0 and no shared prompt prefix; a capture that fails is "
-        "reported once and the update runs eagerly (metric learner_cuda_graphs)."
+        False, description="On a CUDA worker, capture the update's forward and backward as CUDA graphs, "
+        "one per micro-batch shape, and replay them (learner/graphed.py), so Python's kernel launches "
+        "stop pacing the GPU. Off by default, by measurement: on the H200 at Qwen3-4B shapes the update "
+        "was already device-bound once its host syncs were gone (1x8: 0.711 s with graphs, 0.719 s "
+        "without; 4x8: 1.645 vs 1.507 s; bench/results/gpu-learner.md); smaller models may gain. Applies "
+        "with one worker, no DeepSpeed, no gradient checkpointing, LoRA dropout 0 and no shared prompt "
+        "prefix; a capture that fails is reported once and the update runs eagerly (metric "
+        "learner_cuda_graphs)."
     )
     graph_pad_tokens: int = Field(
         64, ge=1, description="With cuda_graphs: micro-batch widths are padded up, and their first "

@@ -105,6 +105,9 @@ class LearnerJob:
     """The learner as the orchestrator sees it: start, step, save_checkpoint, stop."""
 
     def __init__(self, run_cfg, run_dir: Path, init_adapter: Path | None = None, resume_from: Path | None = None):
+        """StepResult.adapter and InitInfo.init_payload come back as AdapterRefs: the payload
+        stays in the object store, owned by the rank-0 worker (learner/worker.py), fetchable
+        until ``stop()``."""
         self.run_cfg = run_cfg
         # Absolute: the Train workers run in their own working directory (Ray's session dir).
         self.run_dir = Path(run_dir).resolve()

@@ -113,12 +113,49 @@ def adapter_config_dict(peft_model) -> dict:
     return json.loads(json.dumps(cfg, default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
 
 
-def adapter_payload(peft_model, version: int, dtype: torch.dtype | None = None) -> AdapterPayload:
-    from safetensors.torch import save
+_ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 
+
+def safetensors_bytes(state: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """The safetensors file of ``state``, as safetensors.torch.save writes it (an 8-byte header
+    length, a JSON header of dtype, shape and byte range per tensor, then the raw data), built
+    from ONE flat buffer per dtype that crosses to the host in one copy. safetensors' own save
+    clones every tensor on the host first and refuses views of one buffer: for the 4B r=32
+    adapter that was 504 clones and two more full copies, ~0.1 s of every update on the H200
+    (bench/results/gpu-vs-trl.md). Read back by safetensors itself (tests/test_learner_lora.py)."""
+    import json
+    import struct
+
+    names = sorted(state)
+    groups: dict[torch.dtype, list[str]] = {}
+    for name in names:
+        if state[name].dtype not in _ST_NAMES:
+            raise ValueError(f"{name}: dtype {state[name].dtype} has no safetensors name here")
+        groups.setdefault(state[name].dtype, []).append(name)
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    chunks, offset = [], 0
+    # wider dtypes first: every tensor's offset is then a multiple of its item size
+    for dtype in sorted(groups, key=lambda d: -d.itemsize):
+        flat = torch.cat([state[n].detach().reshape(-1) for n in groups[dtype]]).to("cpu")
+        chunks.append(flat.view(torch.uint8).numpy())
+        for n in groups[dtype]:
+            size = state[n].numel() * dtype.itemsize
+            header[n] = {"dtype": _ST_NAMES[dtype], "shape": list(state[n].shape), "data_offsets": [offset, offset + size]}
+            offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned
+    return b"".join([struct.pack("<Q", len(text)), text, *chunks])
+
+
+def adapter_payload(peft_model, version: int, dtype: torch.dtype | None = None) -> AdapterPayload:
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(peft_model)
+    if dtype is not None:
+        state = {k: v.detach().to(dtype) for k, v in state.items()}
     return AdapterPayload(
         version=version,
-        safetensors=save(adapter_state_dict(peft_model, dtype), metadata={"format": "pt"}),
+        safetensors=safetensors_bytes(state, metadata={"format": "pt"}),
         config=adapter_config_dict(peft_model),
     )
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.types import AdapterPayload
+from rollout.types import AdapterPayload, AdapterRef
 
 
 @dataclass
@@ -95,7 +95,7 @@ class InitInfo:
     """
 
     adapter_sha256: str
-    init_payload: AdapterPayload
+    init_payload: AdapterPayload | AdapterRef  # a ref from the Ray workers (learner/worker.py)
     step: int
     lr_rebase_note: str | None = None
     data_position: dict[str, Any] | None = None
@@ -106,4 +106,4 @@ class InitInfo:
 class StepResult:
     metrics: dict[str, float]
     phases_s: dict[str, float]  # old_log_prob, ref, update_actor (seconds)
-    adapter: AdapterPayload  # version = adapter_version(steps trained) = the next step to sample
+    adapter: AdapterPayload | AdapterRef  # version = adapter_version(steps trained) = the next step to sample

@@ -23,7 +23,16 @@ from learner.commands import Answer, Command, Failed, Init, Save, Saved, Step, S
 from learner.lora import save_adapter
 from learner.policy import PolicyLearner, PolicySpec
 from learner.types import InitInfo, StepResult
-from rollout.types import adapter_version
+from rollout.types import AdapterRef, adapter_version
+
+
+def left_in_store(payload) -> AdapterRef:
+    """The payload put in Ray's object store by this worker; the driver gets only its ref.
+    The worker owns the object (Ray 2.56 removed ray.put's `_owner`): it is fetchable while
+    this worker lives, i.e. for the whole run; whoever needs it after fetches it first."""
+    import ray
+
+    return AdapterRef(version=payload.version, box=[ray.put(payload)])
 
 
 def handle(learner: PolicyLearner, cmd: Command, run_dir: Path) -> Answer:
@@ -36,7 +45,8 @@ def handle(learner: PolicyLearner, cmd: Command, run_dir: Path) -> Answer:
         sha = learner.resumed_sha256
         if sha is None:  # fresh run (seeded init or --init-adapter): record what we start from
             sha = learner.save_init_adapter(run_dir / "adapters" / "init")
-        return InitInfo(adapter_sha256=sha, init_payload=learner.payload(adapter_version(learner.step_count)), step=learner.step_count,
+        return InitInfo(adapter_sha256=sha, init_payload=left_in_store(learner.payload(adapter_version(learner.step_count))),
+                        step=learner.step_count,
                         lr_rebase_note=learner.lr_rebase_note, data_position=learner.data_position,
                         init_is_identity=learner.init_is_identity)
     if isinstance(cmd, Step):
@@ -45,7 +55,7 @@ def handle(learner: PolicyLearner, cmd: Command, run_dir: Path) -> Answer:
         if learner.rank != 0:
             return None
         t = time.perf_counter()
-        adapter = learner.payload(adapter_version(learner.step_count))
+        adapter = left_in_store(learner.payload(adapter_version(learner.step_count)))
         phases["update_actor"] += time.perf_counter() - t  # exporting the adapter is part of it
         return StepResult(metrics=metrics, phases_s=phases, adapter=adapter)
     if isinstance(cmd, Save):

@@ -34,7 +34,7 @@ from ray import serve
 
 from config.rollout import ModelConfig, RolloutConfig
 from rollout.registry import AdapterUnavailableError, RegistryState
-from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
+from rollout.types import AdapterPayload, AdapterRef, Prompt, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +318,12 @@ class RolloutClient:
                 samples.append(s)
         return samples
 
-    def publish(self, payload: AdapterPayload) -> int:
+    def publish(self, payload: AdapterPayload | AdapterRef) -> int:
+        """Register the adapter as the latest version. A payload the learner left in the object
+        store (AdapterRef) is registered by its ref: the bytes never come through here; the
+        replicas validate what they load."""
+        if isinstance(payload, AdapterRef):
+            return ray.get(self.registry.publish.remote(payload.version, payload.box))
         return publish_adapter(payload, self.registry)
 
     def sync(self, version: int, timeout: float | None = None, expected: int | None = None) -> float:

@@ -81,3 +81,29 @@ class AdapterPayload:
     version: int
     safetensors: bytes
     config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """An AdapterPayload left in Ray's object store by the process that made it (the learner's
+    rank 0), as the driver sees it: the version, and the ref boxed in a list so that Ray hands
+    the ref on rather than the value. The driver publishes the ref to the adapter registry and
+    the replicas fetch it once, so a 4B r=32 adapter (126 MiB in bf16) no longer crosses the
+    coordinator, the driver and a second put on its way (bench/results/gpu-vs-trl.md).
+    ``fetch()`` (and ``safetensors``/``config``) get the payload itself, for whoever needs it."""
+
+    version: int
+    box: list
+
+    def fetch(self) -> AdapterPayload:
+        import ray
+
+        return ray.get(self.box[0])
+
+    @property
+    def safetensors(self) -> bytes:
+        return self.fetch().safetensors
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.fetch().config

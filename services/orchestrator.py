@@ -27,7 +27,7 @@ import torch
 
 from learner.advantages import compute_advantages, frac_reward_zero_std
 from learner.types import TrainBatch
-from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
+from rollout.types import AdapterPayload, AdapterRef, Prompt, Sample, SamplingParams
 from config import RunConfig
 from graders.spread import score_spread
 from services.step_timer import PhaseTimer
@@ -42,7 +42,7 @@ class Grader(Protocol):
 
 class Rollout(Protocol):
     def generate(self, prompts: list[Prompt], params: SamplingParams, version: int) -> list[Sample]: ...
-    def publish(self, payload: AdapterPayload) -> None: ...
+    def publish(self, payload: AdapterPayload | AdapterRef) -> None: ...
     def sync(self, version: int) -> float: ...
 
 

@@ -69,6 +69,8 @@ def learner_cfg(model_dir, **learner) -> RunConfig:
 
 
 def step_of(model_dir, capture=None, steps: int = 1, **learner):
+    if capture is not None:
+        learner.setdefault("cuda_graphs", True)  # off by default (measured); on where a capture is given
     policy = PolicyLearner.for_run(learner_cfg(model_dir, **learner), graph_capture=capture)
     batch = two_groups(torch.Generator().manual_seed(3))
     for _ in range(steps):

@@ -151,3 +151,39 @@ def test_flat_copy_gives_the_same_payload_bytes():
     assert save(copied, metadata={"format": "pt"}) == save(tensors, metadata={"format": "pt"})
     assert copied["layer.0.lora_A.weight"].untyped_storage().data_ptr() != \
         copied["layer.0.lora_B.weight"].untyped_storage().data_ptr()  # no shared storage
+
+
+def test_safetensors_bytes_are_read_back_by_safetensors_itself(tmp_path):
+    """The payload's own writer (one flat buffer per dtype, no per-tensor clone) writes files
+    safetensors reads: every tensor back bit for bit, odd sizes and mixed dtypes included, the
+    metadata kept, each tensor's offset a multiple of its item size."""
+    import struct
+
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    from learner.lora import safetensors_bytes
+    from rollout.engines.lora_weights import load_safetensors_bytes
+
+    g = torch.Generator().manual_seed(0)
+    state = {"b.half": torch.randn(3, 5, generator=g).to(torch.bfloat16), "a.odd": torch.randn(7, generator=g),
+             "c.f16": torch.randn(1, 3, generator=g).to(torch.float16), "d.big": torch.randn(4, 33, generator=g),
+             "e.view": torch.randn(6, 6, generator=g)[:, :2]}  # not contiguous
+    data = safetensors_bytes(state, metadata={"format": "pt"})
+    back = load(data)
+    assert set(back) == set(state)
+    for name, want in state.items():
+        assert back[name].dtype == want.dtype and torch.equal(back[name], want), name
+    assert set(load(save({k: v.contiguous() for k, v in state.items()}))) == set(back)
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(data)
+    with safe_open(str(path), framework="pt") as fh:
+        assert fh.metadata() == {"format": "pt"}
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    assert n % 8 == 0
+    for name, info in header.items():
+        if name != "__metadata__":
+            assert info["data_offsets"][0] % state[name].element_size() == 0, name
+    ours = load_safetensors_bytes(data)
+    assert all(torch.equal(ours[k], state[k]) for k in state)
