@@ -305,3 +305,32 @@ def test_exc_type_parsing():
     assert sb.exc_type_of("  File \"x\"\n    (\n    ^\nSyntaxError: '(' was never closed\n", 1) == "SyntaxError"
     assert sb.exc_type_of("", -9) == "SIGKILL"
     assert sb.exc_type_of("nothing", 3) is None
+
+
+def test_read_regular_gives_a_reason_for_every_kind_of_file(tmp_path):
+    """Whatever sits at the collected path is a reason, never an exception (os.mkdir of
+    submission.csv used to raise IsADirectoryError out of the grader)."""
+    (tmp_path / "dir").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(str(tmp_path / "sock"))
+    (tmp_path / "big").write_bytes(b"x" * 101)
+    (tmp_path / "ok").write_bytes(b"id,y\n1,2\n")
+    os.symlink(tmp_path / "ok", tmp_path / "link")
+    try:
+        got = {name: sb.read_regular(str(tmp_path / name), 100) for name in
+               ("dir", "fifo", "sock", "big", "ok", "link", "missing")}
+        got["device"] = sb.read_regular("/dev/zero", 100)  # a node the script cannot make, read all the same
+        # procfs reports size 0 and then reads bytes: a file whose size changes under the read
+        got["grows"] = sb.read_regular("/proc/self/status", 1 << 20)
+    finally:
+        unix.close()
+    assert got["ok"] == (b"id,y\n1,2\n", None)
+    for name in ("dir", "fifo"):
+        assert got[name] == (None, f"{name} is not a regular file"), name
+    assert got["device"] == (None, "zero is not a regular file")
+    assert got["sock"][0] is None and "cannot be opened safely" in got["sock"][1]
+    assert got["link"][0] is None and "cannot be opened safely" in got["link"][1]
+    assert got["big"] == (None, "big is 101 bytes (limit 100)")
+    assert got["missing"] == (None, "no missing written")
+    assert got["grows"][0] is None and "changed while it was read" in got["grows"][1]

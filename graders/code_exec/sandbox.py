@@ -569,19 +569,43 @@ class Sandbox:
 
 
 def read_regular(path: str, max_bytes: int) -> tuple[bytes | None, str | None]:
-    """Bytes of a file the script wrote, never following a link: (data, None) or (None, why)."""
+    """Bytes of a file the script left: (data, None) or (None, why), never an exception.
+
+    Whatever the script put at `path` (a directory, FIFO, socket, device node, symlink, a file
+    it keeps growing or truncating, one it made unreadable) is that script's invalid submission,
+    not the grader's failure: every OSError becomes a reason. Links are never followed
+    (O_NOFOLLOW), a FIFO never blocks the open (O_NONBLOCK), the type is checked on the open
+    descriptor (fstat: no race with a rename), at most max_bytes + 1 bytes are read, and a size
+    that differs before, during or after the read is refused rather than half-read."""
     import stat
 
+    name = os.path.basename(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        return None, f"no {os.path.basename(path)} written"
+        return None, f"no {name} written"
     except OSError as e:
-        return None, f"{os.path.basename(path)} cannot be opened safely ({e.strerror})"
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
+        return None, f"{name} cannot be opened safely ({e.strerror})"
+    try:
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            return None, f"{os.path.basename(path)} is not a regular file"
+            return None, f"{name} is not a regular file"
         if st.st_size > max_bytes:
-            return None, f"{os.path.basename(path)} is {st.st_size} bytes (limit {max_bytes})"
-        return f.read(max_bytes + 1)[:max_bytes], None
+            return None, f"{name} is {st.st_size} bytes (limit {max_bytes})"
+        chunks, got = [], 0
+        while got <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        after = os.fstat(fd)
+    except OSError as e:
+        return None, f"{name} cannot be read ({e.strerror})"
+    finally:
+        os.close(fd)
+    if got > max_bytes:
+        return None, f"{name} grew past {max_bytes} bytes while it was read"
+    if got != st.st_size or (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+        return None, f"{name} changed while it was read ({st.st_size} bytes, then {got} read, then {after.st_size})"
+    return b"".join(chunks), None
