@@ -71,7 +71,7 @@ class GraderConfig(BaseModel):
         None, ge=1,
         description="Memory reserved per grader replica (Ray's `memory` resource, MiB; None = "
         "none reserved). For code-exec, about code_exec.max_concurrent x (interpreter baseline "
-        "+ code_exec.memory_mb): Ray then places no more replicas on a node than it can hold.",
+        "+ code_exec.memory_mb + code_exec.workspace_mb + 2 x code_exec.tmp_mb, the tmpfs): Ray then places no more replicas on a node than it can hold.",
     )
     host: str = Field("127.0.0.1", description="Bind address of a grader server.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free one).")

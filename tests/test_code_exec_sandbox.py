@@ -334,3 +334,37 @@ def test_read_regular_gives_a_reason_for_every_kind_of_file(tmp_path):
     assert got["big"] == (None, "big is 101 bytes (limit 100)")
     assert got["missing"] == (None, "no missing written")
     assert got["grows"][0] is None and "changed while it was read" in got["grows"][1]
+
+
+def test_workspace_quota_is_enospc_for_bytes_and_for_files():
+    """The workspace is bounded in total, not per file (RLIMIT_FSIZE): 1 MiB files past
+    workspace_mb fail with ENOSPC, and so do empty files past workspace_files. The loops stop
+    at 3x the quota so the test cannot fill the host's disk where no quota holds."""
+    box = sb.Sandbox(_cfg(workspace_mb=8, workspace_files=64))
+    code = (
+        "import errno, os\n"
+        "written = 0\n"
+        "for i in range(24):\n"
+        "    try:\n"
+        "        with open(f'big{i}', 'wb') as f:\n"
+        "            f.write(b'x' * 2**20)\n"
+        "        written += 2**20\n"
+        "    except OSError as e:\n"
+        "        print('bytes', errno.errorcode[e.errno], written)\n"
+        "        break\n"
+        "for name in os.listdir('.'):\n"
+        "    os.remove(name)\n"
+        "for i in range(192):\n"
+        "    try:\n"
+        "        open(f'f{i}', 'w').close()\n"
+        "    except OSError as e:\n"
+        "        print('files', errno.errorcode[e.errno], i)\n"
+        "        break\n"
+        "print('end')\n"
+    )
+    res, _, _ = box.run(code, None)
+    assert res.outcome == "ok" and "end" in res.tail, res.tail
+    words = {line.split()[0]: line.split()[1:] for line in res.tail.splitlines() if line.startswith(("bytes", "files"))}
+    assert words["bytes"][0] == "ENOSPC" and int(words["bytes"][1]) < 8 * 2**20, res.tail
+    assert words["files"][0] == "ENOSPC" and int(words["files"][1]) < 64, res.tail
+    assert res.limits["workspace_bytes"] == 8 * 2**20 and res.limits["workspace_files"] == 64

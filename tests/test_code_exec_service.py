@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -178,6 +179,15 @@ def test_below_min_isolation_refuses_to_start(tasks_dir):
     run = cli("grader", "serve", "--task", "code-exec", "--port", "0",
               "--set", f"code_exec.tasks_dir={tasks_dir}", "--set", "code_exec.isolation=none", timeout=120)
     assert run.returncode == 2 and "code-exec refuses to start" in run.stderr and "serving" not in run.stdout
+
+
+def test_task_files_larger_than_the_workspace_refuse_to_start(tasks_dir, tmp_path):
+    big = Path(shutil.copytree(tasks_dir, tmp_path / "tasks"))
+    (big / "docs-topic" / "public" / "extra.bin").write_bytes(b"\0" * (2 * 2**20))
+    run = cli("grader", "serve", "--task", "code-exec", "--port", "0", "--set", f"code_exec.tasks_dir={big}",
+              "--set", "code_exec.workspace_mb=2", timeout=120)
+    assert run.returncode == 2 and "serving" not in run.stdout, run.stderr
+    assert "task docs-topic: its public files (2.2 MiB, 5 files) do not fit the workspace" in run.stderr, run.stderr
 
 
 def test_cli_list_and_score(tasks_dir):

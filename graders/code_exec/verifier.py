@@ -19,7 +19,7 @@ from config.code_exec import CodeExecConfig
 from graders.code_exec.extract import extract_code
 from graders.code_exec.grading import InvalidSubmission, grade, oriented, reward_of
 from graders.code_exec.sandbox import ResourceExhausted, Sandbox  # noqa: F401 (re-export)
-from graders.code_exec.task import TaskSpec, load_tasks, resolve_tasks_dir
+from graders.code_exec.task import TaskError, TaskSpec, load_tasks, resolve_tasks_dir
 
 SYSTEM_PROMPT = (
     "You are an expert machine-learning engineer. Write ONE complete Python script that solves "
@@ -119,6 +119,18 @@ def _row_count(path) -> int:
     return len(pd.read_csv(path))
 
 
+def check_workspace_fits(tasks: dict[str, TaskSpec], cfg: CodeExecConfig) -> None:
+    """Refuse, before any script runs, a task whose public files alone fill the workspace quota
+    (they are copied into it): otherwise every execution of that task would fail its set-up."""
+    for tid, t in sorted(tasks.items()):
+        files = [p for p in t.public.iterdir() if p.is_file()]
+        size = sum(p.stat().st_size for p in files)
+        if size >= cfg.workspace_mb * 2**20 or len(files) + 2 > cfg.workspace_files:  # + the script, the root
+            raise TaskError(f"task {tid}: its public files ({size / 2**20:.1f} MiB, {len(files)} files) do not fit "
+                            f"the workspace (code_exec.workspace_mb={cfg.workspace_mb}, "
+                            f"workspace_files={cfg.workspace_files})")
+
+
 class CodeExecTask:
     """Bundled (or user) ML-engineering tasks graded by running the extracted script."""
 
@@ -128,6 +140,7 @@ class CodeExecTask:
         self.cfg = cfg or CodeExecConfig()
         self.tasks_dir = resolve_tasks_dir(self.cfg.tasks_dir, self.cfg.seed)
         self.tasks: dict[str, TaskSpec] = load_tasks(self.tasks_dir)
+        check_workspace_fits(self.tasks, self.cfg)
         self.sandbox = Sandbox(self.cfg)
         self._answers = {tid: pd.read_csv(t.answers_path) for tid, t in self.tasks.items()}
 
