@@ -92,23 +92,33 @@ def train_command(
         overrides.append(f"run_name={run_name}")
     if address is not None:
         overrides.append(f"trainer.ray_address={address}")
+    from services import runlock
     from services.preflight import PreflightError, check_adapter_dir, preflight
     from services.train import RunInUse
 
     try:
         if resume is not None:
             run_dir = resume.resolve()
+            if not dry_run:
+                runlock.probe(run_dir)
             cfg = resume_config(run_dir, overrides)
         else:
             if config is None:
                 raise typer.BadParameter("give --config (or --resume RUN_DIR)")
             cfg = load_config(config, overrides)
-            run_dir = new_run_dir(cfg)
+            run_dir = new_run_dir(cfg, check_lock=not dry_run)
         if init_adapter is not None:
             init_adapter = init_adapter.resolve()
             check_adapter_dir(init_adapter, "--init-adapter")
         if not dry_run:
             preflight(cfg)
+            # The one live driver of run_dir from here to the process's end: taken before Ray or
+            # any service starts, and after the checks above so a refused input leaves no directory.
+            lock = runlock.acquire(run_dir)
+            if resume is None and (run_dir / "run.json").exists():  # a twin that ran and ended meanwhile
+                lock.release()
+                raise FileExistsError(f"run directory {run_dir} already holds a run; use --resume {run_dir} "
+                                      "or another --run-name")
     except (ConfigError, FileNotFoundError, FileExistsError, PreflightError, RunInUse) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -119,7 +129,10 @@ def train_command(
         typer.echo(json.dumps({"run_dir": str(run_dir), "config": resolved(cfg),
                                "receipt": dry_run_preview(cfg)}, indent=2, default=str))
         return
-    _train_logged(TrainOptions(cfg, run_dir, resume=resume is not None, init_adapter=init_adapter), verbose)
+    try:
+        _train_logged(TrainOptions(cfg, run_dir, resume=resume is not None, init_adapter=init_adapter), verbose)
+    finally:
+        lock.release()
 
 
 def eval_command(

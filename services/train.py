@@ -18,6 +18,7 @@ from evals.heldout import heldout_section
 from config import RunConfig, apply_override, config_from_dict, resolved, with_absolute_paths
 from services.orchestrator import RoundRecord, RunParts, StepRecord, run_steps, sampling_params
 from services.launch import check_resources, start_grader, start_ray, start_rollout, stop_token_report
+from services.runlock import RunInUse  # noqa: F401 (raised by resume_config; callers import it from here)
 
 log = logging.getLogger("counterpoint.train")
 
@@ -55,14 +56,17 @@ def resume_config(run_dir: Path, overrides: list[str]) -> RunConfig:
     return with_absolute_paths(config_from_dict(tree, f"{receipt} (+ --set)"))
 
 
-class RunInUse(RuntimeError):
-    """--resume of a run whose driver process is still alive."""
+def new_run_dir(cfg: RunConfig, check_lock: bool = False) -> Path:
+    """runs_dir/<run_name> for a new run; refused when it already holds a run (FileExistsError)
+    or, with ``check_lock``, while another driver owns it (RunInUse: a run starting under the
+    same name that has not written run.json yet)."""
+    from services import runlock
 
-
-def new_run_dir(cfg: RunConfig) -> Path:
     name = cfg.run_name or datetime.now(timezone.utc).strftime("run-%Y%m%d-%H%M%S")
     # Absolute: Train workers and Serve replicas write and read under it from other directories.
     path = (Path(cfg.trainer.runs_dir) / name).resolve()
+    if check_lock:
+        runlock.probe(path)
     if (path / "run.json").exists():
         raise FileExistsError(f"run directory {path} already holds a run; use --resume {path} or another --run-name")
     return path

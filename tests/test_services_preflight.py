@@ -148,3 +148,40 @@ def test_resume_refuses_a_run_that_is_still_alive(tmp_path: Path):
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_run_directory_has_one_live_driver_and_a_dead_ones_lock_is_released(tmp_path: Path):
+    """A process holding runs/twin (the driver's own lock, services/runlock.py) makes a second
+    `counterpoint train --run-name twin`, new or --resume, fail in one line before anything
+    starts; once the holder is SIGKILLed the directory is free again."""
+    from services import runlock
+
+    run = tmp_path / "runs" / "twin"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from services import runlock; "
+         f"lock = runlock.acquire(Path({str(run)!r})); print('held', flush=True); time.sleep(120)"],
+        cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        twin = ("train", "--config", str(SMOKE), "--run-name", "twin", "--set", f"trainer.runs_dir={tmp_path / 'runs'}")
+        for args in (twin, ("train", "--resume", str(run))):
+            done = _cli(tmp_path, *args)
+            lines = [line for line in done.stderr.splitlines() if line.strip()]
+            assert done.returncode == 2 and len(lines) == 1, (args, done.stderr[-2000:])
+            assert f"run directory {run} is in use by another driver (pid {holder.pid} on " in lines[0], lines
+            assert "ray" not in done.stdout.lower() + done.stderr.lower().replace("array", ""), args
+        assert sorted(p.name for p in run.iterdir()) == [runlock.LOCK_NAME]  # the refused twin wrote nothing
+        with pytest.raises(runlock.RunInUse):
+            runlock.acquire(run)
+    finally:
+        holder.kill()
+        holder.wait()
+    # The kernel dropped the dead holder's lock: the twin now gets past it (to the next check,
+    # a metrics port in use, which starts nothing either) and the lock can be taken.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = _cli(tmp_path, *twin, "--metrics-port", str(port))
+    assert done.returncode == 2 and f"trainer.metrics_port={port}" in done.stderr, done.stderr[-2000:]
+    runlock.acquire(run).release()
