@@ -68,9 +68,12 @@ def _say_run_state(run_dir: Path) -> None:
 
 
 def train_command(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (configs/*.yaml)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (configs/*.yaml). With "
+                                          "--resume: checked against the run's recorded config."),
     set_: list[str] = typer.Option([], "--set", help="Dotted override, e.g. --set learner.lr=1e-4 (repeatable)."),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this run directory."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this run directory (with "
+                                          "its recorded config; only trainer.steps and where the driver "
+                                          "connects or listens may change)."),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Port of /metrics (default 9464)."),
     run_name: Optional[str] = typer.Option(None, "--run-name", help="runs/<NAME> (default: timestamped)."),
     address: Optional[str] = typer.Option(None, "--address", help="Join this Ray cluster instead of starting one."),
@@ -101,11 +104,11 @@ def train_command(
             run_dir = resume.resolve()
             if not dry_run:
                 runlock.probe(run_dir)
-            cfg = resume_config(run_dir, overrides)
+            cfg, resume_changes = resume_config(run_dir, overrides, config)
         else:
             if config is None:
                 raise typer.BadParameter("give --config (or --resume RUN_DIR)")
-            cfg = load_config(config, overrides)
+            cfg, resume_changes = load_config(config, overrides), None
             run_dir = new_run_dir(cfg, check_lock=not dry_run)
         if init_adapter is not None:
             init_adapter = init_adapter.resolve()
@@ -126,11 +129,14 @@ def train_command(
         from config import resolved
         from services.receipt import dry_run_preview
 
-        typer.echo(json.dumps({"run_dir": str(run_dir), "config": resolved(cfg),
-                               "receipt": dry_run_preview(cfg)}, indent=2, default=str))
+        shown = {"run_dir": str(run_dir), "config": resolved(cfg), "receipt": dry_run_preview(cfg)}
+        if resume_changes is not None:
+            shown["resume_changes"] = resume_changes
+        typer.echo(json.dumps(shown, indent=2, default=str))
         return
     try:
-        _train_logged(TrainOptions(cfg, run_dir, resume=resume is not None, init_adapter=init_adapter), verbose)
+        _train_logged(TrainOptions(cfg, run_dir, resume=resume is not None, init_adapter=init_adapter,
+                                   resume_changes=resume_changes), verbose)
     finally:
         lock.release()
 

@@ -55,6 +55,7 @@ UPDATABLE_FIELDS = (
     "prompt_sampling",
     "metric_series",
     "resumed_from_step",
+    "resume_changes",
     "superseded",
     "steps_trained",
     "notes",
@@ -281,6 +282,8 @@ class Receipt:
         attempt = {k: old.get(k) for k in ("start_time", "end_time", "status", "error")}
         attempt["git"] = old.get("environment", {}).get("git")
         attempt["steps_trained"] = old.get("steps_trained")
+        if old.get("resume_changes"):
+            attempt["resume_changes"] = old["resume_changes"]
         return [*old.get("previous_attempts", []), attempt]
 
     def update(self, **fields: Any) -> Receipt:
