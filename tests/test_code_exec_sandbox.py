@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 
+import psutil
 import pytest
 
 from graders.code_exec import sandbox as sb
@@ -45,11 +46,22 @@ def secret_task(tmp_path):
     return tmp_path / "task", secret
 
 
+_present_before: set[int] = set()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _children_before_this_module():
+    """Descendants this process already had (another module's Ray, say) are not this module's leaks."""
+    _present_before.update(p.pid for p in psutil.Process().children(recursive=True))
+    yield
+    _present_before.clear()
+
+
 def _no_children_left() -> bool:
-    try:
-        return os.waitpid(-1, os.WNOHANG) == (0, 0)
-    except ChildProcessError:
-        return True
+    """No process descends from this one that this module started, zombies included: read from
+    /proc (psutil), where waitpid(-1, WNOHANG) answers (0, 0) "yes, a child lives" and so could
+    not tell a leak from none."""
+    return not [p for p in psutil.Process().children(recursive=True) if p.pid not in _present_before]
 
 
 def _host_pids_with(marker: str) -> list[int]:
@@ -63,6 +75,22 @@ def _host_pids_with(marker: str) -> list[int]:
             except OSError:
                 pass
     return found
+
+
+def test_the_leak_check_sees_a_planted_child():
+    import subprocess
+    import sys
+
+    assert _no_children_left()
+    leak = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not _no_children_left()
+        # The check this replaces: waitpid(-1, WNOHANG) says (0, 0) while the child lives.
+        assert os.waitpid(-1, os.WNOHANG) == (0, 0)
+    finally:
+        leak.kill()
+        leak.wait()
+    assert _no_children_left()
 
 
 def test_isolation_detected_and_reported(box):
