@@ -53,6 +53,23 @@ def test_one_completion_past_pythons_limits_does_not_fail_the_batch(server):
                                         for i, (_, t) in enumerate(pairs)]
 
 
+def test_a_huge_case_id_is_not_found_with_the_id_cut_not_resource_exhausted(server):
+    """The error message used to echo the whole id: past grpc's metadata limit the client got
+    RESOURCE_EXHAUSTED ("received metadata size exceeds hard limit") instead of NOT_FOUND."""
+    from graders.service import MAX_DETAILS_CHARS
+
+    huge = "x" * 20_000 + "-end"
+    with GraderClient(server.address, max_retries=0) as client:
+        for call in (lambda: client.score(huge, "[]"), lambda: client.score_batch([(huge, "[]")])):
+            with pytest.raises(GraderRequestError) as info:
+                call()
+            assert info.value.code == grpc.StatusCode.NOT_FOUND, info.value
+            details = str(info.value).split("NOT_FOUND: ", 1)[1]
+            assert len(details) <= MAX_DETAILS_CHARS and "unknown case_id 'xxxx" in details, details[:300]
+            assert "-end" not in details and "characters cut]" in details, details[-200:]
+        assert client.health().task == "voice-leading"  # and the server is fine
+
+
 def test_retryable_codes():
     # Idempotent RPCs: whatever may be the server's fault is retried, the request's is not.
     for code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL", "UNKNOWN", "ABORTED"):
