@@ -88,6 +88,14 @@ class GraderConfig(BaseModel):
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Prometheus /metrics port of a grader server (None = off)."
     )
+    native_log_lines_per_s: int = Field(
+        20, ge=1,
+        description="Lines per second of grpc-core's own (C++) log that `grader serve` passes to "
+        "its stderr; the rest are dropped and counted in one line per second "
+        "(graders/native_log.py). A client that makes grpc-core log per frame (an HTTP/2 "
+        "CONTINUATION flood: 117,749 lines from 8 MB) then cannot fill the log or stall the "
+        "server on a full stderr. Python's own log lines are never limited.",
+    )
     max_message_bytes: int = Field(
         4 * 1024 * 1024,
         ge=1024,

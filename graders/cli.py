@@ -136,7 +136,10 @@ def serve(
     if ray:
         _serve_ray(cfg, stop)
         return
+    from graders.native_log import route_native_stderr
     from graders.service import GraderCore, start_server
+
+    route_native_stderr(cfg.native_log_lines_per_s)
 
     core = GraderCore(task_)
     try:
@@ -184,6 +187,10 @@ def _serve_ray(cfg, stop) -> None:
         ray.init(include_dashboard=False, runtime_env={"env_vars": apply_defaults()})
         # ray.init replaces the SIGTERM handler with sys.exit(15): stop Serve cleanly instead.
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if cfg.serve_ingress == "front":  # the front's grpc-core runs here; after ray.init, whose
+        from graders.native_log import route_native_stderr  # processes keep the real stderr
+
+        route_native_stderr(cfg.native_log_lines_per_s)
     try:  # Serve's HTTP proxy (proxy ingress only) gets a free port, never a taken 8000
         serve_app.start(cfg, grpc_port=cfg.port, http_port=free_port())
     except PortInUse as exc:  # taken while Ray started
