@@ -73,6 +73,11 @@ class GraderConfig(BaseModel):
         "none reserved). For code-exec, about code_exec.max_concurrent x (interpreter baseline "
         "+ code_exec.memory_mb + code_exec.workspace_mb + 2 x code_exec.tmp_mb, the tmpfs): Ray then places no more replicas on a node than it can hold.",
     )
+    access_log: bool = Field(
+        False, description="Ray Serve's access log of the grader replicas (one line per request, "
+        "to the console and the replicas' log files): off, since a training run sends thousands "
+        "(\"CALL ... repeated 712x\"); counts and latencies are in the counterpoint_grader_* metrics.",
+    )
     host: str = Field("127.0.0.1", description="Bind address of a grader server.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free one).")
     max_retries: int = Field(4, ge=0, description="Retries of a failed grader call (backoff).")

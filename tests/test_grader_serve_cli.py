@@ -19,13 +19,15 @@ SHAPE = '[{"measure": 1, "degrees": [0, 1]}]'
 
 
 @pytest.mark.slow
-def test_grader_serve_ray_replicas_end_to_end():
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "grader", "serve", "--ray", "--replicas", "2",
-         "--port", "0"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+def test_grader_serve_ray_replicas_end_to_end(tmp_path):
+    console = tmp_path / "stderr"  # what the replicas' logs bring to the console (log_to_driver)
+    with open(console, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "grader", "serve", "--ray", "--replicas", "2",
+             "--port", "0"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     try:
         seen = []
         for line in proc.stdout:  # Ray may print before the address line
@@ -55,5 +57,10 @@ def test_grader_serve_ray_replicas_end_to_end():
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=120)
+        rest = proc.stdout.read()
         proc.stdout.close()
     assert code == 0
+    # Serve's access log (a line per request, "CALL handle OK ...") stays off the console:
+    # 24 batches and up to 60 Health calls went through the replicas above.
+    shown = console.read_text() + "".join(seen) + rest
+    assert not [line for line in shown.splitlines() if " CALL " in line], shown[-3000:]
