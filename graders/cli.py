@@ -184,6 +184,9 @@ def _serve_ray(cfg, stop) -> None:
     if cfg.port == 0:  # Serve's proxy cannot report a port it picked: choose one here
         cfg = cfg.model_copy(update={"port": free_port()})
     if not ray.is_initialized():
+        from config.runtime_env import bind_local_cluster_to_loopback
+
+        bind_local_cluster_to_loopback(ray)
         ray.init(include_dashboard=False, runtime_env={"env_vars": apply_defaults()})
         # ray.init replaces the SIGTERM handler with sys.exit(15): stop Serve cleanly instead.
         signal.signal(signal.SIGTERM, lambda *_: stop.set())

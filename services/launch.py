@@ -33,6 +33,9 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
         context = ray.init(address=cfg.trainer.ray_address, **kwargs)
         _link_session_logs(context, logs)
         return None
+    from config.runtime_env import bind_local_cluster_to_loopback
+
+    bind_local_cluster_to_loopback(ray)
     metrics_port = cfg.trainer.ray_metrics_port or free_port()
     context = ray.init(num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False,
                        _metrics_export_port=metrics_port, **kwargs)

@@ -18,6 +18,26 @@ REPO = Path(__file__).resolve().parents[1]
 SHAPE = '[{"measure": 1, "degrees": [0, 1]}]'
 
 
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+
+
+def listeners_of(pid: int) -> list[tuple[str, int, str]]:
+    """(address, port, process name) of every listening TCP socket of `pid` and its descendants."""
+    import psutil
+
+    root = psutil.Process(pid)
+    family = {p.pid: p for p in [root, *root.children(recursive=True)]}
+    out = []
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.pid in family:
+            try:
+                name = family[conn.pid].name()
+            except psutil.Error:
+                name = "?"
+            out.append((conn.laddr.ip, conn.laddr.port, name))
+    return out
+
+
 @pytest.mark.slow
 def test_grader_serve_ray_replicas_end_to_end(tmp_path):
     console = tmp_path / "stderr"  # what the replicas' logs bring to the console (log_to_driver)
@@ -51,6 +71,13 @@ def test_grader_serve_ray_replicas_end_to_end(tmp_path):
                 counters[health.replica] = health.counters["scored"]
                 if len(counters) == 2:
                     break
+        # The local cluster listens on loopback only (GCS, raylet, agents, metrics export, the
+        # front), but for what Ray 2.60 hard-codes: each Serve replica's inter-deployment gRPC
+        # server on [::]:0 (ray/serve/_private/replica.py), one per replica.
+        listening = listeners_of(proc.pid)
+        assert len(listening) >= 5, listening
+        exposed = [x for x in listening if x[0] not in LOOPBACK]
+        assert sorted(name for _, _, name in exposed) == ["ray::ServeReplica:grader:Grader"] * 2, exposed
         assert len(counters) == 2, counters
         assert all(n > 0 for n in counters.values()), counters  # both replicas scored
         assert sum(counters.values()) == batches * len(pairs)
