@@ -30,17 +30,23 @@ def _train_logged(opts, verbose: bool):
     import traceback
 
     from services.console import failure_lines, run_logs
+    from services.receipt import Terminated, install_sigterm_handler
     from services.train import train
 
     logs_dir = opts.run_dir / "logs"
+    # SIGTERM (a scheduler, `kill`, KubeRay) is an interruption like Ctrl-C: from here on it raises
+    # Terminated (train() installs it again after ray.init, which may set its own), so the
+    # receipt says "interrupted" and the console says how to resume, instead of exit 143 in silence.
+    install_sigterm_handler()
     with run_logs(logs_dir, verbose) as logs:
         logs.echo(f"run directory: {opts.run_dir}  (logs: {logs_dir}{'' if verbose else '; --verbose shows them'})")
         try:
             run = train(opts)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, Terminated) as err:
             logs.to_file(traceback.format_exc())
-            logs.echo(f"interrupted; resume with: counterpoint train --resume {opts.run_dir}")
-            raise typer.Exit(130) from None
+            how = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
+            logs.echo(f"{how}; resume with: counterpoint train --resume {opts.run_dir}")
+            raise typer.Exit(err.code if isinstance(err, Terminated) else 130) from None
         except Exception as err:
             logs.to_file(traceback.format_exc())
             for line in failure_lines(err, logs_dir):
