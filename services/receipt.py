@@ -58,6 +58,7 @@ UPDATABLE_FIELDS = (
     "resume_changes",
     "superseded",
     "steps_trained",
+    "retries",
     "notes",
     "checker",
     "metrics_endpoint",

@@ -314,7 +314,8 @@ def train(opts: TrainOptions) -> RunDir:
             run_steps(parts, first_step)
         finally:
             receipt.update(metric_series=run.metric_series(), prometheus_series=metrics.series_counts(),
-                           steps_trained=run.trained_steps())
+                           steps_trained=run.trained_steps(),
+                           retries={"grader": grader.retries})  # failed grader calls the client re-sent
         # One replica's engine and its counters (a compiled engine's compile seconds per batch
         # bucket: inside step 1's gen phase, reported here apart from it).
         receipt.update(rollout_engine=rollout.info())

@@ -11,31 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from cliharness import LOOPBACK, listeners_of
 from graders.client import GraderClient
 from graders.voice_leading import score
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = '[{"measure": 1, "degrees": [0, 1]}]'
-
-
-LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
-
-
-def listeners_of(pid: int) -> list[tuple[str, int, str]]:
-    """(address, port, process name) of every listening TCP socket of `pid` and its descendants."""
-    import psutil
-
-    root = psutil.Process(pid)
-    family = {p.pid: p for p in [root, *root.children(recursive=True)]}
-    out = []
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.pid in family:
-            try:
-                name = family[conn.pid].name()
-            except psutil.Error:
-                name = "?"
-            out.append((conn.laddr.ip, conn.laddr.port, name))
-    return out
 
 
 @pytest.mark.slow
