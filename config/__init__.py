@@ -14,19 +14,23 @@ from config.learner import LearnerConfig, LoraConfig
 from config.rollout import ModelConfig, RolloutConfig
 from config.run import (
     PATH_FIELDS,
+    RESUME_MAY_CHANGE,
+    RUN_LOCATION,
     ConfigError,
     EvalConfig,
     RunConfig,
     TrainerConfig,
     apply_override,
+    config_changes,
     config_from_dict,
     load_config,
     resolved,
+    split_resume_changes,
     with_absolute_paths,
 )
 
 __all__ = [
-    "PATH_FIELDS", "ConfigError", "EvalConfig", "GraderConfig", "LearnerConfig", "LoraConfig", "ModelConfig",
-    "RolloutConfig", "RunConfig", "TrainerConfig", "apply_override", "config_from_dict", "load_config", "resolved",
-    "with_absolute_paths",
+    "PATH_FIELDS", "RESUME_MAY_CHANGE", "RUN_LOCATION", "ConfigError", "EvalConfig", "GraderConfig",
+    "LearnerConfig", "LoraConfig", "ModelConfig", "RolloutConfig", "RunConfig", "TrainerConfig", "apply_override",
+    "config_changes", "config_from_dict", "load_config", "resolved", "split_resume_changes", "with_absolute_paths",
 ]

@@ -46,6 +46,18 @@ class CodeExecConfig(BaseModel):
     tmp_mb: int = Field(
         64, ge=1, description="Size of the private /tmp and /dev/shm tmpfs under `namespaces`."
     )
+    workspace_mb: int = Field(
+        256, ge=1, description="Total size of the script's workspace (/workspace: the task's "
+        "public files, the script and all it writes) under isolation `namespaces`: a tmpfs of this "
+        "size, so a write past it fails with ENOSPC (file_size_mb bounds one file, not their sum). "
+        "tmpfs is memory: count it, with tmp_mb twice (/tmp, /dev/shm), in "
+        "grader.replica_memory_mb. Level `none` isolates no filesystem, so it has no quota either."
+    )
+    workspace_files: int = Field(
+        4096, ge=16, description="Most files and directories in the workspace (its tmpfs's inodes, "
+        "the task's files included); creating one more fails with ENOSPC. Empty files cost no "
+        "bytes but kernel memory each."
+    )
     output_tail_bytes: int = Field(
         4096, ge=256, description="Tail of the script's stdout+stderr kept in a result (term_tail)."
     )

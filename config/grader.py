@@ -73,7 +73,12 @@ class GraderConfig(BaseModel):
         None, ge=1,
         description="Memory reserved per grader replica (Ray's `memory` resource, MiB; None = "
         "none reserved). For code-exec, about code_exec.max_concurrent x (interpreter baseline "
-        "+ code_exec.memory_mb): Ray then places no more replicas on a node than it can hold.",
+        "+ code_exec.memory_mb + code_exec.workspace_mb + 2 x code_exec.tmp_mb, the tmpfs): Ray then places no more replicas on a node than it can hold.",
+    )
+    access_log: bool = Field(
+        False, description="Ray Serve's access log of the grader replicas (one line per request, "
+        "to the console and the replicas' log files): off, since a training run sends thousands "
+        "(\"CALL ... repeated 712x\"); counts and latencies are in the counterpoint_grader_* metrics.",
     )
     host: str = Field("127.0.0.1", description="Bind address of a grader server.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free one).")
@@ -89,6 +94,14 @@ class GraderConfig(BaseModel):
     )
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Prometheus /metrics port of a grader server (None = off)."
+    )
+    native_log_lines_per_s: int = Field(
+        20, ge=1,
+        description="Lines per second of grpc-core's own (C++) log that `grader serve` passes to "
+        "its stderr; the rest are dropped and counted in one line per second "
+        "(graders/native_log.py). A client that makes grpc-core log per frame (an HTTP/2 "
+        "CONTINUATION flood: 117,749 lines from 8 MB) then cannot fill the log or stall the "
+        "server on a full stderr. Python's own log lines are never limited.",
     )
     max_message_bytes: int = Field(
         4 * 1024 * 1024,

@@ -254,3 +254,39 @@ def with_absolute_paths(cfg: RunConfig, base: Path | None = None) -> RunConfig:
 def resolved(cfg: RunConfig) -> dict[str, Any]:
     """The full config as applied, defaults included (what the receipt records)."""
     return cfg.model_dump(mode="json")
+
+
+# What a resumed run may change (README "Resume"): how long it trains and where its driver
+# connects or listens. Everything else shapes what is trained (model, data, grader, learner,
+# sampling, seeds) and must stay as the run recorded it, or "resumed" would silently mean
+# "another run continuing from this one's checkpoint".
+RESUME_MAY_CHANGE = frozenset({
+    "trainer.steps", "trainer.metrics_host", "trainer.metrics_port", "trainer.ray_address",
+    "trainer.ray_num_cpus", "trainer.ray_metrics_port",
+})
+# Where a run lives: --resume names it, so a --config file's (or the default) values are not a
+# change; given with --set they are compared like any key.
+RUN_LOCATION = ("run_name", "trainer.runs_dir")
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def config_changes(recorded: dict[str, Any], given: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Dotted key -> (recorded value, given value) for every key on which two resolved configs
+    (``resolved()`` dicts) differ; a key only one side has counts as a change."""
+    old, new = _flat(recorded), _flat(given)
+    return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}
+
+
+def split_resume_changes(changes: dict[str, tuple[Any, Any]]) -> tuple[dict[str, tuple[Any, Any]], list[str]]:
+    """(changes a resumed run applies, keys it refuses) per RESUME_MAY_CHANGE."""
+    allowed = {k: v for k, v in changes.items() if k in RESUME_MAY_CHANGE}
+    return allowed, sorted(k for k in changes if k not in RESUME_MAY_CHANGE)
+

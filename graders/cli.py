@@ -136,7 +136,10 @@ def serve(
     if ray:
         _serve_ray(cfg, stop)
         return
+    from graders.native_log import route_native_stderr
     from graders.service import GraderCore, start_server
+
+    route_native_stderr(cfg.native_log_lines_per_s)
 
     core = GraderCore(task_)
     try:
@@ -181,9 +184,16 @@ def _serve_ray(cfg, stop) -> None:
     if cfg.port == 0:  # Serve's proxy cannot report a port it picked: choose one here
         cfg = cfg.model_copy(update={"port": free_port()})
     if not ray.is_initialized():
+        from config.runtime_env import bind_local_cluster_to_loopback
+
+        bind_local_cluster_to_loopback(ray)
         ray.init(include_dashboard=False, runtime_env={"env_vars": apply_defaults()})
         # ray.init replaces the SIGTERM handler with sys.exit(15): stop Serve cleanly instead.
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if cfg.serve_ingress == "front":  # the front's grpc-core runs here; after ray.init, whose
+        from graders.native_log import route_native_stderr  # processes keep the real stderr
+
+        route_native_stderr(cfg.native_log_lines_per_s)
     try:  # Serve's HTTP proxy (proxy ingress only) gets a free port, never a taken 8000
         serve_app.start(cfg, grpc_port=cfg.port, http_port=free_port())
     except PortInUse as exc:  # taken while Ray started

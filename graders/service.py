@@ -186,11 +186,26 @@ class GraderCore:
             metrics.observe_latency(self.task.name, rpc, time.perf_counter() - start)
 
 
+# Status details travel as the grpc-message header: past grpc's metadata limit (8 KiB soft,
+# 16 KiB hard) the client receives RESOURCE_EXHAUSTED instead of the status we chose, so a
+# message that echoes request input (a 20,000-character case_id) is cut to a size well inside it.
+MAX_DETAILS_CHARS = 1024
+
+
+def bounded_details(details: str, limit: int = MAX_DETAILS_CHARS) -> str:
+    """``details`` cut to at most ``limit`` characters, saying how much was cut (pure)."""
+    if len(details) <= limit:
+        return details
+    note = f" ... [{len(details) - limit} characters cut]"
+    return details[: limit - len(note)] + note
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status for an exception raised by GraderCore (never UNKNOWN)."""
+    """The gRPC status for an exception raised by GraderCore (never UNKNOWN), with details
+    bounded (bounded_details) whatever the request echoed into them."""
     if isinstance(exc, PoolError | StatusError):
-        return getattr(grpc.StatusCode, exc.code), str(exc)
-    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+        return getattr(grpc.StatusCode, exc.code), bounded_details(str(exc))
+    return grpc.StatusCode.INTERNAL, bounded_details(f"{type(exc).__name__}: {exc}")
 
 
 class GraderServicer(pb_grpc.GraderServicer):

@@ -30,17 +30,23 @@ def _train_logged(opts, verbose: bool):
     import traceback
 
     from services.console import failure_lines, run_logs
+    from services.receipt import Terminated, install_sigterm_handler
     from services.train import train
 
     logs_dir = opts.run_dir / "logs"
+    # SIGTERM (a scheduler, `kill`, KubeRay) is an interruption like Ctrl-C: from here on it raises
+    # Terminated (train() installs it again after ray.init, which may set its own), so the
+    # receipt says "interrupted" and the console says how to resume, instead of exit 143 in silence.
+    install_sigterm_handler()
     with run_logs(logs_dir, verbose) as logs:
         logs.echo(f"run directory: {opts.run_dir}  (logs: {logs_dir}{'' if verbose else '; --verbose shows them'})")
         try:
             run = train(opts)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, Terminated) as err:
             logs.to_file(traceback.format_exc())
-            logs.echo(f"interrupted; resume with: counterpoint train --resume {opts.run_dir}")
-            raise typer.Exit(130) from None
+            how = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
+            logs.echo(f"{how}; resume with: counterpoint train --resume {opts.run_dir}")
+            raise typer.Exit(err.code if isinstance(err, Terminated) else 130) from None
         except Exception as err:
             logs.to_file(traceback.format_exc())
             for line in failure_lines(err, logs_dir):
@@ -68,9 +74,12 @@ def _say_run_state(run_dir: Path) -> None:
 
 
 def train_command(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (configs/*.yaml)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (configs/*.yaml). With "
+                                          "--resume: checked against the run's recorded config."),
     set_: list[str] = typer.Option([], "--set", help="Dotted override, e.g. --set learner.lr=1e-4 (repeatable)."),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this run directory."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this run directory (with "
+                                          "its recorded config; only trainer.steps and where the driver "
+                                          "connects or listens may change)."),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Port of /metrics (default 9464)."),
     run_name: Optional[str] = typer.Option(None, "--run-name", help="runs/<NAME> (default: timestamped)."),
     address: Optional[str] = typer.Option(None, "--address", help="Join this Ray cluster instead of starting one."),
@@ -92,23 +101,33 @@ def train_command(
         overrides.append(f"run_name={run_name}")
     if address is not None:
         overrides.append(f"trainer.ray_address={address}")
+    from services import runlock
     from services.preflight import PreflightError, check_adapter_dir, preflight
     from services.train import RunInUse
 
     try:
         if resume is not None:
             run_dir = resume.resolve()
-            cfg = resume_config(run_dir, overrides)
+            if not dry_run:
+                runlock.probe(run_dir)
+            cfg, resume_changes = resume_config(run_dir, overrides, config)
         else:
             if config is None:
                 raise typer.BadParameter("give --config (or --resume RUN_DIR)")
-            cfg = load_config(config, overrides)
-            run_dir = new_run_dir(cfg)
+            cfg, resume_changes = load_config(config, overrides), None
+            run_dir = new_run_dir(cfg, check_lock=not dry_run)
         if init_adapter is not None:
             init_adapter = init_adapter.resolve()
             check_adapter_dir(init_adapter, "--init-adapter")
         if not dry_run:
             preflight(cfg)
+            # The one live driver of run_dir from here to the process's end: taken before Ray or
+            # any service starts, and after the checks above so a refused input leaves no directory.
+            lock = runlock.acquire(run_dir)
+            if resume is None and (run_dir / "run.json").exists():  # a twin that ran and ended meanwhile
+                lock.release()
+                raise FileExistsError(f"run directory {run_dir} already holds a run; use --resume {run_dir} "
+                                      "or another --run-name")
     except (ConfigError, FileNotFoundError, FileExistsError, PreflightError, RunInUse) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -116,10 +135,16 @@ def train_command(
         from config import resolved
         from services.receipt import dry_run_preview
 
-        typer.echo(json.dumps({"run_dir": str(run_dir), "config": resolved(cfg),
-                               "receipt": dry_run_preview(cfg)}, indent=2, default=str))
+        shown = {"run_dir": str(run_dir), "config": resolved(cfg), "receipt": dry_run_preview(cfg)}
+        if resume_changes is not None:
+            shown["resume_changes"] = resume_changes
+        typer.echo(json.dumps(shown, indent=2, default=str))
         return
-    _train_logged(TrainOptions(cfg, run_dir, resume=resume is not None, init_adapter=init_adapter), verbose)
+    try:
+        _train_logged(TrainOptions(cfg, run_dir, resume=resume is not None, init_adapter=init_adapter,
+                                   resume_changes=resume_changes), verbose)
+    finally:
+        lock.release()
 
 
 def eval_command(

@@ -30,12 +30,15 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
     logs = current()
     kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": logs is None or logs.verbose}
     if cfg.trainer.ray_address:
-        context = ray.init(address=cfg.trainer.ray_address, **kwargs)
+        context = _init_keeping_sigterm(ray, address=cfg.trainer.ray_address, **kwargs)
         _link_session_logs(context, logs)
         return None
+    from config.runtime_env import bind_local_cluster_to_loopback
+
+    bind_local_cluster_to_loopback(ray)
     metrics_port = cfg.trainer.ray_metrics_port or free_port()
-    context = ray.init(num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False,
-                       _metrics_export_port=metrics_port, **kwargs)
+    context = _init_keeping_sigterm(ray, num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False,
+                                    _metrics_export_port=metrics_port, **kwargs)
     session_logs = _link_session_logs(context, logs)
 
     def _shutdown() -> None:
@@ -50,6 +53,26 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
 
     stack.callback(_shutdown)
     return f"127.0.0.1:{metrics_port}"
+
+
+def _init_keeping_sigterm(ray, **kwargs):
+    """ray.init, leaving SIGTERM to the caller's own handler when it has one (`counterpoint
+    train`'s, which makes SIGTERM an interruption that prints the resume command). ray.init sets
+    one that exits with status 15 while it starts, then one that kills the node and exits 1: a
+    SIGTERM during or right after start-up would otherwise end the run as "failed", in silence."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    ours = callable(before)
+    try:
+        return ray.init(**kwargs)
+    except SystemExit as err:
+        if ours and err.code == signal.SIGTERM:  # Ray's start-up handler caught our SIGTERM
+            before(signal.SIGTERM, None)
+        raise
+    finally:
+        if ours:
+            signal.signal(signal.SIGTERM, before)
 
 
 def _link_session_logs(context, logs):

@@ -55,8 +55,10 @@ UPDATABLE_FIELDS = (
     "prompt_sampling",
     "metric_series",
     "resumed_from_step",
+    "resume_changes",
     "superseded",
     "steps_trained",
+    "retries",
     "notes",
     "checker",
     "metrics_endpoint",
@@ -281,6 +283,8 @@ class Receipt:
         attempt = {k: old.get(k) for k in ("start_time", "end_time", "status", "error")}
         attempt["git"] = old.get("environment", {}).get("git")
         attempt["steps_trained"] = old.get("steps_trained")
+        if old.get("resume_changes"):
+            attempt["resume_changes"] = old["resume_changes"]
         return [*old.get("previous_attempts", []), attempt]
 
     def update(self, **fields: Any) -> Receipt:

@@ -18,6 +18,7 @@ from evals.heldout import heldout_section
 from config import RunConfig, apply_override, config_from_dict, resolved, with_absolute_paths
 from services.orchestrator import RoundRecord, RunParts, StepRecord, run_steps, sampling_params
 from services.launch import check_resources, start_grader, start_ray, start_rollout, stop_token_report
+from services.runlock import RunInUse  # noqa: F401 (raised by resume_config; callers import it from here)
 
 log = logging.getLogger("counterpoint.train")
 
@@ -28,11 +29,21 @@ class TrainOptions:
     run_dir: Path
     resume: bool = False
     init_adapter: Path | None = None
+    resume_changes: dict[str, dict[str, Any]] | None = None  # what --resume changed (resume_config)
 
 
-def resume_config(run_dir: Path, overrides: list[str]) -> RunConfig:
-    """The config a run was started with (its receipt), plus overrides given at resume.
-    Refuses a run whose driver is still alive: two drivers would write one run directory."""
+def resume_config(run_dir: Path, overrides: list[str], config: Path | None = None
+                  ) -> tuple[RunConfig, dict[str, dict[str, Any]]]:
+    """The config a run was started with (its receipt) and what a resume changes in it.
+
+    ``overrides`` (--set and the options that become overrides) apply to the recorded config;
+    ``config`` (a --config file, plus the overrides) is compared with it as a whole, except where
+    the run lives (config.RUN_LOCATION: --resume names it). A change is applied only for keys a
+    resumed run may change (config.RESUME_MAY_CHANGE, e.g. trainer.steps) and returned as
+    {key: {"from", "to"}} for the receipt; any other differing key refuses the resume
+    (ConfigError naming the keys), so a --config or --set is never silently ignored. Refuses a run
+    whose driver is still alive: two drivers would write one run directory."""
+    from config import RESUME_MAY_CHANGE, RUN_LOCATION, ConfigError, config_changes, load_config, split_resume_changes
     from services.receipt import liveness
 
     receipt = run_dir / "run.json"
@@ -49,20 +60,51 @@ def resume_config(run_dir: Path, overrides: list[str]) -> RunConfig:
     elif state == "elsewhere":
         log.warning("run.json of %s says running on host %s; make sure that driver is gone", run_dir,
                     data.get("environment", {}).get("platform", {}).get("hostname"))
-    tree = data["config"]
-    for assignment in overrides:
-        apply_override(tree, assignment)
-    return with_absolute_paths(config_from_dict(tree, f"{receipt} (+ --set)"))
+    recorded = data["config"]
+    if config is not None:
+        given = resolved(load_config(config, overrides))
+        set_keys = {a.partition("=")[0].strip() for a in overrides}
+        for key in RUN_LOCATION:
+            if key not in set_keys:  # the file's (or default) name and runs_dir: --resume says where
+                section, _, field = key.rpartition(".")
+                (given[section] if section else given)[field] = (recorded[section] if section else recorded)[field]
+        source = f"{config} (+ --set)"
+    else:
+        tree = json.loads(json.dumps(recorded))
+        for assignment in overrides:
+            apply_override(tree, assignment)
+        given = resolved(with_absolute_paths(config_from_dict(tree, f"{receipt} (+ --set)")))
+        source = "--set"
+    changes = config_changes(recorded, given)
+    applied, refused = split_resume_changes(changes)
+    if refused:
+        shown = "; ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in refused[:6])
+        more = f"; and {len(refused) - 6} more" if len(refused) > 6 else ""
+        raise ConfigError(f"--resume {run_dir}: {source} differs from the run's recorded config in "
+                          f"{', '.join(refused)} ({shown}{more}); a resumed run may change only "
+                          f"{', '.join(sorted(RESUME_MAY_CHANGE))}")
+    tree = json.loads(json.dumps(recorded))
+    for key, (_, value) in applied.items():
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    cfg = with_absolute_paths(config_from_dict(tree, f"{receipt} (+ {source})"))
+    return cfg, {k: {"from": old, "to": new} for k, (old, new) in applied.items()}
 
 
-class RunInUse(RuntimeError):
-    """--resume of a run whose driver process is still alive."""
+def new_run_dir(cfg: RunConfig, check_lock: bool = False) -> Path:
+    """runs_dir/<run_name> for a new run; refused when it already holds a run (FileExistsError)
+    or, with ``check_lock``, while another driver owns it (RunInUse: a run starting under the
+    same name that has not written run.json yet)."""
+    from services import runlock
 
-
-def new_run_dir(cfg: RunConfig) -> Path:
     name = cfg.run_name or datetime.now(timezone.utc).strftime("run-%Y%m%d-%H%M%S")
     # Absolute: Train workers and Serve replicas write and read under it from other directories.
     path = (Path(cfg.trainer.runs_dir) / name).resolve()
+    if check_lock:
+        runlock.probe(path)
     if (path / "run.json").exists():
         raise FileExistsError(f"run directory {path} already holds a run; use --resume {path} or another --run-name")
     return path
@@ -206,6 +248,8 @@ def train(opts: TrainOptions) -> RunDir:
         init_adapter = run.init_adapter_dir  # restarting from step 1: the copy of the init it was given
     receipt = Receipt(run.receipt_path, kind="train", run_name=run.root.name)
     receipt.start(config=resolved(cfg), seeds={"seed": cfg.seed}, resumed_from_step=first_step - 1 if opts.resume else None)
+    if opts.resume:
+        receipt.update(resume_changes=opts.resume_changes or {})
     if run.superseded_root.is_dir():  # what earlier attempts recorded past their resume points
         receipt.update(superseded=sorted(str(p) for p in run.superseded_root.glob("attempt_*")))
     with receipt.guard(), ExitStack() as stack:
@@ -272,7 +316,8 @@ def train(opts: TrainOptions) -> RunDir:
             run_steps(parts, first_step)
         finally:
             receipt.update(metric_series=run.metric_series(), prometheus_series=metrics.series_counts(),
-                           steps_trained=run.trained_steps())
+                           steps_trained=run.trained_steps(),
+                           retries={"grader": grader.retries})  # failed grader calls the client re-sent
         # One replica's engine and its counters (a compiled engine's compile seconds per batch
         # bucket: inside step 1's gen phase, reported here apart from it).
         receipt.update(rollout_engine=rollout.info())

@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 
+import psutil
 import pytest
 
 from graders.code_exec import sandbox as sb
@@ -45,11 +46,22 @@ def secret_task(tmp_path):
     return tmp_path / "task", secret
 
 
+_present_before: set[int] = set()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _children_before_this_module():
+    """Descendants this process already had (another module's Ray, say) are not this module's leaks."""
+    _present_before.update(p.pid for p in psutil.Process().children(recursive=True))
+    yield
+    _present_before.clear()
+
+
 def _no_children_left() -> bool:
-    try:
-        return os.waitpid(-1, os.WNOHANG) == (0, 0)
-    except ChildProcessError:
-        return True
+    """No process descends from this one that this module started, zombies included: read from
+    /proc (psutil), where waitpid(-1, WNOHANG) answers (0, 0) "yes, a child lives" and so could
+    not tell a leak from none."""
+    return not [p for p in psutil.Process().children(recursive=True) if p.pid not in _present_before]
 
 
 def _host_pids_with(marker: str) -> list[int]:
@@ -63,6 +75,22 @@ def _host_pids_with(marker: str) -> list[int]:
             except OSError:
                 pass
     return found
+
+
+def test_the_leak_check_sees_a_planted_child():
+    import subprocess
+    import sys
+
+    assert _no_children_left()
+    leak = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not _no_children_left()
+        # The check this replaces: waitpid(-1, WNOHANG) says (0, 0) while the child lives.
+        assert os.waitpid(-1, os.WNOHANG) == (0, 0)
+    finally:
+        leak.kill()
+        leak.wait()
+    assert _no_children_left()
 
 
 def test_isolation_detected_and_reported(box):
@@ -305,3 +333,66 @@ def test_exc_type_parsing():
     assert sb.exc_type_of("  File \"x\"\n    (\n    ^\nSyntaxError: '(' was never closed\n", 1) == "SyntaxError"
     assert sb.exc_type_of("", -9) == "SIGKILL"
     assert sb.exc_type_of("nothing", 3) is None
+
+
+def test_read_regular_gives_a_reason_for_every_kind_of_file(tmp_path):
+    """Whatever sits at the collected path is a reason, never an exception (os.mkdir of
+    submission.csv used to raise IsADirectoryError out of the grader)."""
+    (tmp_path / "dir").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(str(tmp_path / "sock"))
+    (tmp_path / "big").write_bytes(b"x" * 101)
+    (tmp_path / "ok").write_bytes(b"id,y\n1,2\n")
+    os.symlink(tmp_path / "ok", tmp_path / "link")
+    try:
+        got = {name: sb.read_regular(str(tmp_path / name), 100) for name in
+               ("dir", "fifo", "sock", "big", "ok", "link", "missing")}
+        got["device"] = sb.read_regular("/dev/zero", 100)  # a node the script cannot make, read all the same
+        # procfs reports size 0 and then reads bytes: a file whose size changes under the read
+        got["grows"] = sb.read_regular("/proc/self/status", 1 << 20)
+    finally:
+        unix.close()
+    assert got["ok"] == (b"id,y\n1,2\n", None)
+    for name in ("dir", "fifo"):
+        assert got[name] == (None, f"{name} is not a regular file"), name
+    assert got["device"] == (None, "zero is not a regular file")
+    assert got["sock"][0] is None and "cannot be opened safely" in got["sock"][1]
+    assert got["link"][0] is None and "cannot be opened safely" in got["link"][1]
+    assert got["big"] == (None, "big is 101 bytes (limit 100)")
+    assert got["missing"] == (None, "no missing written")
+    assert got["grows"][0] is None and "changed while it was read" in got["grows"][1]
+
+
+def test_workspace_quota_is_enospc_for_bytes_and_for_files():
+    """The workspace is bounded in total, not per file (RLIMIT_FSIZE): 1 MiB files past
+    workspace_mb fail with ENOSPC, and so do empty files past workspace_files. The loops stop
+    at 3x the quota so the test cannot fill the host's disk where no quota holds."""
+    box = sb.Sandbox(_cfg(workspace_mb=8, workspace_files=64))
+    code = (
+        "import errno, os\n"
+        "written = 0\n"
+        "for i in range(24):\n"
+        "    try:\n"
+        "        with open(f'big{i}', 'wb') as f:\n"
+        "            f.write(b'x' * 2**20)\n"
+        "        written += 2**20\n"
+        "    except OSError as e:\n"
+        "        print('bytes', errno.errorcode[e.errno], written)\n"
+        "        break\n"
+        "for name in os.listdir('.'):\n"
+        "    os.remove(name)\n"
+        "for i in range(192):\n"
+        "    try:\n"
+        "        open(f'f{i}', 'w').close()\n"
+        "    except OSError as e:\n"
+        "        print('files', errno.errorcode[e.errno], i)\n"
+        "        break\n"
+        "print('end')\n"
+    )
+    res, _, _ = box.run(code, None)
+    assert res.outcome == "ok" and "end" in res.tail, res.tail
+    words = {line.split()[0]: line.split()[1:] for line in res.tail.splitlines() if line.startswith(("bytes", "files"))}
+    assert words["bytes"][0] == "ENOSPC" and int(words["bytes"][1]) < 8 * 2**20, res.tail
+    assert words["files"][0] == "ENOSPC" and int(words["files"][1]) < 64, res.tail
+    assert res.limits["workspace_bytes"] == 8 * 2**20 and res.limits["workspace_files"] == 64

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,48 @@ def test_statuses_and_sentinel_over_grpc(client):
     assert info.value.code.name == "NOT_FOUND" and "requests[1]" in str(info.value)
 
 
+PLANTED = {  # what a script may leave where its submission.csv belongs
+    "directory": "import os\nos.mkdir('submission.csv')",
+    "fifo": "import os\nos.mkfifo('submission.csv')",
+    "symlink": "import os\nos.symlink('/etc/passwd', 'submission.csv')",
+    "socket": "import socket\ns = socket.socket(socket.AF_UNIX)\ns.bind('submission.csv')",
+    # not creatable in the sandbox (no CAP_MKNOD): the script leaves nothing
+    "device": "import os, stat\ntry:\n    os.mknod('submission.csv', stat.S_IFCHR | 0o600, os.makedev(1, 5))\n"
+              "except OSError as e:\n    print('mknod', e.errno)",
+    # a writer left behind that keeps growing the file once the script has exited
+    "growing": "import os, time\nif os.fork() == 0:\n    os.setsid()\n    f = open('submission.csv', 'a')\n"
+               "    while True:\n        f.write('id,target\\n'); f.flush()\n"
+               "time.sleep(0.5)",
+    "wide header": "open('submission.csv', 'w').write(','.join('c%d' % i for i in range(1_000_000)) + '\\n')",
+    "wide row": "open('submission.csv', 'w').write('id,target\\n' + ','.join(['1'] * 3_000_000) + '\\n')",
+}
+
+
+def test_whatever_a_script_leaves_is_that_scripts_status_alone(client):
+    """One batch over the real gRPC service: every kind of thing a script can leave in place of
+    submission.csv gets invalid_submission for that script alone, and its siblings still score
+    (a directory used to fail the whole ScoreBatch with INTERNAL; a 1-million-column header or a
+    3-million-field row kept the grader's pandas busy for minutes)."""
+    ok_script = as_completion(ladder_script("constant", "roc_auc"))
+    pairs = [("tabular-binary", ok_script), *(("tabular-binary", _py(code)) for code in PLANTED.values()),
+             ("tabular-binary", ok_script)]
+    t0 = time.monotonic()
+    got = client.score_batch(pairs)
+    elapsed = time.monotonic() - t0
+    assert [s.status for s in (got[0], got[-1])] == ["ok", "ok"] and got[0].test_metric == 0.5
+    planted = dict(zip(PLANTED, got[1:-1], strict=True))
+    assert {k: s.status for k, s in planted.items()} == {k: "invalid_submission" for k in PLANTED}
+    messages = {k: s.details["message"] for k, s in planted.items()}
+    assert messages["directory"] == messages["fifo"] == "submission.csv is not a regular file", messages
+    assert "cannot be opened safely" in messages["symlink"] and "cannot be opened safely" in messages["socket"]
+    assert messages["device"] == "no submission.csv written" and "mknod 1" in planted["device"].details["term_tail"]
+    assert messages["wide header"] == "line 1 has 1000000 fields, expected 2"
+    assert messages["wide row"] == "line 2 has 3000000 fields, expected 2"
+    assert elapsed < 60, elapsed  # the wide files are refused before pandas reads them
+    assert "rows, expected 640" in messages["growing"]  # nothing of the script outlives it: a stable file, graded
+    assert client.health().counters["scored"] >= len(pairs)
+
+
 def test_resource_exhausted_past_the_limit(tasks_dir):
     """One slot, a 0.3 s queue wait: the second of two concurrent scripts is refused."""
     before = REGISTRY.get_sample_value(
@@ -153,6 +196,15 @@ def test_below_min_isolation_refuses_to_start(tasks_dir):
     run = cli("grader", "serve", "--task", "code-exec", "--port", "0",
               "--set", f"code_exec.tasks_dir={tasks_dir}", "--set", "code_exec.isolation=none", timeout=120)
     assert run.returncode == 2 and "code-exec refuses to start" in run.stderr and "serving" not in run.stdout
+
+
+def test_task_files_larger_than_the_workspace_refuse_to_start(tasks_dir, tmp_path):
+    big = Path(shutil.copytree(tasks_dir, tmp_path / "tasks"))
+    (big / "docs-topic" / "public" / "extra.bin").write_bytes(b"\0" * (2 * 2**20))
+    run = cli("grader", "serve", "--task", "code-exec", "--port", "0", "--set", f"code_exec.tasks_dir={big}",
+              "--set", "code_exec.workspace_mb=2", timeout=120)
+    assert run.returncode == 2 and "serving" not in run.stdout, run.stderr
+    assert "task docs-topic: its public files (2.2 MiB, 5 files) do not fit the workspace" in run.stderr, run.stderr
 
 
 def test_cli_list_and_score(tasks_dir):

@@ -185,3 +185,87 @@ def test_ppl_ratio_panel_draws_alert_band():
     steps = [s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]]
     assert steps == [None, 0.9, 1.1]
     assert panel["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] != "off"
+
+
+def _declared_packages() -> set[str]:
+    """Top-level packages pyproject.toml's setuptools find section includes, found as setuptools
+    finds them."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    return {name.split(".")[0] for name in find_packages(where=str(REPO), include=find["include"])}
+
+
+def _dockerfile_copies() -> list[tuple[str, str]]:
+    """(source, destination) of each COPY line of deploy/Dockerfile (sources of one line split)."""
+    out = []
+    for line in (DEPLOY / "Dockerfile").read_text().splitlines():
+        parts = line.split()
+        if parts[:1] == ["COPY"]:
+            *sources, dest = parts[1:]
+            out += [(src, dest) for src in sources]
+    return out
+
+
+def test_dockerfile_copies_exactly_the_packages_pyproject_declares():
+    declared = _declared_packages()
+    assert {"config", "graders", "rollout", "learner", "services", "evals", "search"} <= declared
+    copied_packages = {src for src, _ in _dockerfile_copies() if (REPO / src / "__init__.py").is_file()}
+    assert copied_packages == declared, (
+        f"Dockerfile COPYs packages {sorted(copied_packages)}, pyproject.toml declares {sorted(declared)}")
+
+
+def test_an_install_the_way_the_image_installs_imports_every_package_and_runs(tmp_path):
+    """The sources the Dockerfile copies, installed non-editable (as its `pip install .` does)
+    into a fresh venv that borrows this environment's third-party packages (a plain path line:
+    the site-packages' own .pth files, the editable install of the checkout among them, stay
+    off), import every declared package from the venv and run `counterpoint --help` and
+    `counterpoint train --dry-run`. No network: --no-deps --no-build-isolation --no-index."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+
+    image = tmp_path / "opt-counterpoint"  # the image's WORKDIR, as the COPY lines fill it
+    image.mkdir()
+    for src, dest in _dockerfile_copies():
+        for path in REPO.glob(src):
+            target = image / (path.name if dest.endswith("/") and dest.rstrip("/") in (".", "") else dest)
+            if path.is_dir():
+                shutil.copytree(path, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            else:
+                shutil.copy2(path, target)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    (Path(site) / "borrowed_site_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    work = tmp_path / "elsewhere"  # no checkout on the path: the current directory is empty
+    work.mkdir()
+
+    def run(*cmd: str, cwd: Path = work) -> subprocess.CompletedProcess:
+        done = subprocess.run(list(cmd), cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (cmd, done.stdout[-2000:], done.stderr[-3000:])
+        return done
+
+    run(str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+        "--disable-pip-version-check", str(image))
+    packages = sorted(_declared_packages())
+    probe = "import importlib, json; print(json.dumps({p: importlib.import_module(p).__file__ for p in %r}))"
+    where = run(str(py), "-c", probe % packages).stdout
+    files = json.loads(where)
+    assert sorted(files) == packages
+    for package, file in files.items():
+        assert file and Path(file).is_relative_to(venv), f"{package} imported from {file}, not the installed copy"
+    assert (Path(files["graders"]).parent / "data" / "train.json").is_file()  # package data came along
+    counterpoint = str(venv / "bin" / "counterpoint")
+    assert "train" in run(counterpoint, "--help").stdout
+    shown = json.loads(run(counterpoint, "train", "--config", "configs/smoke.yaml", "--dry-run",
+                           "--set", f"trainer.runs_dir={tmp_path / 'runs'}", cwd=image).stdout)
+    assert shown["config"]["model"]["name_or_path"] == "tiny-random" and shown["receipt"]["status"] == "dry_run"
+    assert not (tmp_path / "runs").exists()

@@ -53,6 +53,23 @@ def test_one_completion_past_pythons_limits_does_not_fail_the_batch(server):
                                         for i, (_, t) in enumerate(pairs)]
 
 
+def test_a_huge_case_id_is_not_found_with_the_id_cut_not_resource_exhausted(server):
+    """The error message used to echo the whole id: past grpc's metadata limit the client got
+    RESOURCE_EXHAUSTED ("received metadata size exceeds hard limit") instead of NOT_FOUND."""
+    from graders.service import MAX_DETAILS_CHARS
+
+    huge = "x" * 20_000 + "-end"
+    with GraderClient(server.address, max_retries=0) as client:
+        for call in (lambda: client.score(huge, "[]"), lambda: client.score_batch([(huge, "[]")])):
+            with pytest.raises(GraderRequestError) as info:
+                call()
+            assert info.value.code == grpc.StatusCode.NOT_FOUND, info.value
+            details = str(info.value).split("NOT_FOUND: ", 1)[1]
+            assert len(details) <= MAX_DETAILS_CHARS and "unknown case_id 'xxxx" in details, details[:300]
+            assert "-end" not in details and "characters cut]" in details, details[-200:]
+        assert client.health().task == "voice-leading"  # and the server is fine
+
+
 def test_retryable_codes():
     # Idempotent RPCs: whatever may be the server's fault is retried, the request's is not.
     for code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL", "UNKNOWN", "ABORTED"):
@@ -263,3 +280,49 @@ def test_checker_strict_through_the_service(tmp_path):
         finally:
             _stop(proc)
     assert rewards == {"reference": (1.0, "admitted"), "strict": (0.0, "structure")}
+
+
+def test_line_budget_admits_per_second_and_summarises_the_rest():
+    from graders.native_log import LineBudget
+
+    budget = LineBudget(3)
+    got = [budget.offer(f"l{i}\n".encode(), 10.0 + i * 0.1) for i in range(6)]
+    assert [keep for keep, _ in got] == [True, True, True, False, False, False]
+    assert all(summary is None for _, summary in got)
+    keep, summary = budget.offer(b"next\n", 11.5)  # a new second: the old one's drops summarised
+    assert keep and summary == b"counterpoint: 3 more lines of native (grpc-core) log dropped (over 3/s); the last: l5\n"
+    assert budget.close() is None
+
+
+def test_grpc_core_log_of_a_grader_is_rate_limited(tmp_path):
+    """`grader serve` under a load that makes grpc-core log per frame (its own http tracer: the
+    real C++ log path a frame flood drives) writes at most native_log_lines_per_s of it a second,
+    saying how many it dropped, and keeps answering."""
+    import time
+
+    from graders.ports import free_port
+
+    port = free_port()
+    err_path = tmp_path / "stderr"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "debug", "GRPC_TRACE": "http"}
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen(_cli("serve", "--port", str(port), "--set", "native_log_lines_per_s=20"), cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        try:
+            assert "serving on" in proc.stdout.readline()
+            t0 = time.monotonic()
+            with GraderClient(f"127.0.0.1:{port}", max_retries=0) as client:
+                case = client.cases(1)[0]
+                for _ in range(150):
+                    assert client.score_batch([(case.id, "[]")] * 4)[0].case_id == case.id
+            elapsed = time.monotonic() - t0
+            time.sleep(1.5)  # a quiet second: the summary of the last busy one is written
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    lines = err_path.read_bytes().splitlines()
+    dropped = [line for line in lines if b"lines of native (grpc-core) log dropped" in line]
+    assert dropped, lines[-5:]
+    total_dropped = sum(int(line.split(b": ", 1)[1].split()[0]) for line in dropped)
+    assert total_dropped > 1000, total_dropped  # the load did make grpc-core log per frame
+    assert len(lines) <= 20 * (elapsed + 4) + len(dropped) + 20, (len(lines), elapsed)

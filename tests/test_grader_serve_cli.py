@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cliharness import LOOPBACK, listeners_of
 from graders.client import GraderClient
 from graders.voice_leading import score
 
@@ -19,13 +20,15 @@ SHAPE = '[{"measure": 1, "degrees": [0, 1]}]'
 
 
 @pytest.mark.slow
-def test_grader_serve_ray_replicas_end_to_end():
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "grader", "serve", "--ray", "--replicas", "2",
-         "--port", "0"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+def test_grader_serve_ray_replicas_end_to_end(tmp_path):
+    console = tmp_path / "stderr"  # what the replicas' logs bring to the console (log_to_driver)
+    with open(console, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "grader", "serve", "--ray", "--replicas", "2",
+             "--port", "0"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     try:
         seen = []
         for line in proc.stdout:  # Ray may print before the address line
@@ -49,11 +52,23 @@ def test_grader_serve_ray_replicas_end_to_end():
                 counters[health.replica] = health.counters["scored"]
                 if len(counters) == 2:
                     break
+        # The local cluster listens on loopback only (GCS, raylet, agents, metrics export, the
+        # front), but for what Ray 2.60 hard-codes: each Serve replica's inter-deployment gRPC
+        # server on [::]:0 (ray/serve/_private/replica.py), one per replica.
+        listening = listeners_of(proc.pid)
+        assert len(listening) >= 5, listening
+        exposed = [x for x in listening if x[0] not in LOOPBACK]
+        assert sorted(name for _, _, name in exposed) == ["ray::ServeReplica:grader:Grader"] * 2, exposed
         assert len(counters) == 2, counters
         assert all(n > 0 for n in counters.values()), counters  # both replicas scored
         assert sum(counters.values()) == batches * len(pairs)
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=120)
+        rest = proc.stdout.read()
         proc.stdout.close()
     assert code == 0
+    # Serve's access log (a line per request, "CALL handle OK ...") stays off the console:
+    # 24 batches and up to 60 Health calls went through the replicas above.
+    shown = console.read_text() + "".join(seen) + rest
+    assert not [line for line in shown.splitlines() if " CALL " in line], shown[-3000:]

@@ -80,6 +80,7 @@ def test_relative_paths_from_the_users_directory_then_resume_then_eval(tmp_path:
     receipt = json.loads((run / "run.json").read_text())
     assert receipt["superseded"] == [str(aside)]
     assert receipt["status"] == "completed" and receipt["resumed_from_step"] == 1
+    assert receipt["resume_changes"] == {"trainer.steps": {"from": 2, "to": 3}}  # applied, and recorded
     assert receipt["previous_attempts"][-1]["status"] == "died"
     assert (run / "checkpoints" / "step_3" / "state.json").exists()
     assert (run / "adapters" / "step_3" / "adapter_config.json").exists()

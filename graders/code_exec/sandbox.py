@@ -13,7 +13,8 @@ Design (issue 13):
   --map-root-user` when the grader is not root). Inside, a small sh (pid 1 until it execs the
   script) builds a read-only tmpfs root holding only the interpreter, system libraries, a few
   /etc files, private /tmp and /dev/shm tmpfs, /proc of the new pid namespace and the workspace
-  at /workspace; then runs (as its child) chroot, drop every capability (bounding set too, no_new_privs) and, when
+  at /workspace (a tmpfs of `workspace_mb` / `workspace_files` holding a copy of the task's
+  public files: the script's writes never reach the host's disk; see setup_script); then runs (as its child) chroot, drop every capability (bounding set too, no_new_privs) and, when
   root, switch to a dedicated unprivileged uid (locked per execution, so RLIMIT_NPROC counts this
   script only; leftover processes of that uid are killed after the run). The task directory is
   simply not in that tree: private/ is unreachable by any path; the network namespace has only a
@@ -81,6 +82,8 @@ class Limits:
     open_files: int
     nproc: int
     tmp_bytes: int
+    workspace_bytes: int
+    workspace_files: int
     output_tail_bytes: int
     output_limit_bytes: int
 
@@ -178,16 +181,31 @@ def _ro_paths() -> list[str]:
     return sorted(set(paths))
 
 
-def setup_script(tmp_bytes: int) -> str:
-    """The pid-1 shell of the namespace: build the read-only root, then exec into the chroot.
+def setup_script(tmp_bytes: int, workspace_bytes: int = 256 << 20, workspace_files: int = 4096) -> str:
+    """The pid-1 shell of the namespace: build the read-only root, run the command in the chroot,
+    then copy out the one file the parent collects.
 
-    Arguments: $1 = new root mountpoint, $2 = workspace, then the command to exec inside.
+    Arguments: $1 = new root mountpoint, $2 = host directory whose files start the workspace,
+    $3 = host directory that receives the collected file, $4 = its name ('' = none), $5 = its
+    size limit in bytes, $6 = uid owning the workspace ('' = the namespace's root), then the
+    command to run inside.
+
+    Why a tmpfs workspace: the host directory bind-mounted as /workspace let one script write
+    2.9 GB to the host's disk in 8 s (RLIMIT_FSIZE bounds one file, not their number). We are
+    already in a mount namespace, so a tmpfs with size= and nr_inodes= is the one quota that
+    needs no privilege on the host (no loop device, no filesystem quotas, no cgroup io limits):
+    the kernel answers ENOSPC past it, and it vanishes with the namespace. The parent never reads
+    it: once the script is gone, this shell (outside the chroot) kills whatever of the script is
+    left (kill -1 from pid 1 reaches exactly the namespace) and copies the collected entry to $3
+    as what it is (cp -RP: a symlink stays a link, a FIFO a FIFO, never opened), a directory as
+    an empty one, a file over the limit as a sparse file of its size; read_regular judges it.
     """
     q = shlex.quote
     lines = [
         "set -u",
         f'fail() {{ echo "{SETUP_MARK}: $*" >&2; exit {SETUP_FAIL}; }}',
-        'R="$1"; W="$2"; shift 2',
+        'R="$1"; W="$2"; O="$3"; C="$4"; M="$5"; U="$6"; shift 6',
+        'own=""; [ -n "$U" ] && own=",uid=$U,gid=$U"',
         'mount -t tmpfs -o mode=0755,size=8m,nosuid,nodev cp-root "$R" || fail tmpfs root',
         # The private /tmp first: an interpreter or venv under the host's /tmp (a checkout in
         # /tmp, as CI's may be) is bound inside it below instead of being hidden by it.
@@ -217,13 +235,23 @@ def setup_script(tmp_bytes: int) -> str:
         f'mkdir -p "$R/dev/shm" && mount -t tmpfs -o mode=1777,size={tmp_bytes},nosuid,nodev '
         'cp-shm "$R/dev/shm" || fail shm',
         'mkdir -p "$R/proc" && mount -t proc -o nosuid,nodev,noexec proc "$R/proc" || fail proc',
-        f'mkdir -p "$R{_WORKSPACE}" && mount --bind -o nosuid,nodev "$W" "$R{_WORKSPACE}" '
-        "|| fail workspace",
+        f'mkdir -p "$R{_WORKSPACE}" && mount -t tmpfs -o "mode=0755,size={workspace_bytes},'
+        f'nr_inodes={workspace_files},nosuid,nodev$own" cp-workspace "$R{_WORKSPACE}" || fail workspace',
+        f'cp -a "$W/." "$R{_WORKSPACE}/" || fail "workspace files (code_exec.workspace_mb, workspace_files)"',
         'mount -o remount,ro,nosuid,nodev "$R" || fail remount',
         # not exec: the script must not be the namespace's pid 1, which the kernel shields from
         # default-action signals (SIGXCPU of RLIMIT_CPU would be dropped); sh waits as pid 1.
         f'chroot "$R" /usr/bin/env -C {_WORKSPACE} "$@"',
-        'exit $?',
+        'rc=$?',
+        'kill -KILL -1 2>/dev/null',
+        f'S="$R{_WORKSPACE}/$C"',
+        'if [ -z "$C" ]; then :',
+        'elif [ -d "$S" ] && [ ! -L "$S" ]; then mkdir "$O/$C"',
+        'elif [ -f "$S" ] && [ ! -L "$S" ] && [ "$(stat -c %s "$S")" -gt "$M" ]; then '
+        'truncate -s "$(stat -c %s "$S")" "$O/$C"',
+        'elif [ -e "$S" ] || [ -L "$S" ]; then cp -RP "$S" "$O/$C" 2>/dev/null',
+        'fi',
+        'exit $rc',
     ]
     return "\n".join(lines) + "\n"
 
@@ -274,8 +302,8 @@ def detect_isolation() -> tuple[str, str]:
                 inner[1:1] = ["--reuid=65534", "--regid=65534", "--clear-groups"]
             code = ("import socket,os;print(sorted(n for _,n in socket.if_nameindex()),"
                     "os.getppid(),os.path.exists(%r))" % run_dir)
-            cmd = [*_ns_prefix(as_root), "sh", "-c", setup_script(1 << 20), "sh", root, ws,
-                   *inner, sys.executable, "-s", "-c", code]
+            cmd = [*_ns_prefix(as_root), "sh", "-c", setup_script(1 << 20, 1 << 20, 16), "sh", root, ws,
+                   ws, "", "0", "65534" if as_root else "", *inner, sys.executable, "-s", "-c", code]
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
                                env=scrubbed_env(_WORKSPACE), start_new_session=True)
             if p.returncode == 0 and p.stdout.strip() == "['lo'] 1 False":
@@ -411,10 +439,12 @@ class Sandbox:
             wall_s=cfg.timeout_s, grace_s=cfg.grace_s, cpu_s=cfg.cpu_s,
             address_space_bytes=base + cfg.memory_mb * 2**20, baseline_bytes=base,
             file_size_bytes=cfg.file_size_mb * 2**20, open_files=cfg.open_files,
-            nproc=cfg.nproc, tmp_bytes=cfg.tmp_mb * 2**20,
+            nproc=cfg.nproc, tmp_bytes=cfg.tmp_mb * 2**20, workspace_bytes=cfg.workspace_mb * 2**20,
+            workspace_files=cfg.workspace_files,
             output_tail_bytes=cfg.output_tail_bytes, output_limit_bytes=cfg.output_limit_bytes,
         )
-        self._setup = setup_script(self.limits.tmp_bytes)
+        self._setup = setup_script(self.limits.tmp_bytes, self.limits.workspace_bytes,
+                                   self.limits.workspace_files)
 
     # one slot per execution; beyond max_concurrent callers wait at most queue_wait_s
     def run(self, script: str, files_dir: str | os.PathLike | None,
@@ -468,7 +498,10 @@ class Sandbox:
                 inner = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
                 if uid is not None:
                     inner[1:1] = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
-                cmd = [*_ns_prefix(self.as_root), "sh", "-c", self._setup, "sh", root, ws,
+                out = os.path.join(run_dir, "out")  # where the shell copies the collected file
+                os.mkdir(out, 0o700)
+                cmd = [*_ns_prefix(self.as_root), "sh", "-c", self._setup, "sh", root, ws, out, collect or "",
+                       str(collect_max_bytes), "" if uid is None else str(uid),
                        *inner, *_prlimit_args(self.limits), sys.executable, "-s", ".script.py"]
                 env, cwd = scrubbed_env(_WORKSPACE), run_dir
             else:
@@ -478,7 +511,7 @@ class Sandbox:
             res = self._execute(cmd, env, cwd, ns, uid)
             data, why = (None, None)
             if collect is not None:
-                data, why = read_regular(os.path.join(ws, collect), collect_max_bytes)
+                data, why = read_regular(os.path.join(out if ns else ws, collect), collect_max_bytes)
             return res, data, why
         finally:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -569,19 +602,43 @@ class Sandbox:
 
 
 def read_regular(path: str, max_bytes: int) -> tuple[bytes | None, str | None]:
-    """Bytes of a file the script wrote, never following a link: (data, None) or (None, why)."""
+    """Bytes of a file the script left: (data, None) or (None, why), never an exception.
+
+    Whatever the script put at `path` (a directory, FIFO, socket, device node, symlink, a file
+    it keeps growing or truncating, one it made unreadable) is that script's invalid submission,
+    not the grader's failure: every OSError becomes a reason. Links are never followed
+    (O_NOFOLLOW), a FIFO never blocks the open (O_NONBLOCK), the type is checked on the open
+    descriptor (fstat: no race with a rename), at most max_bytes + 1 bytes are read, and a size
+    that differs before, during or after the read is refused rather than half-read."""
     import stat
 
+    name = os.path.basename(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        return None, f"no {os.path.basename(path)} written"
+        return None, f"no {name} written"
     except OSError as e:
-        return None, f"{os.path.basename(path)} cannot be opened safely ({e.strerror})"
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
+        return None, f"{name} cannot be opened safely ({e.strerror})"
+    try:
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            return None, f"{os.path.basename(path)} is not a regular file"
+            return None, f"{name} is not a regular file"
         if st.st_size > max_bytes:
-            return None, f"{os.path.basename(path)} is {st.st_size} bytes (limit {max_bytes})"
-        return f.read(max_bytes + 1)[:max_bytes], None
+            return None, f"{name} is {st.st_size} bytes (limit {max_bytes})"
+        chunks, got = [], 0
+        while got <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        after = os.fstat(fd)
+    except OSError as e:
+        return None, f"{name} cannot be read ({e.strerror})"
+    finally:
+        os.close(fd)
+    if got > max_bytes:
+        return None, f"{name} grew past {max_bytes} bytes while it was read"
+    if got != st.st_size or (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+        return None, f"{name} changed while it was read ({st.st_size} bytes, then {got} read, then {after.st_size})"
+    return b"".join(chunks), None

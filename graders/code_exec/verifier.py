@@ -7,6 +7,7 @@ A plain object for the grader registry: no Ray, no gRPC. The service layer maps
 
 from __future__ import annotations
 
+import csv
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -18,7 +19,7 @@ from graders.code_exec.extract import extract_code
 from graders.code_exec.grading import (InvalidSubmission, grade, oriented, parse_submission,
                                        read_csv_exact, reward_of)
 from graders.code_exec.sandbox import ResourceExhausted, Sandbox  # noqa: F401 (re-export)
-from graders.code_exec.task import TaskSpec, load_tasks, resolve_tasks_dir
+from graders.code_exec.task import TaskError, TaskSpec, load_tasks, resolve_tasks_dir
 
 SYSTEM_PROMPT = (
     "You are an expert machine-learning engineer. Write ONE complete Python script that solves "
@@ -69,8 +70,65 @@ def _preview(path, lines: int = PREVIEW_LINES) -> str:
     return "\n".join(out)
 
 
+def _wide_lines(data: bytes, min_commas: int, block: int = 8 << 20):
+    """(line index, start, end, commas) of every line holding at least `min_commas` commas,
+    counted with numpy a block at a time (a few bytes of memory per byte of one block, whatever
+    the file's size; a 64 MiB file in about a second)."""
+    import numpy as np
+
+    line, line_start, carry = 0, 0, 0  # the line open at the block's start: index, offset, commas
+    for a in range(0, len(data), block):
+        blk = np.frombuffer(data, dtype=np.uint8, count=min(block, len(data) - a), offset=a)
+        commas = np.cumsum(blk == ord(","), dtype=np.int64)
+        newlines = np.flatnonzero(blk == ord("\n"))
+        if len(newlines):
+            per = np.diff(commas[newlines], prepend=0)
+            per[0] += carry
+            starts = np.concatenate(([line_start], a + newlines[:-1] + 1))
+            for i in np.flatnonzero(per >= min_commas).tolist():
+                yield line + i, int(starts[i]), a + int(newlines[i]), int(per[i])
+            line, line_start = line + len(newlines), a + int(newlines[-1]) + 1
+            carry = int(commas[-1] - commas[newlines[-1]])
+        else:
+            carry += int(commas[-1])
+    if line_start < len(data) and carry >= min_commas:
+        yield line, line_start, len(data), carry
+
+
+def check_width(data: bytes, n_columns: int) -> None:
+    """Refuse a submission with a line of more fields than the task's columns before pandas
+    reads it. pandas turns extra fields into columns (a wide header) or index levels (a wide
+    row), slowly and in memory that grows with them (measured: one 8 MB header of a million
+    names took 72 s and 3.2 GB; one row of 3 million fields under a 2-column header ran past
+    120 s), so one script could stall or kill the grader for every caller. A line over the
+    bound that holds a quote is re-read with the csv module (quoted commas do not separate).
+    The exact column and row checks stay grade()'s."""
+    for line, start, end, commas in _wide_lines(data, n_columns):
+        text = data[start:end]
+        fields = commas + 1
+        if b'"' in text:
+            try:
+                fields = len(next(csv.reader([text.decode("utf-8", "replace")])))
+            except (csv.Error, StopIteration):
+                continue
+        if fields > n_columns:
+            raise InvalidSubmission(f"line {line + 1} has {fields} fields, expected {n_columns}")
+
+
 def _row_count(path) -> int:
     return len(pd.read_csv(path))
+
+
+def check_workspace_fits(tasks: dict[str, TaskSpec], cfg: CodeExecConfig) -> None:
+    """Refuse, before any script runs, a task whose public files alone fill the workspace quota
+    (they are copied into it): otherwise every execution of that task would fail its set-up."""
+    for tid, t in sorted(tasks.items()):
+        files = [p for p in t.public.iterdir() if p.is_file()]
+        size = sum(p.stat().st_size for p in files)
+        if size >= cfg.workspace_mb * 2**20 or len(files) + 2 > cfg.workspace_files:  # + the script, the root
+            raise TaskError(f"task {tid}: its public files ({size / 2**20:.1f} MiB, {len(files)} files) do not fit "
+                            f"the workspace (code_exec.workspace_mb={cfg.workspace_mb}, "
+                            f"workspace_files={cfg.workspace_files})")
 
 
 class CodeExecTask:
@@ -82,6 +140,7 @@ class CodeExecTask:
         self.cfg = cfg or CodeExecConfig()
         self.tasks_dir = resolve_tasks_dir(self.cfg.tasks_dir, self.cfg.seed)
         self.tasks: dict[str, TaskSpec] = load_tasks(self.tasks_dir)
+        check_workspace_fits(self.tasks, self.cfg)
         self.sandbox = Sandbox(self.cfg)
         self._answers = {tid: read_csv_exact(t.answers_path) for tid, t in self.tasks.items()}
         # which rule set grades each task (grading.py): its task.json's, else the config's
@@ -142,6 +201,7 @@ class CodeExecTask:
         try:
             if data is None:
                 raise InvalidSubmission(why)
+            check_width(data, 1 + len(t.target_columns))  # before pandas reads a million columns
             g = grade(t, parse_submission(data), self._answers[case_id], self.grading_rules[case_id])
         except InvalidSubmission as e:
             return self._failed(case_id, "invalid_submission", code, str(e), res)
