@@ -54,7 +54,7 @@ def lora_payload(model, r: int, version: int, b_std: float, seed: int):
     """A peft-format r/all-linear adapter payload with random A and B (B != 0, so it matters)."""
     from safetensors.torch import save
 
-    from rollout.types import AdapterPayload
+    from model.adapter import AdapterPayload
 
     g = torch.Generator().manual_seed(seed)
     state = {}
@@ -156,7 +156,7 @@ def parity(rec, model, tok, shape, payload, samples_by_mode):
     from learner.lora import attach_lora
     from learner.passes import response_logprobs
     from learner.rollout_correction import parity_stats
-    from rollout.adapters import write_payload
+    from model.adapter_dir import write_payload
 
     d = write_payload(payload(version=3), tempfile.mkdtemp(prefix="cp-bench-adapter-"))
     peft = attach_lora(model, None, seed=0, init_adapter=d).eval()
@@ -254,7 +254,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from rollout.models import StopTokens
+    from model.base import StopTokens
 
     args.out.mkdir(parents=True, exist_ok=True)
     rec = Recorder(args.out)

@@ -98,7 +98,7 @@ def build_model(shape: str, tokenizer_dir: Path, out: Path, device: str) -> Path
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from rollout.models import _align_generation_config
+    from model.base import _align_generation_config
 
     if (out / "config.json").is_file():
         return out
@@ -250,7 +250,7 @@ class _InProcessLearner:
 
     def step(self, batch):
         from learner.types import StepResult
-        from rollout.types import adapter_version
+        from model.adapter import adapter_version
 
         metrics, phases = self.policy.step(batch)
         t = time.perf_counter()
@@ -349,7 +349,7 @@ def counterpoint(args) -> dict[str, Any]:
 
     from learner.policy import PolicyLearner
     from rollout.engines import make_engine
-    from rollout.types import adapter_version
+    from model.adapter import adapter_version
 
     gpu = torch.cuda.is_available() and not args.cpu
     device = "cuda" if gpu else "cpu"

@@ -46,7 +46,7 @@ def build_model(out: Path, vocab: int, seed: int) -> Path:
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from rollout.models import qwen3_shape_config
+    from model.base import qwen3_shape_config
 
     if (out / "config.json").exists():
         return out

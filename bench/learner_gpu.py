@@ -87,7 +87,7 @@ def run_variant(name: str, args, data) -> tuple[dict, dict]:
 
     from learner.lora import adapter_state_dict
     from learner.policy import PolicyLearner
-    from rollout.types import adapter_version
+    from model.adapter import adapter_version
 
     gpu = torch.cuda.is_available() and not args.cpu
     cfg = learner_config(str(args.model), args.prompts, VARIANTS[name], args.cpu)

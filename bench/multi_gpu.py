@@ -93,7 +93,7 @@ def matmul_weights(model_cfg: dict) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from config.rollout import ModelConfig
-    from rollout.models import resolve_model
+    from model.base import resolve_model
 
     conf = AutoConfig.from_pretrained(str(resolve_model(ModelConfig(**model_cfg))))
     with torch.device("meta"):

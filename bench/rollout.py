@@ -68,7 +68,7 @@ def bench_sync(model_cfg, rollout_cfg, args) -> list[dict]:
 
     from bench.synthetic import make_lora_payload
     from rollout.deployment import start_rollout, stop_rollout
-    from rollout.models import resolve_model
+    from model.base import resolve_model
     from rollout.types import SamplingParams
 
     model_dir = resolve_model(model_cfg)

@@ -74,7 +74,7 @@ def make_lora_payload(
                     param.normal_(0.0, b_std)
     import tempfile
 
-    from rollout.adapters import payload_from_dir
+    from model.adapter_dir import payload_from_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from rollout.adapters import CONFIG_FILE, WEIGHTS_FILE, canonical_config
-from rollout.types import AdapterPayload
+from model.adapter_dir import CONFIG_FILE, WEIGHTS_FILE, canonical_config
+from model.adapter import AdapterPayload
 
 
 
@@ -24,7 +24,7 @@ def load_base_model(model_cfg, device: torch.device | str = "cpu"):
     """The frozen base model from a config.rollout.ModelConfig (local dir via resolve_model)."""
     from transformers import AutoModelForCausalLM
 
-    from rollout.models import resolve_model, torch_dtype
+    from model.base import resolve_model, torch_dtype
 
     path = resolve_model(model_cfg)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(model_cfg.dtype))

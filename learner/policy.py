@@ -29,7 +29,7 @@ from learner.passes import GradSync, ddp_grad_sync, make_micro_batches, old_log_
 from learner.rollout_correction import finalize
 from learner.shared_prefix import SharedPrefixLM
 from learner.types import TrainBatch, shard_bounds
-from rollout.types import AdapterPayload
+from model.adapter import AdapterPayload
 
 
 def allreduce_sum(values: dict[str, float], device: torch.device) -> dict[str, float]:

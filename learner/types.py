@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.types import AdapterPayload, AdapterRef
+from model.adapter import AdapterPayload, AdapterRef
 
 
 @dataclass
@@ -88,7 +88,7 @@ class InitInfo:
     """What ``LearnerJob.start`` returns.
 
     ``init_payload`` is the adapter to sample the next step with; its version is
-    ``rollout.types.adapter_version(step)`` (1 on a fresh run, the checkpoint's step + 1 on a
+    ``model.adapter.adapter_version(step)`` (1 on a fresh run, the checkpoint's step + 1 on a
     resume). On a fresh run without ``init_adapter`` LoRA B is 0, so it is numerically the base
     model (``init_is_identity``: sampling BASE_MODEL_VERSION instead is exact); with an
     ``init_adapter`` or a resume it is a real adapter.

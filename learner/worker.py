@@ -23,7 +23,7 @@ from learner.commands import Answer, Command, Failed, Init, Save, Saved, Step, S
 from learner.lora import save_adapter
 from learner.policy import PolicyLearner, PolicySpec
 from learner.types import InitInfo, StepResult
-from rollout.types import AdapterRef, adapter_version
+from model.adapter import AdapterRef, adapter_version
 
 
 def left_in_store(payload) -> AdapterRef:

@@ -1,4 +1,6 @@
-"""`counterpoint rollout ...`: sample completions, recompute their log-probs, serve replicas.
+"""`counterpoint rollout ...`: sample completions, serve replicas. (`rollout logprobs`, which
+recomputes them with the learner's code, is services/logprobs.py's: rollout/ does not import
+learner/.)
 
 Defaults come from `config.rollout` (ModelConfig, RolloutConfig): options left unset take their
 values, or those of `--config FILE` (a run config YAML) when given. Heavy imports (torch, vLLM,
@@ -36,12 +38,13 @@ EosOpt = Annotated[
 ]
 
 
-def _fail(message: str) -> None:
+def fail(message: str) -> None:
+    """End the command with exit status 2 and one line saying why (services/logprobs.py too)."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
 
 
-def _configs(config: Path | None, model: dict, rollout: dict):
+def model_and_rollout_configs(config: Path | None, model: dict, rollout: dict):
     """(ModelConfig, RolloutConfig) from the config file (if any) plus the options given."""
     from pydantic import ValidationError
 
@@ -57,7 +60,7 @@ def _configs(config: Path | None, model: dict, rollout: dict):
         try:
             run = load_config(config)
         except Exception as err:  # ConfigError, YAML or file errors: say which file
-            _fail(f"{config}: {err}")
+            fail(f"{config}: {err}")
         base_model, base_rollout = run.model.model_dump(), run.rollout.model_dump()
     try:
         return (
@@ -65,7 +68,7 @@ def _configs(config: Path | None, model: dict, rollout: dict):
             RolloutConfig(**{**base_rollout, **{k: v for k, v in rollout.items() if v is not None}}),
         )
     except ValidationError as err:
-        _fail(f"invalid options: {err}")
+        fail(f"invalid options: {err}")
 
 
 def _eos(value: str | None) -> list[int] | None:
@@ -74,7 +77,7 @@ def _eos(value: str | None) -> list[int] | None:
     try:
         return [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
-        _fail(f"--eos-token-ids must be comma-separated integers, got {value!r}")
+        fail(f"--eos-token-ids must be comma-separated integers, got {value!r}")
 
 
 def read_prompts(path: Path) -> list:
@@ -83,7 +86,7 @@ def read_prompts(path: Path) -> list:
     from rollout.types import Prompt
 
     if not path.is_file():
-        _fail(f"prompts file {path} does not exist")
+        fail(f"prompts file {path} does not exist")
     prompts = []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -91,23 +94,23 @@ def read_prompts(path: Path) -> list:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            _fail(f"{path}:{lineno}: not JSON ({err.msg})")
+            fail(f"{path}:{lineno}: not JSON ({err.msg})")
         messages = row.get("messages") if isinstance(row, dict) else None
         if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages
         ):
-            _fail(f"{path}:{lineno}: needs 'messages': a non-empty list of {{role, content}} strings")
+            fail(f"{path}:{lineno}: needs 'messages': a non-empty list of {{role, content}} strings")
         prefix = row.get("assistant_prefix", "")
         if not isinstance(prefix, str):
-            _fail(f"{path}:{lineno}: 'assistant_prefix' must be a string")
+            fail(f"{path}:{lineno}: 'assistant_prefix' must be a string")
         prompts.append(Prompt(messages=tuple(messages), assistant_prefix=prefix))
     if not prompts:
-        _fail(f"{path} holds no prompts")
+        fail(f"{path} holds no prompts")
     return prompts
 
 
-def _progress():
+def progress_bar():
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(
@@ -139,9 +142,10 @@ def generate(
     config: ConfigOpt = None,
 ) -> None:
     """Sample N completions per prompt; write text, token ids and sampling log-probs."""
-    from rollout.types import BASE_MODEL_VERSION, FIRST_ADAPTER_VERSION, SamplingParams
+    from model.adapter import BASE_MODEL_VERSION, FIRST_ADAPTER_VERSION
+    from rollout.types import SamplingParams
 
-    model_cfg, rollout_cfg = _configs(
+    model_cfg, rollout_cfg = model_and_rollout_configs(
         config,
         {"name_or_path": model, "dtype": dtype, "eos_token_ids": _eos(eos_token_ids)},
         {"engine": engine, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
@@ -150,12 +154,12 @@ def generate(
     prompt_list = read_prompts(prompts)
     payload = None
     if adapter is not None:
-        from rollout.adapters import AdapterError, payload_from_dir
+        from model.adapter_dir import AdapterError, payload_from_dir
 
         try:
             payload = payload_from_dir(adapter, version=FIRST_ADAPTER_VERSION)
         except AdapterError as err:
-            _fail(str(err))
+            fail(str(err))
     params = SamplingParams(
         n=n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
         max_tokens=rollout_cfg.max_tokens, seed=seed,
@@ -194,7 +198,7 @@ def _generate_in_process(model_cfg, rollout_cfg, prompts, params, payload, batch
         engine.load_adapter(payload)
         version = payload.version
     samples = []
-    with _progress() as progress:
+    with progress_bar() as progress:
         task = progress.add_task(f"{engine.kind} generate", total=len(prompts))
         for start in range(0, len(prompts), batch_size):
             batch_params = params if params.seed is None else replace(params, seed=params.seed + start * params.n)
@@ -227,89 +231,6 @@ def _generate_on_serve(model_cfg, rollout_cfg, prompts, params, payload, seed):
 
 
 @app.command()
-def logprobs(
-    in_path: Annotated[Path, typer.Option("--in", help="Samples JSONL from `rollout generate`.")],
-    out: Annotated[Path, typer.Option("--out", help="JSONL with `trainer_logprobs` added.")],
-    model: ModelOpt = None,
-    dtype: DtypeOpt = None,
-    adapter: AdapterOpt = None,
-    temperature: Annotated[
-        Optional[float], typer.Option(help="Override the temperature stored in each line.")
-    ] = None,
-    micro_batch_size: Annotated[int, typer.Option(min=1, help="Sequences per forward.")] = 8,
-    config: ConfigOpt = None,
-) -> None:
-    """Recompute the samples' log-probs with transformers (the learner's side) and print
-    ppl_ratio, rollout_kl and rollout_k3_kl of the file."""
-    model_cfg, _ = _configs(config, {"name_or_path": model, "dtype": dtype}, {})
-    if not in_path.is_file():
-        _fail(f"samples file {in_path} does not exist")
-    rows = []
-    for lineno, line in enumerate(in_path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            assert all(k in row for k in ("prompt_token_ids", "token_ids", "logprobs"))
-        except (json.JSONDecodeError, AssertionError):
-            _fail(f"{in_path}:{lineno}: needs JSON with prompt_token_ids, token_ids and logprobs")
-        rows.append(row)
-    if not rows:
-        _fail(f"{in_path} holds no samples")
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from learner.passes import response_logprobs
-    from learner.rollout_correction import parity_stats
-    from rollout.models import resolve_model, torch_dtype
-
-    model_dir = resolve_model(model_cfg)
-    net = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype(model_cfg.dtype))
-    if adapter is not None:
-        from peft import PeftModel
-
-        net = PeftModel.from_pretrained(net, str(adapter))
-    net.eval()
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-
-    trainer: list[list[float]] = [None] * len(rows)  # type: ignore[list-item]
-    by_temp: dict[float, list[int]] = {}
-    for i, row in enumerate(rows):
-        by_temp.setdefault(float(temperature or row.get("temperature", 1.0)), []).append(i)
-    with _progress() as progress:
-        task = progress.add_task("transformers log-probs", total=len(rows))
-        for temp, idx in by_temp.items():
-            for start in range(0, len(idx), micro_batch_size):
-                chunk = idx[start : start + micro_batch_size]
-                lps = response_logprobs(
-                    net, [rows[i]["prompt_token_ids"] for i in chunk], [rows[i]["token_ids"] for i in chunk],
-                    pad_id=pad_id, temperature=temp, micro_batch_size=micro_batch_size,
-                )
-                for i, lp in zip(chunk, lps):
-                    trainer[i] = lp
-                progress.advance(task, len(chunk))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as fh:
-        for row, lp in zip(rows, trainer):
-            fh.write(json.dumps({**row, "trainer_logprobs": lp}) + "\n")
-    try:
-        stats = parity_stats([r["logprobs"] for r in rows], trainer)
-    except ValueError as err:
-        _fail(f"{in_path}: {err}")
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"{in_path.name}: rollout vs transformers ({model_cfg.dtype})")
-    for name in ("ppl_ratio", "rollout_kl", "rollout_k3_kl", "max_abs_diff", "sequences", "tokens"):
-        table.add_column(name, justify="right")
-    d = stats.as_dict()
-    table.add_row(*(f"{d[k]:.6g}" if isinstance(d[k], float) else str(d[k]) for k in d))
-    Console().print(table)
-    typer.echo(json.dumps(d))
-
-
-@app.command()
 def serve(
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
@@ -334,7 +255,7 @@ def serve(
 
     from rollout.deployment import APP_NAME, REGISTRY_NAME, start_rollout, stop_rollout
 
-    model_cfg, rollout_cfg = _configs(
+    model_cfg, rollout_cfg = model_and_rollout_configs(
         config, {"name_or_path": model, "dtype": dtype},
         {"engine": engine, "replicas": replicas, "num_cpus": num_cpus, "num_gpus": num_gpus},
     )
@@ -344,7 +265,7 @@ def serve(
         ray.init(num_cpus=max(2, int(rollout_cfg.num_cpus * rollout_cfg.replicas + 0.999)), include_dashboard=False)
     client = start_rollout(model_cfg, rollout_cfg, seed=seed)
     if adapter is not None:
-        from rollout.adapters import payload_from_dir
+        from model.adapter_dir import payload_from_dir
 
         client.publish(payload_from_dir(adapter, version=client.snapshot()["latest"] + 1))
         client.sync(client.snapshot()["latest"])

@@ -34,7 +34,8 @@ from ray import serve
 
 from config.rollout import ModelConfig, RolloutConfig
 from rollout.registry import AdapterUnavailableError, RegistryState
-from rollout.types import AdapterPayload, AdapterRef, Prompt, Sample, SamplingParams
+from model.adapter import AdapterPayload, AdapterRef
+from rollout.types import Prompt, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def publish_adapter(payload: AdapterPayload, registry=None, name: str = REGISTRY
     Callable from any Ray process (the learner's rank 0): the registry is found by name. The
     caller owns the object; it must stay alive while replicas may still fetch it.
     """
-    from rollout.adapters import validate_payload
+    from model.adapter_dir import validate_payload
 
     validate_payload(payload)
     registry = registry or ray.get_actor(name, namespace=NAMESPACE)
@@ -360,7 +361,7 @@ def start_rollout(
     registry_name: str = REGISTRY_NAME,
 ) -> RolloutClient:
     """Deploy the replicas (Ray must be initialised) and wait until they all report in."""
-    from rollout.models import resolve_model
+    from model.base import resolve_model
 
     resolve_model(model_cfg)  # build/convert once here, not in N replicas at the same time
     registry = get_or_create_registry(rollout_cfg, registry_name)

@@ -21,7 +21,10 @@ app = typer.Typer(
 def _register() -> None:
     from graders.cli import app as grader_app
     from rollout.cli import app as rollout_app
+    from services.logprobs import logprobs
 
+    # `rollout logprobs` runs the learner's log-prob pass: it lives above both packages.
+    rollout_app.command()(logprobs)
     app.add_typer(grader_app, name="grader", help="Verifiers: serve over gRPC, score JSONL.")
     app.add_typer(rollout_app, name="rollout", help="Generation engines and the Serve deployment.")
     from services import commands

@@ -144,7 +144,7 @@ def stop_token_report(cfg: RunConfig) -> dict[str, Any]:
     generation_config's eos disagree (the never-stopping-generation trap), for the receipt."""
     import logging
 
-    from rollout.models import resolve_model, stop_token_ids
+    from model.base import resolve_model, stop_token_ids
 
     report = stop_token_ids(resolve_model(cfg.model), cfg.model.eos_token_ids)
     if report.warning:
@@ -155,8 +155,8 @@ def stop_token_report(cfg: RunConfig) -> dict[str, Any]:
 def serve_adapter(rollout, adapter_dir) -> int:
     """Make a saved adapter dir live on every rollout replica (eval, probe); returns the version
     to sample with: the first adapter version, or the bare base model's when ``adapter_dir`` is None."""
-    from rollout.adapters import payload_from_dir
-    from rollout.types import BASE_MODEL_VERSION, FIRST_ADAPTER_VERSION
+    from model.adapter_dir import payload_from_dir
+    from model.adapter import BASE_MODEL_VERSION, FIRST_ADAPTER_VERSION
 
     if adapter_dir is None:
         return BASE_MODEL_VERSION

@@ -27,7 +27,8 @@ import torch
 
 from learner.advantages import compute_advantages, frac_reward_zero_std
 from learner.types import TrainBatch
-from rollout.types import AdapterPayload, AdapterRef, Prompt, Sample, SamplingParams
+from model.adapter import AdapterPayload, AdapterRef
+from rollout.types import Prompt, Sample, SamplingParams
 from config import RunConfig
 from graders.spread import score_spread
 from services.step_timer import PhaseTimer
@@ -227,7 +228,7 @@ def run_steps(parts: RunParts, first_step: int) -> None:
             result = parts.learner.step(train_batch(ro, rewards, adv))
             timer.add(result.phases_s)
             with timer("update_weights"):
-                adapter = result.adapter  # version stamped by the learner (rollout.types.adapter_version)
+                adapter = result.adapter  # version stamped by the learner (model.adapter.adapter_version)
                 parts.rollout.publish(adapter)
                 with_retries(lambda: parts.rollout.sync(adapter.version), f"sync adapter v{adapter.version}",
                              parts.cfg.rollout.max_retries, parts.cfg.rollout.retry_backoff_s)

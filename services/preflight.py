@@ -21,7 +21,7 @@ class PreflightError(ValueError):
 def check_model(cfg: RunConfig) -> None:
     """model.name_or_path is a built-in name, a local model directory, or a hub id this host can
     load (offline hosts: only one already in the local hub cache)."""
-    from rollout.models import EMBEDDED_NAME, QWEN3_SHAPE_NAME, TINY_NAME, gguf_path
+    from model.base import EMBEDDED_NAME, QWEN3_SHAPE_NAME, TINY_NAME, gguf_path
 
     name = cfg.model.name_or_path
     if name in (TINY_NAME, QWEN3_SHAPE_NAME):

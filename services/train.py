@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from rollout.types import BASE_MODEL_VERSION
+from model.adapter import BASE_MODEL_VERSION
 from services.archive import RunDir, node_id, node_row
 from evals.heldout import heldout_section
 from config import RunConfig, apply_override, config_from_dict, resolved, with_absolute_paths
@@ -206,7 +206,7 @@ class StepRecorder:
 def heldout_eval(cfg: RunConfig, grader, rollout, version: int, out: Path) -> dict[str, Any]:
     """Held-out eval with adapter `version`, kept per item as the EVAL.jsonl `out` (so before and
     after pair item by item); returns its summary and file for the receipt."""
-    from rollout.models import resolve_model, stop_token_ids
+    from model.base import resolve_model, stop_token_ids
     from evals.records import ScoringSettings
     from evals.heldout import evaluate_heldout, write_heldout_eval
 

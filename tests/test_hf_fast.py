@@ -9,7 +9,7 @@ import torch
 
 from config.learner import LoraConfig
 from config.rollout import ModelConfig, RolloutConfig
-from rollout.adapters import AdapterError
+from model.adapter_dir import AdapterError
 from rollout.engines.base import AdapterVersionError
 from rollout.engines.hf_fast import (
     HFFastEngine,
@@ -20,7 +20,8 @@ from rollout.engines.hf_fast import (
     stop_string_cut,
 )
 from rollout.engines.lora_weights import load_safetensors_bytes, parse_adapter
-from rollout.types import AdapterPayload, Prompt, SamplingParams
+from model.adapter import AdapterPayload
+from rollout.types import Prompt, SamplingParams
 
 MODEL = ModelConfig(name_or_path="tiny-random", dtype="float32")  # configs/smoke.yaml's model
 PROMPTS = [
@@ -85,7 +86,7 @@ def test_safetensors_bytes_load_equals_safetensors():
 def test_stop_string_cut_keeps_the_completing_token():
     from transformers import AutoTokenizer
 
-    from rollout.models import resolve_model
+    from model.base import resolve_model
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model(MODEL)))
     ids = tok("one two END three", add_special_tokens=False)["input_ids"]
@@ -114,7 +115,7 @@ def with_version(payload: AdapterPayload, version: int) -> AdapterPayload:
 
 
 def engine(mode: str = "merged") -> HFFastEngine:
-    from rollout.models import resolve_model
+    from model.base import resolve_model
 
     return HFFastEngine(resolve_model(MODEL), MODEL, RolloutConfig(max_model_len=1024, hf_lora=mode), device="cpu")
 
@@ -122,7 +123,7 @@ def engine(mode: str = "merged") -> HFFastEngine:
 @pytest.mark.parametrize("mode", ["merged", "unmerged"])
 def test_in_memory_adapter_gives_the_peft_paths_logits(peft_and_payload, mode):
     from rollout.engines.hf import HFEngine
-    from rollout.models import resolve_model
+    from model.base import resolve_model
 
     _, payload = peft_and_payload
     ids = torch.tensor([[1, 5, 9, 33, 2, 7, 100]])

@@ -16,7 +16,7 @@ from learner.lora import (
     load_base_model,
     save_adapter,
 )
-from rollout.adapters import WEIGHTS_FILE
+from model.adapter_dir import WEIGHTS_FILE
 from config.rollout import ModelConfig
 
 pytestmark = pytest.mark.slow
@@ -97,7 +97,7 @@ import json, sys
 from pathlib import Path
 from config.learner import LoraConfig
 from learner.lora import adapter_payload, attach_lora, load_base_model, save_adapter
-from rollout.adapters import write_payload
+from model.adapter_dir import write_payload
 from config.rollout import ModelConfig
 
 out = Path(sys.argv[1])

@@ -13,7 +13,7 @@ from safetensors.torch import load
 
 from learner.job import LearnerJob
 from learner.types import TrainBatch
-from rollout.types import FIRST_ADAPTER_VERSION, adapter_version
+from model.adapter import FIRST_ADAPTER_VERSION, adapter_version
 from config import RunConfig
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,5 @@
-"""`counterpoint rollout generate | logprobs` end to end, and their errors on bad input."""
+"""`counterpoint rollout generate | logprobs` end to end, and their errors on bad input (through
+the `counterpoint` app: `rollout logprobs` is services/logprobs.py's, added to the group there)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from rollout.cli import app
+from services.cli import app as counterpoint
 
 runner = CliRunner()
 
@@ -21,7 +22,7 @@ def _prompts(path):
 
 
 def test_help_lists_the_commands():
-    result = runner.invoke(app, ["--help"])
+    result = runner.invoke(counterpoint, ["rollout", "--help"])
     assert result.exit_code == 0
     for command in ("generate", "logprobs", "serve"):
         assert command in result.output
@@ -38,7 +39,7 @@ def test_help_lists_the_commands():
 )
 def test_bad_prompt_files_are_named(tmp_path, content, message):
     (tmp_path / "p.jsonl").write_text(content)
-    result = runner.invoke(app, ["generate", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl")])
+    result = runner.invoke(counterpoint, ["rollout", "generate", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl")])
     assert result.exit_code == 2
     assert message in result.output
 
@@ -46,18 +47,18 @@ def test_bad_prompt_files_are_named(tmp_path, content, message):
 def test_bad_options_are_named(tmp_path):
     _prompts(tmp_path / "p.jsonl")
     args = ["generate", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl")]
-    result = runner.invoke(app, [*args, "--engine", "tensorrt"])
+    result = runner.invoke(counterpoint, ["rollout", *args, "--engine", "tensorrt"])
     assert result.exit_code == 2 and "engine" in result.output
-    result = runner.invoke(app, [*args, "--eos-token-ids", "2,x"])
+    result = runner.invoke(counterpoint, ["rollout", *args, "--eos-token-ids", "2,x"])
     assert result.exit_code == 2 and "--eos-token-ids" in result.output
-    result = runner.invoke(app, [*args, "--adapter", str(tmp_path)])
+    result = runner.invoke(counterpoint, ["rollout", *args, "--adapter", str(tmp_path)])
     assert result.exit_code == 2 and "adapter_model.safetensors" in result.output
 
 
 @pytest.mark.slow
 def test_generate_then_logprobs_reports_parity(tmp_path):
     prompts, samples, scored = _prompts(tmp_path / "p.jsonl"), tmp_path / "s.jsonl", tmp_path / "scored.jsonl"
-    result = runner.invoke(app, [
+    result = runner.invoke(counterpoint, ["rollout", 
         "generate", "--engine", "hf", "--model", "tiny-random", "--prompts", str(prompts),
         "--n", "2", "--max-tokens", "6", "--temperature", "0.9", "--seed", "3", "--out", str(samples),
     ])
@@ -69,7 +70,7 @@ def test_generate_then_logprobs_reports_parity(tmp_path):
         assert r["adapter_version"] == 0 and r["temperature"] == 0.9
         assert r["finish_reason"] in ("stop", "length")
 
-    result = runner.invoke(app, ["logprobs", "--model", "tiny-random", "--in", str(samples), "--out", str(scored)])
+    result = runner.invoke(counterpoint, ["rollout", "logprobs", "--model", "tiny-random", "--in", str(samples), "--out", str(scored)])
     assert result.exit_code == 0, result.output
     stats = json.loads(result.output.strip().splitlines()[-1])
     assert stats["ppl_ratio"] == pytest.approx(1.0, abs=1e-4)

@@ -54,7 +54,7 @@ def _recompute(model_dir, samples, temperature, payload=None):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from rollout.adapters import write_payload
+    from model.adapter_dir import write_payload
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     if payload is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from config.rollout import ModelConfig, RolloutConfig
-from rollout.models import gguf_path, resolve_model, stop_token_ids
+from model.base import gguf_path, resolve_model, stop_token_ids
 
 IM_END = 2  # SmolLM2's <|im_end|>
 ENDOFTEXT = 0  # SmolLM2's <|endoftext|>

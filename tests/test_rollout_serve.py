@@ -7,7 +7,7 @@ import pytest
 
 from bench.synthetic import make_lora_payload
 from config.rollout import ModelConfig, RolloutConfig
-from rollout.models import resolve_model
+from model.base import resolve_model
 from rollout.types import Prompt, SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ directory. `counterpoint train --dry-run` starts nothing.
 What one_step_off means here (services/orchestrator.py run_steps): generation for step s+1 is
 submitted with the adapter live before step s's update, so step s >= 2 trains on samples drawn
 with adapter version s-1 (the one published after step s-2's update; version v = the adapter
-after v-1 optimizer steps, rollout.types.adapter_version) while the learner holds version s.
+after v-1 optimizer steps, model.adapter.adapter_version) while the learner holds version s.
 The learner does not recompute against the sampling adapter: its old log-probs are its own
 pre-update policy's, ppl_ratio/rollout_kl measure that one-step drift, and truncated importance
 sampling (learner/losses.py) re-weights each token by min(exp(old - rollout), tis_cap). So the
@@ -127,7 +127,7 @@ def test_one_step_off_forced_openings_heldout_eval_then_plot_and_eval(tmp_path: 
         from transformers import AutoTokenizer
 
         from config.rollout import ModelConfig
-        from rollout.models import resolve_model
+        from model.base import resolve_model
 
         tok = AutoTokenizer.from_pretrained(resolve_model(ModelConfig(name_or_path="tiny-random")))
         for r in rows[1]:

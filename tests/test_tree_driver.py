@@ -41,8 +41,9 @@ from learner.policy import PolicyLearner
 from learner.types import StepResult
 from learner.worker import handle
 from rollout.engines.hf import HFEngine
-from rollout.models import resolve_model
-from rollout.types import Sample, adapter_version
+from model.adapter import adapter_version
+from model.base import resolve_model
+from rollout.types import Sample
 from search.prompts import mode_of
 from search.tree import Tree
 from services.archive import RunDir, read_jsonl

@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from config.rollout import RolloutConfig
-from rollout.adapters import AdapterError
+from model.adapter_dir import AdapterError
 from rollout.engines.lora_weights import MergedWeights, parse_adapter
 from rollout.engines.vllm_engine import vllm_settings
 from rollout.engines.vllm_merge import read_checkpoint, write_shm
@@ -138,7 +138,7 @@ def test_the_worker_extension_is_mixed_into_vllms_worker_and_answers_by_name():
 
     from config.rollout import ModelConfig
     from rollout.engines.vllm_merge import EXTENSION
-    from rollout.models import resolve_model
+    from model.base import resolve_model
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     model_dir = resolve_model(ModelConfig(name_or_path="tiny-random", dtype="float32"))

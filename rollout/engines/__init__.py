@@ -31,7 +31,7 @@ def make_engine(
     vLLM (CPU) engines must be created under an `if __name__ == "__main__"` guard in scripts,
     or inside a Ray actor / pytest with VLLM_ENABLE_V1_MULTIPROCESSING=0.
     """
-    from rollout.models import resolve_model
+    from model.base import resolve_model
 
     model_dir = resolve_model(model_cfg)
     chosen = resolve_kind(kind or rollout_cfg.engine)

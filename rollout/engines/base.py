@@ -2,7 +2,7 @@
 
 Data plane: `generate`. Control plane: `load_adapter` / `loaded_version`. Both engines render
 prompts to token ids the same way (`render_prompt`), stop on the same token set
-(`rollout.models.stop_token_ids`), and return log-probs of the sampling distribution (after
+(`model.base.stop_token_ids`), and return log-probs of the sampling distribution (after
 temperature), so their outputs are interchangeable and comparable to the learner's recompute.
 
 Version semantics: version 0 is the base model; version v >= 1 is the adapter published as v.
@@ -17,8 +17,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollout.models import StopTokens
-from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
+from model.base import StopTokens
+from model.adapter import AdapterPayload
+from rollout.types import Prompt, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 from transformers.generation.logits_process import LogitsProcessor
 
-from rollout.adapters import validate_payload, write_payload
+from model.adapter_dir import validate_payload, write_payload
 from config.rollout import ModelConfig, RolloutConfig
-from rollout.models import torch_dtype
+from model.base import torch_dtype
 from rollout.engines.base import Engine, finish_reason
-from rollout.models import stop_token_ids
-from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
+from model.base import stop_token_ids
+from model.adapter import AdapterPayload
+from rollout.types import Prompt, Sample, SamplingParams
 
 
 

@@ -38,14 +38,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rollout.adapters import AdapterError
+from model.adapter_dir import AdapterError
 from rollout.engines.lora_weights import LoraTensors, merged_weight, parse_adapter
 from rollout.engines.base import Engine, finish_reason
-from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
+from model.adapter import AdapterPayload
+from rollout.types import Prompt, Sample, SamplingParams
 
 if TYPE_CHECKING:
     from config.rollout import ModelConfig, RolloutConfig
-    from rollout.models import StopTokens
+    from model.base import StopTokens
 
 log = logging.getLogger(__name__)
 
@@ -459,7 +460,7 @@ class HFFastEngine(Engine):
                  device: str | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from rollout.models import stop_token_ids, torch_dtype
+        from model.base import stop_token_ids, torch_dtype
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = AutoModelForCausalLM.from_pretrained(

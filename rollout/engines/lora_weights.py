@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.adapters import AdapterError, validate_payload
-from rollout.types import AdapterPayload
+from model.adapter_dir import AdapterError, validate_payload
+from model.adapter import AdapterPayload
 
 PEFT_PREFIX = "base_model.model."
 

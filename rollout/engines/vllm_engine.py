@@ -23,11 +23,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rollout.adapters import validate_payload, write_payload
+from model.adapter_dir import validate_payload, write_payload
 from config.rollout import ModelConfig, RolloutConfig
 from rollout.engines.base import Engine, finish_reason
-from rollout.models import stop_token_ids
-from rollout.types import AdapterPayload, Prompt, Sample, SamplingParams
+from model.base import stop_token_ids
+from model.adapter import AdapterPayload
+from rollout.types import Prompt, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from rollout.engines.lora_weights import MergedWeights, parse_adapter
-from rollout.types import AdapterPayload
+from model.adapter import AdapterPayload
 
 EXTENSION = "rollout.engines.vllm_merge.MergedLoraExtension"
 

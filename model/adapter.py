@@ -1,0 +1,58 @@
+"""The LoRA adapter as it travels between the learner, the driver and the rollout replicas: its
+version numbering and its payload. No torch, Ray or vLLM import at module level: these objects
+cross process boundaries (the Ray object store, Serve handles, Train workers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Adapter versions, one numbering end to end (DESIGN.md): 0 is the bare base model (no adapter);
+# the adapter after k optimizer steps is version k + 1, stamped by the learner where it is made,
+# so step s samples with version s and the init adapter is version 1.
+BASE_MODEL_VERSION = 0
+
+
+def adapter_version(updates: int) -> int:
+    """The version of the adapter that ``updates`` optimizer steps produced."""
+    return updates + 1
+
+
+FIRST_ADAPTER_VERSION = adapter_version(0)  # also what a lone adapter dir is served as (eval, probe)
+
+
+@dataclass(frozen=True)
+class AdapterPayload:
+    """A published LoRA adapter: a safetensors state dict (peft naming) and its adapter_config.
+    Small (MBs), so it travels through the Ray object store; never through a shared disk."""
+
+    version: int
+    safetensors: bytes
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """An AdapterPayload left in Ray's object store by the process that made it (the learner's
+    rank 0), as the driver sees it: the version, and the ref boxed in a list so that Ray hands
+    the ref on rather than the value. The driver publishes the ref to the adapter registry and
+    the replicas fetch it once, so a 4B r=32 adapter (126 MiB in bf16) no longer crosses the
+    coordinator, the driver and a second put on its way (bench/results/gpu-vs-trl.md).
+    ``fetch()`` (and ``safetensors``/``config``) get the payload itself, for whoever needs it."""
+
+    version: int
+    box: list
+
+    def fetch(self) -> AdapterPayload:
+        import ray
+
+        return ray.get(self.box[0])
+
+    @property
+    def safetensors(self) -> bytes:
+        return self.fetch().safetensors
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.fetch().config
