@@ -76,10 +76,7 @@ def make_node(text: str, prefix: str, res, mode: str = "draft"):
     return Node(id="parent", parent_id=None, mode=mode, step=0, round=0, expansion=0, sibling_group=0,
                 index=0, prompt_messages=[], assistant_prefix=prefix, raw_completion=text,
                 prompt_token_ids=[], response_token_ids=[], response_logprobs=[], adapter_version=0,
-                finish_reason="stop", code=res.code, status=res.status, reward=res.reward,
-                val_metric=res.val_metric, test_metric=res.test_metric, oriented=res.oriented,
-                exec_time=res.exec_time, term_tail=res.term_tail, exc_type=res.exc_type,
-                message=res.message, limits=res.limits, isolation=res.isolation)
+                finish_reason="stop", result=res)
 
 
 def parents(variant: str, case: dict, verifier) -> dict:
@@ -100,8 +97,8 @@ def parents(variant: str, case: dict, verifier) -> dict:
             out[mode] = make_node(text, "", verifier.score(case["id"], text))
     want = {"improve": "ok", "debug": "crashed"}
     for mode, node in out.items():
-        if node.status != want[mode]:
-            raise RuntimeError(f"{case['id']} {variant}: the {mode} parent is {node.status}, not {want[mode]}")
+        if node.result.status != want[mode]:
+            raise RuntimeError(f"{case['id']} {variant}: the {mode} parent is {node.result.status}, not {want[mode]}")
     return out
 
 

@@ -40,6 +40,7 @@ from typing import Any
 
 from evals.compare import NotComparableError, check_comparable
 from evals.records import EvalFileError, read_eval, summarize
+from records.run_dir import RunDir
 
 LEVEL = 0.95
 INTERVAL_METHOD = ("95% Student-t interval across seeds: mean ± t(0.975, n-1)·s/√n, s the sample standard "
@@ -137,35 +138,16 @@ def t_interval(values: Sequence[float], level: float = LEVEL) -> Interval:
 # ------------------------------------------------------------------------------- one arm
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Committed lines of a run's JSONL (a torn last line, no newline yet, is skipped)."""
-    if not path.is_file():
-        return []
-    lines = path.read_text(encoding="utf-8").split("\n")
-    lines.pop()
-    out = []
-    for number, line in enumerate(lines, start=1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise GridError(f"{path}:{number}: not a JSON line ({err.msg})") from None
-    return out
-
-
 def _mean(xs: Sequence[float | None]) -> float | None:
     got = [float(x) for x in xs if x is not None]
     return statistics.fmean(got) if got else None
 
 
-def trained_steps(run_dir: Path) -> list[int]:
-    return sorted({int(r["step"]) for r in _read_jsonl(Path(run_dir) / "timing.jsonl")})
-
-
 def _step_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl lines of trained steps."""
-    trained = set(trained_steps(run_dir))
-    return [m for m in _read_jsonl(Path(run_dir) / "metrics.jsonl") if m.get("step") in trained]
+    """metrics.jsonl lines of trained steps (a corrupt line raises records' RecordError)."""
+    run = RunDir(run_dir)
+    trained = set(run.trained_steps())
+    return [m for m in run.metrics() if m.get("step") in trained]
 
 
 def eval_figures(path: Path) -> dict[str, float]:
@@ -206,8 +188,9 @@ def round_summaries(run_dir: Path) -> list[dict[str, Any]]:
     """The summary of every TRAINED round of a tree run, in step order (round_<step>/
     <task>__summary_<epoch>.json; a round whose step has no timing line is left out)."""
     out = []
-    for step in trained_steps(run_dir):
-        for path in sorted((Path(run_dir) / f"round_{step}").glob("*__summary_*.json")):
+    run = RunDir(run_dir)
+    for step in run.trained_steps():
+        for path in sorted(run.round_dir(step).glob("*__summary_*.json")):
             summary = json.loads(path.read_text(encoding="utf-8"))
             if "best_test_metric" not in summary:
                 raise GridError(f"{path}: not a tree round summary (no best_test_metric)")
@@ -232,7 +215,7 @@ def tree_arm_metrics(run_dir: Path, last_k: int = LAST_K) -> tuple[dict[str, flo
         out[f"honest_final/{task}"] = rounds[-1].get("honest_test_metric")
         out[f"honest_last_k/{task}"] = _mean([r.get("honest_test_metric") for r in last])
     # A tree run with trainer.eval_heldout: drafts per task before and after, on the TEST rows.
-    before, after = Path(run_dir) / "heldout_before.jsonl", Path(run_dir) / "heldout_after.jsonl"
+    before, after = RunDir(run_dir).heldout_path("before"), RunDir(run_dir).heldout_path("after")
     if before.is_file() and after.is_file():
         try:
             b = {i.item_id: statistics.fmean(i.rewards) for i in read_eval(before).items if i.rewards}

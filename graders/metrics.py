@@ -25,9 +25,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-EXEC_STATUSES = ("ok", "no_code", "crashed", "timeout", "invalid_submission", "overloaded")
+from records.exec_result import EXEC_STATUSES as SCRIPT_STATUSES
+
+# A script's statuses, and "overloaded": no execution slot freed up in time (nothing ran).
+EXEC_STATUSES = (*SCRIPT_STATUSES, "overloaded")
 ISOLATION_LEVELS = ("none", "namespaces")  # graders/code_exec/sandbox.py LEVELS, in order
-VERDICT_CLASSES = ("admitted", "structure", "rule_failure", *EXEC_STATUSES[:-1])
+VERDICT_CLASSES = ("admitted", "structure", "rule_failure", *SCRIPT_STATUSES)
 EXEC_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 WAIT_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
@@ -35,7 +38,7 @@ WAIT_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120)
 def verdict_class(verdict: str) -> str:
     """Map a verdict string to a bounded label value: voice-leading's admitted | structure |
     rule_failure (any rule list), or code-exec's status (its verdict is its status)."""
-    if verdict in ("admitted", "structure") or verdict in EXEC_STATUSES[:-1]:
+    if verdict in ("admitted", "structure") or verdict in SCRIPT_STATUSES:
         return verdict
     return "rule_failure"
 

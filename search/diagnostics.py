@@ -25,9 +25,8 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from records.exec_result import EXEC_STATUSES
 from search.tree import MODES, Node, Tree, oriented_value
-
-STATUSES = ("ok", "no_code", "crashed", "timeout", "invalid_submission")
 
 # Identifier patterns (a NAME token of the script, comments and strings excluded) -> family.
 FAMILY_PATTERNS: tuple[tuple[str, str], ...] = (
@@ -83,8 +82,8 @@ def round_diagnostics(nodes: Sequence[Node], tree: Tree, select_on: str = "val",
     valid = [x for x in nodes if not x.is_buggy]
     out: dict[str, float | int | None] = {"nodes": n, "valid": len(valid),
                                           "valid_share": _rate(len(valid), n)}
-    statuses = Counter(x.status for x in nodes)
-    for s in sorted(set(STATUSES) | set(statuses)):
+    statuses = Counter(x.result.status for x in nodes)
+    for s in sorted(set(EXEC_STATUSES) | set(statuses)):
         out[f"status_{s}"] = statuses.get(s, 0)
     modes = Counter(x.mode for x in nodes)
     for m in MODES:
@@ -95,12 +94,12 @@ def round_diagnostics(nodes: Sequence[Node], tree: Tree, select_on: str = "val",
     beat = sum(not x.is_buggy and tree.selection_value(x, select_on)
                > tree.selection_value(tree.get(x.parent_id), select_on) for x in improves)
     out["improve_success_rate"] = _rate(beat, len(improves))
-    rewards = [x.reward for x in nodes]
+    rewards = [x.result.reward for x in nodes]
     out["reward_mean"] = statistics.fmean(rewards) if rewards else None
     out["reward_std"] = statistics.pstdev(rewards) if rewards else None
     groups: dict[int, list[float]] = defaultdict(list)
     for x in nodes:
-        groups[x.sibling_group].append(x.reward)
+        groups[x.sibling_group].append(x.result.reward)
     out["groups"] = len(groups)
     out["frac_groups_zero_reward_std"] = _rate(sum(len(set(g)) == 1 for g in groups.values()), len(groups))
 
@@ -110,7 +109,7 @@ def round_diagnostics(nodes: Sequence[Node], tree: Tree, select_on: str = "val",
     out[f"best_{select_on}_metric"] = None if best_o is None else sign * best_o
     out[f"median_{select_on}_metric"] = None if median_o is None else sign * median_o
     chosen = tree.best_valid(select_on, among=list(nodes))
-    out["honest_test_metric"] = chosen.test_metric if chosen else None
+    out["honest_test_metric"] = chosen.result.test_metric if chosen else None
     for rung, entry in sorted((ladder or {}).items()):
         if not isinstance(entry, Mapping) or entry.get("status", "ok") != "ok":
             continue  # "metric": "roc_auc" and failed rungs carry no yardstick
@@ -122,5 +121,5 @@ def round_diagnostics(nodes: Sequence[Node], tree: Tree, select_on: str = "val",
         if ref_t is not None:
             honest = oriented_value(out["honest_test_metric"], tree.direction)
             out[f"honest_vs_{rung}"] = None if honest is None else honest - ref_t
-    out["model_families"] = len({model_family(x.code) for x in valid})
+    out["model_families"] = len({model_family(x.result.code) for x in valid})
     return out

@@ -103,14 +103,14 @@ def draft_prompt(case: Mapping[str, Any], scaffold: Scaffold | None = None) -> l
 
 def improve_prompt(case: Mapping[str, Any], parent: Node, cfg: SearchConfig,
                    scaffold: Scaffold | None = None) -> list[dict[str, str]]:
-    if parent.is_buggy or parent.val_metric is None and cfg.select_on == "val":
+    if parent.is_buggy or parent.result.val_metric is None and cfg.select_on == "val":
         raise ValueError(f"improve needs a valid parent with a validation metric, got {parent.id} "
-                         f"({parent.status})")
-    value = parent.val_metric if cfg.select_on == "val" else parent.test_metric
+                         f"({parent.result.status})")
+    value = parent.result.val_metric if cfg.select_on == "val" else parent.result.test_metric
     if scaffold is not None:
         shown, what = parent_block(parent, scaffold), "This block"
     else:
-        shown, what = parent.code, ""
+        shown, what = parent.result.code, ""
     code = clip_middle(shown, cfg.max_parent_code_chars)
     lead = f"{what} was run in the template.\n\n" if what else ""
     return _with_section(case, f"{HEADINGS['improve']}\n\n{lead}{fenced(code, 'python')}\n\n"
@@ -121,22 +121,22 @@ def debug_prompt(case: Mapping[str, Any], parent: Node, cfg: SearchConfig,
                  scaffold: Scaffold | None = None) -> list[dict[str, str]]:
     if not parent.is_buggy:
         raise ValueError(f"debug needs a failed parent, got {parent.id} (ok)")
-    why = FAILURES.get(parent.status, f"status {parent.status}")
-    if parent.exc_type:
-        why += f" ({parent.exc_type})"
-    if parent.message:
-        why += f": {parent.message}"
+    why = FAILURES.get(parent.result.status, f"status {parent.result.status}")
+    if parent.result.exc_type:
+        why += f" ({parent.result.exc_type})"
+    if parent.result.message:
+        why += f": {parent.result.message}"
     parts = [HEADINGS["debug"], ""]
     if scaffold is not None:
         parts += ["This block was run in the template:", "",
                   fenced(clip_middle(parent_block(parent, scaffold), cfg.max_parent_code_chars), "python"), ""]
-    elif parent.code.strip():
-        parts += [fenced(clip_middle(parent.code, cfg.max_parent_code_chars), "python"), ""]
+    elif parent.result.code.strip():
+        parts += [fenced(clip_middle(parent.result.code, cfg.max_parent_code_chars), "python"), ""]
     else:
         parts += ["Previous answer (no script was found in it):", "",
                   fenced(clip_middle(parent.raw_completion, cfg.max_parent_code_chars)), ""]
     parts.append(f"It failed: {why}.")
-    tail = parent.term_tail[-cfg.debug_tail_chars:] if cfg.debug_tail_chars else ""
+    tail = parent.result.term_tail[-cfg.debug_tail_chars:] if cfg.debug_tail_chars else ""
     if tail.strip():
         parts += ["", "Last lines of its output:", "", fenced(tail)]
     parts += ["", "Find the cause and return the corrected block." if scaffold is not None

@@ -6,9 +6,9 @@
         rollout's Sample as is); with a scaffold (search.scaffold) it is called as
         generate(prompts, n, assistant_prefix=..., stop=...): the forced head and the strings
         that end the block, and the script executed is head + block + tail
-    execute(items: list[(case_id, completion)]) -> one result per item, in order, with
-        status, reward, val_metric, test_metric, oriented, exec_time, term_tail, exc_type,
-        message, limits, isolation, code (graders.code_exec ScoreResult, a gRPC reply or a dict)
+    execute(items: list[(case_id, completion)]) -> one records.exec_result.ExecResult per item,
+        in order (what the code-exec verifier returns, or what the grader's reply carries), kept
+        whole on the node it grades
 
 The driver plugs in the rollout client and the grader client; tests plug in a scripted policy
 and the real CodeExecTask. Expansions run one after another (each choice depends on the grades
@@ -30,12 +30,12 @@ from config.search import SearchConfig
 from search.policy import choose_expansion
 from search.prompts import render_prompt
 from search.scaffold import scaffold_of
+from records.exec_result import ExecResult
+from records.rows import node_id
 from search.tree import Node, Tree, oriented_value
 
 Generate = Callable[[list[list[dict[str, str]]], int], Sequence[Any]]
-Execute = Callable[[list[tuple[str, str]]], Sequence[Any]]
-RESULT_FIELDS = ("status", "reward", "val_metric", "test_metric", "oriented", "exec_time",
-                 "term_tail", "exc_type", "message", "limits", "isolation", "code", "queue_wait")
+Execute = Callable[[list[tuple[str, str]]], Sequence[ExecResult]]
 
 
 class RoundError(RuntimeError):
@@ -61,29 +61,10 @@ def new_tree(case: Mapping[str, Any]) -> Tree:
     return Tree(task_id=str(case["id"]), metric=task["metric"], direction=task["direction"])
 
 
-def node_id(step: int, round: int, group: int, index: int) -> str:
-    """Same shape as the archive's ids (services.archive.node_id): s<step>-r<round>-g<group>-<i>."""
-    return f"s{step}-r{round}-g{group}-{index}"
-
-
 def _get(obj: Any, name: str, default: Any = None) -> Any:
     if isinstance(obj, Mapping):
         return obj.get(name, default)
     return getattr(obj, name, default)
-
-
-def _result(res: Any, where: str) -> dict[str, Any]:
-    missing = [f for f in ("status", "reward") if _get(res, f) is None]
-    if missing:
-        raise RoundError(f"{where}: execute result lacks {missing}")
-    out = {f: _get(res, f) for f in RESULT_FIELDS}
-    out["limits"] = dict(out["limits"] or {})
-    out["term_tail"] = out["term_tail"] or ""
-    out["code"] = out["code"] or ""
-    out["isolation"] = out["isolation"] or ""
-    out["exec_time"] = float(out["exec_time"] or 0.0)
-    out["queue_wait"] = float(out["queue_wait"] or 0.0)
-    return out
 
 
 def grow_round(tree: Tree | None, case: Mapping[str, Any], cfg: SearchConfig, generate: Generate,
@@ -126,13 +107,14 @@ def grow_round(tree: Tree | None, case: Mapping[str, Any], cfg: SearchConfig, ge
         exec_s += t2 - t1
         ids = []
         for k, (g, res) in enumerate(zip(gens, results)):
-            r = _result(res, f"{where} sibling {k}")
+            if not isinstance(res, ExecResult):
+                raise RoundError(f"{where} sibling {k}: execute gave a {type(res).__name__}, not an ExecResult")
             token_ids = [int(t) for t in _get(g, "token_ids", [])]
             logprobs = [float(x) for x in _get(g, "logprobs", [])]
             if len(token_ids) != len(logprobs):
                 raise RoundError(f"{where} sibling {k}: {len(token_ids)} tokens, {len(logprobs)} log-probs")
             node = Node(
-                id=node_id(round_index, tround, group, k), parent_id=choice.parent_id,
+                id=node_id(step=round_index, round=tround, group=group, index=k), parent_id=choice.parent_id,
                 mode=choice.mode, step=round_index, round=tround, expansion=tree.expansions,
                 sibling_group=group, index=k, prompt_messages=[dict(m) for m in messages],
                 assistant_prefix=scaffold.prefix if scaffold else _get(g, "assistant_prefix", ""),
@@ -140,13 +122,8 @@ def grow_round(tree: Tree | None, case: Mapping[str, Any], cfg: SearchConfig, ge
                 prompt_token_ids=[int(t) for t in _get(g, "prompt_token_ids", [])],
                 response_token_ids=token_ids, response_logprobs=logprobs,
                 adapter_version=int(_get(g, "adapter_version", 0)),
-                finish_reason=str(_get(g, "finish_reason", "stop")), code=r["code"],
-                status=str(r["status"]), reward=float(r["reward"]), val_metric=r["val_metric"],
-                test_metric=r["test_metric"], oriented=r["oriented"], exec_time=r["exec_time"],
-                term_tail=r["term_tail"], exc_type=r["exc_type"], message=r["message"],
-                limits=r["limits"], isolation=r["isolation"],
+                finish_reason=str(_get(g, "finish_reason", "stop")), result=res,
                 debug_depth=parent.debug_depth + 1 if choice.mode == "debug" else 0,
-                queue_wait=r["queue_wait"],
             )
             nodes.append(tree.add(node))
             ids.append(node.id)
@@ -170,8 +147,8 @@ def round_summary(tree: Tree, nodes: Sequence[Node], select_on: str, step: int, 
     valid = [n for n in nodes if not n.is_buggy]
     best = tree.best_valid(select_on, among=list(nodes))
     tree_best = tree.best_valid(select_on)
-    tested = [n for n in valid if n.test_metric is not None]
-    oracle = max(tested, key=lambda n: oriented_value(n.test_metric, tree.direction), default=None)
+    tested = [n for n in valid if n.result.test_metric is not None]
+    oracle = max(tested, key=lambda n: oriented_value(n.result.test_metric, tree.direction), default=None)
     return {
         "step": step,
         "round": tround,
@@ -183,19 +160,19 @@ def round_summary(tree: Tree, nodes: Sequence[Node], select_on: str, step: int, 
         "valid": len(valid),
         "expansions": len({n.expansion for n in nodes}),
         "mode_counts": dict(Counter(n.mode for n in nodes)),
-        "status_counts": dict(Counter(n.status for n in nodes)),
+        "status_counts": dict(Counter(n.result.status for n in nodes)),
         "best_node_id": best.id if best else None,
-        "best_val_metric": best.val_metric if best else None,
-        "honest_test_metric": best.test_metric if best else None,
-        "best_test_metric": oracle.test_metric if oracle else None,
+        "best_val_metric": best.result.val_metric if best else None,
+        "honest_test_metric": best.result.test_metric if best else None,
+        "best_test_metric": oracle.result.test_metric if oracle else None,
         "best_test_node_id": oracle.id if oracle else None,
         "tree_nodes": len(tree.nodes),
         "tree_best_node_id": tree_best.id if tree_best else None,
-        "tree_honest_test_metric": tree_best.test_metric if tree_best else None,
-        "reward_mean": statistics.fmean(n.reward for n in nodes) if nodes else None,
+        "tree_honest_test_metric": tree_best.result.test_metric if tree_best else None,
+        "reward_mean": statistics.fmean(n.result.reward for n in nodes) if nodes else None,
         "gen_llm_seconds": llm_s,
         "gen_exec_seconds": exec_s,
-        "exec_time_sum": sum(n.exec_time for n in nodes),
+        "exec_time_sum": sum(n.result.exec_time for n in nodes),
         "adapter_versions": sorted({n.adapter_version for n in nodes}),
-        "exec_backend": ",".join(sorted({n.isolation for n in nodes if n.isolation})) or None,
+        "exec_backend": ",".join(sorted({n.result.isolation for n in nodes if n.result.isolation})) or None,
     }

@@ -1,8 +1,11 @@
 """Search-tree nodes and the tree. Pure data; JSON round-trips exactly (resume mid tree run).
 
-Two metrics per valid node, kept apart (mle-tree-spec.md "What went wrong"): `val_metric` on the
-validation rows chooses (improve parents, the round's best node); `test_metric` on the test rows is
-reported and never chooses, unless `select_on="test"` asks for the reference's leaky behaviour.
+A node is what the search sampled (prompt, completion, tokens) plus its script's execution result
+as the grader returned it (records.exec_result.ExecResult, `Node.result`), kept whole. Two metrics
+per valid node, kept apart (mle-tree-spec.md "What went wrong"): `result.val_metric` on the
+validation rows chooses (improve parents, the round's best node); `result.test_metric` on the
+test rows is reported and never chooses, unless `select_on="test"` asks for the reference's leaky
+behaviour.
 """
 
 from __future__ import annotations
@@ -12,9 +15,13 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
+from records.exec_result import ExecResult
+
 Mode = Literal["draft", "improve", "debug"]
 MODES: tuple[str, ...] = ("draft", "improve", "debug")
-TREE_FORMAT = 1
+# tree.json's layout: 2 keeps each node's execution result as one object ("result"); 1 had its
+# fields spread over the node, and is still read (a run resumed across the change).
+TREE_FORMAT = 2
 
 
 class TreeError(ValueError):
@@ -63,26 +70,14 @@ class Node:
     response_logprobs: list[float]
     adapter_version: int
     finish_reason: str
-    code: str
-    status: str
-    reward: float
-    val_metric: float | None
-    test_metric: float | None
-    oriented: float | None
-    exec_time: float
-    term_tail: str
-    exc_type: str | None
-    message: str | None
-    limits: dict[str, Any]
-    isolation: str
+    result: ExecResult  # what running its script gave (status, reward, metrics, code, output)
     debug_depth: int = 0
     n_children: int = 0
-    queue_wait: float = 0.0  # seconds the execution waited for a grader slot
 
     @property
     def is_buggy(self) -> bool:
         """AIDE's notion: the node did not produce a gradable submission."""
-        return self.status != "ok"
+        return not self.result.ok
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,7 +88,15 @@ class Node:
         unknown = sorted(set(d) - names)
         if unknown:
             raise TreeError(f"node {d.get('id')!r}: unknown fields {unknown}")
-        return cls(**d)
+        return cls(**{**d, "result": ExecResult.from_details(d["result"])})
+
+
+def _node_of_format_1(d: dict[str, Any], task_id: str) -> dict[str, Any]:
+    """A format-1 node (execution fields spread over the node) as a format-2 one."""
+    spread = [f.name for f in fields(ExecResult) if f.name != "task_id"]
+    node = {k: v for k, v in d.items() if k not in spread}
+    node["result"] = {"task_id": task_id, "queue_wait": 0.0, **{k: d[k] for k in spread if k in d}}
+    return node
 
 
 def oriented_value(value: float | None, direction: str) -> float | None:
@@ -172,8 +175,8 @@ class Tree:
     def selection_value(self, node: Node, select_on: str = "val") -> float:
         """Oriented (higher is better) value of a valid node on the selection metric."""
         if node.is_buggy:
-            raise TreeError(f"node {node.id} is {node.status}: it has no metric to select on")
-        raw = node.val_metric if select_on == "val" else node.test_metric
+            raise TreeError(f"node {node.id} is {node.result.status}: it has no metric to select on")
+        raw = node.result.val_metric if select_on == "val" else node.result.test_metric
         if raw is None:
             raise TreeError(f"node {node.id} of task {self.task_id} has no {select_on}_metric to "
                             f"select on (a task without a validation split needs search.select_on=test)")
@@ -205,12 +208,12 @@ class Tree:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Tree":
-        if d.get("format") != TREE_FORMAT:
-            raise TreeError(f"tree format {d.get('format')!r} is not {TREE_FORMAT}")
+        if d.get("format") not in (1, TREE_FORMAT):
+            raise TreeError(f"tree format {d.get('format')!r} is not {TREE_FORMAT} (nor the older 1)")
         tree = cls(task_id=d["task_id"], metric=d["metric"], direction=d["direction"],
                    rounds=int(d["rounds"]), expansions=int(d["expansions"]))
         for raw in d["nodes"]:  # n_children is stored: restore it as is, do not recount
-            node = Node.from_dict(raw)
+            node = Node.from_dict(raw if d["format"] == TREE_FORMAT else _node_of_format_1(raw, tree.task_id))
             if node.id in tree.nodes:
                 raise TreeError(f"node id {node.id!r} appears twice in the saved tree")
             if node.parent_id is not None and node.parent_id not in tree.nodes:

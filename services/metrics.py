@@ -19,7 +19,8 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from services.step_timer import PHASES as STEP_PHASES
+from records.exec_result import EXEC_STATUSES
+from records.run_dir import PHASES as STEP_PHASES
 
 # Phase names of DESIGN.md, in step order. `total` is wall time from the step's start to the
 # adapter being live on every replica; `save_checkpoint` only exists on steps that save.
@@ -102,7 +103,7 @@ SEARCH_GAUGES: dict[str, tuple[str, str]] = {
     ),
     "tree_nodes": ("counterpoint_search_tree_nodes", "Nodes of the search tree after the round."),
 }
-SEARCH_STATUSES = ("ok", "no_code", "crashed", "timeout", "invalid_submission")  # bounded label values
+SEARCH_STATUSES = EXEC_STATUSES  # bounded label values
 SEARCH_MODES = ("draft", "improve", "debug")
 # The round against the task's reference ladder (search/diagnostics.py `<stat>_vs_<rung>`): one
 # series per (rung, stat), labelled rather than named per rung. Rungs are the ladder's (ladder.json

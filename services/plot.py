@@ -15,7 +15,7 @@ from typing import Any
 
 import typer
 
-from services.archive import RunDir
+from records.run_dir import RunDir
 
 # (metrics.jsonl key, panel title); a key a run never logged gives an empty panel saying so.
 PANELS = (

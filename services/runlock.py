@@ -1,7 +1,7 @@
 """One live driver per run directory: an exclusive flock on ``runs/<run>/.driver.lock``.
 
 Two `counterpoint train --run-name twin` started together both started clusters and wrote one
-run directory (interleaved metrics, rounds written twice, one of them dying on an ArchiveError).
+run directory (interleaved metrics, rounds written twice, one of them dying on an RecordError).
 A pid in run.json cannot prevent that: both drivers pass the check before either writes it. An
 flock can: the kernel grants it to one open file at a time and drops it when its holder dies,
 however it dies (SIGKILL included), so a dead driver never needs cleaning up after. The file

@@ -7,9 +7,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-# DESIGN.md's phase names in the order a step runs them: the one definition (archive, metrics and
-# the loop use it). adv is a pure function of the rewards, so it runs before the learner's passes.
-PHASES = ("gen", "score", "adv", "old_log_prob", "ref", "update_actor", "update_weights", "save_checkpoint")
+from records.run_dir import PHASES  # DESIGN.md's phase names, as timing.jsonl records them
 
 
 class PhaseTimer:

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from model.adapter import BASE_MODEL_VERSION
-from services.archive import RunDir, node_id, node_row
+from records.rows import node_id, node_row
+from records.run_dir import RunDir
+from services.archive import recover, supersede_after
 from evals.heldout import heldout_section
 from config import RunConfig, apply_override, config_from_dict, resolved, with_absolute_paths
 from services.orchestrator import RoundRecord, RunParts, StepRecord, run_steps, sampling_params
@@ -117,13 +119,13 @@ def resume_point(run: RunDir) -> tuple[int, Path | None]:
     first, so the main tree never holds a step twice and nothing it produced is lost. Without
     such a checkpoint the run restarts at step 1 from its init adapter (the seed, or
     adapters/init when one was given)."""
-    run.recover()
+    recover(run)
     trained = set(run.trained_steps())
     ckpts = sorted(int(p.name.split("_")[1]) for p in (run.root / "checkpoints").glob("step_*")
                    if (p / "state.json").exists() or any(p.iterdir()))
     usable = [s for s in ckpts if s in trained]
     step = usable[-1] if usable else 0
-    dropped, attempt = run.supersede_after(step)
+    dropped, attempt = supersede_after(run, step)
     if attempt is not None:
         log.warning("resume: %s re-runs from step %d; what its dead attempt recorded after that (trained "
                     "steps %s) is kept in %s", run.root, step + 1, dropped or "none", attempt)
@@ -160,7 +162,8 @@ class StepRecorder:
         # What the model saw (prompt tokens: template + forced prefix) and wrote, row by row.
         rows = [
             node_row(
-                id=node_id(rnd.step, g, i - ro.groups.index(g)), step=rnd.step, exp_id=self.run.root.name,
+                id=node_id(step=rnd.step, round=0, group=g, index=i - ro.groups.index(g)), step=rnd.step,
+                exp_id=self.run.root.name,
                 sibling_group=g, prompt_messages=list(p.messages), assistant_prefix=p.assistant_prefix,
                 prompt_token_ids=s.prompt_token_ids, raw_completion=s.text, response_token_ids=s.token_ids,
                 response_logprobs=s.logprobs, adapter_version=s.adapter_version,

@@ -7,7 +7,9 @@ grow_round gets the two services as plain callables:
   siblings (the same prompt n times with n=1 each, so the siblings spread over the rollout
   replicas like a flat group; each carries its token ids, log-probs and adapter version);
 - execute(items): the grader client's ScoreBatch, sent in chunks of code_exec.max_concurrent
-  (graders/spread.py) so every grader replica runs scripts at once.
+  (graders/spread.py) so every grader replica runs scripts at once; each Score carries the
+  script's whole ExecResult in its details (the script the grader extracted and ran included),
+  which the node keeps as it is.
 
 What comes back is the same `Rollouts` + scores the flat path trains on: one sample per node,
 groups = sibling groups, the grader's Score records (format_ok = status "ok", what the
@@ -30,15 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from graders.code_exec.build import BUILD_VERSION
-from graders.code_exec.extract import extract_code
-from graders.spread import score_spread
 from graders.code_exec.task import cache_root
+from graders.spread import score_spread
+from records.exec_result import ExecResult
+from records.run_dir import RunDir
 from rollout.types import Prompt
 from search.diagnostics import round_diagnostics
 from search.round import Round, grow_round
 from search.rows import round_rows
 from search.tree import Tree
-from services.archive import RunDir
 from services.orchestrator import RoundRecord, Rollouts, RunParts, StepRecord, sampling_params, with_retries
 
 log = logging.getLogger("counterpoint.train")
@@ -47,18 +49,6 @@ log = logging.getLogger("counterpoint.train")
 def case_dict(case: Any) -> dict[str, Any]:
     """A grader CaseInfo as search's case: id, prompt_messages, task (metric, direction, ...)."""
     return {"id": case.id, "prompt_messages": [dict(m) for m in case.messages], "task": dict(case.details)}
-
-
-def result_of(score: Any, completion: str) -> dict[str, Any]:
-    """A code-exec Score record as grow_round's execute result. The grader does not send the
-    script back; the driver extracts it with the grader's own rule (for the rows and the
-    model-family diagnostic)."""
-    d = dict(score.details or {})
-    return {"status": score.status, "reward": score.reward, "test_metric": score.test_metric,
-            "val_metric": d.get("val_metric"), "oriented": d.get("oriented"), "exec_time": d.get("exec_time"),
-            "term_tail": d.get("term_tail"), "exc_type": d.get("exc_type"), "message": d.get("message"),
-            "limits": d.get("limits"), "isolation": d.get("isolation"), "queue_wait": d.get("queue_wait"),
-            "code": extract_code(completion) or ""}
 
 
 def task_ladder(cfg: Any, case_id: str) -> dict[str, Any]:
@@ -127,12 +117,12 @@ class TreeRounds:
             prompts.extend([prompt] * len(got))
             return got
 
-        def execute(items: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        def execute(items: list[tuple[str, str]]) -> list[ExecResult]:
             got = score_spread(parts.grader, items, cfg.grader.code_exec.max_concurrent)
             if len(got) != len(items):
                 raise RuntimeError(f"grader returned {len(got)} scores for {len(items)} scripts")
             scores.extend(got)
-            return [result_of(s, text) for s, (_, text) in zip(got, items)]
+            return [ExecResult.from_details(s.details) for s in got]
 
         rnd = grow_round(self._tree(parts, case_id, step), case, cfg.search, generate, execute, step,
                          run_seed=cfg.seed)

@@ -9,7 +9,7 @@ from graders.client import Score
 from graders.fixtures import load_pool
 from rollout.types import Sample, SamplingParams
 from config.rollout import RolloutConfig
-from services.archive import RunDir
+from records.run_dir import RunDir
 from evals.heldout import HeldoutResult, heldout_prompts, write_heldout_eval
 
 PARAMS = SamplingParams.from_rollout(RolloutConfig(), n=1, temperature=1.0, max_tokens=48, seed=7 * 1_000_003)

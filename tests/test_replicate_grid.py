@@ -1,6 +1,6 @@
 """`counterpoint replicate --grid` without running anything: the grid spec and its refusals, every
 cell's config checked up front, the interval math, and the per-cell aggregation over synthetic
-run directories written by the real writers (services/archive.py RunDir, services/tree_round.py's
+run directories written by the real writers (records/run_dir.py RunDir, services/tree_round.py's
 tree_round_record over real search rounds, evals/records.py write_eval)."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from evals.records import EvalItem, GenerationSettings, header_for, write_eval
 from search.prompts import mode_of
 from search.round import grow_round
 from search.tree import Generation
-from services.archive import RunDir
+from records.exec_result import ExecResult
+from records.run_dir import RunDir
 from services.replicate import (Arm, Cell, GridSpecError, ReplicatePlan, arm_name, before_key, check_grid,
                                 grid_cells, parse_grid, plan_arms)
 from services.tree_round import tree_round_record
@@ -231,11 +232,12 @@ def _scripted_execute(quality: dict[int, float]):
         for _, text in items:
             k = int(text.split()[1])
             q = quality.get(k)
-            out.append({"status": "ok" if q is not None else "crashed", "reward": -0.5 if q is None else q,
-                        "val_metric": q, "test_metric": None if q is None else q - 0.2 * k,
-                        "oriented": q, "exec_time": 0.1, "term_tail": "" if q is not None else "Traceback",
-                        "code": "from sklearn.linear_model import LogisticRegression\n" if k % 2 else
-                        "from sklearn.ensemble import RandomForestClassifier\n"})
+            out.append(ExecResult(
+                task_id=CASE["id"], status="ok" if q is not None else "crashed", reward=-0.5 if q is None else q,
+                val_metric=q, test_metric=None if q is None else q - 0.2 * k, oriented=q, exec_time=0.1,
+                term_tail="" if q is not None else "Traceback", exc_type=None, message=None, isolation="",
+                code="from sklearn.linear_model import LogisticRegression\n" if k % 2 else
+                "from sklearn.ensemble import RandomForestClassifier\n"))
         return out
     return execute
 

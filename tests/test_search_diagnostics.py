@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from search.diagnostics import model_family, round_diagnostics
+from records.exec_result import ExecResult
 from search.tree import Node, Tree
 
 
@@ -42,9 +43,11 @@ def mk(id, mode="draft", parent=None, status="ok", val=None, test=None, reward=N
     return Node(id=id, parent_id=parent, mode=mode, step=1, round=0, expansion=group, sibling_group=group,
                 index=0, prompt_messages=[], assistant_prefix="", raw_completion="", prompt_token_ids=[1],
                 response_token_ids=[], response_logprobs=[], adapter_version=0, finish_reason="stop",
-                code=code, status=status, reward=-0.5 if reward is None else reward, val_metric=val,
-                test_metric=test, oriented=None if val is None else -val, exec_time=0.1, term_tail="",
-                exc_type=None, message=None, limits={}, isolation="none", debug_depth=depth)
+                debug_depth=depth,
+                result=ExecResult(task_id="t", status=status, reward=-0.5 if reward is None else reward,
+                                  test_metric=test, val_metric=val, oriented=None if val is None else -val,
+                                  exec_time=0.1, term_tail="", exc_type=None, message=None, isolation="none",
+                                  limits={}, code=code))
 
 
 LADDER = {"metric": "rmsle",

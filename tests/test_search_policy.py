@@ -10,16 +10,18 @@ from pydantic import ValidationError
 
 from config.search import SearchConfig
 from search.policy import Choice, choose_expansion
+from records.exec_result import ExecResult
 from search.tree import Node, Tree
 
 
 def mk(id, mode="draft", parent=None, status="ok", val=None, test=None, depth=0):
-    return Node(id=id, parent_id=parent, mode=mode, step=1, round=0, expansion=0, sibling_group=0,
-                index=0, prompt_messages=[], assistant_prefix="", raw_completion="", prompt_token_ids=[1],
+    return Node(id=id, parent_id=parent, mode=mode, step=1, round=0, expansion=0, sibling_group=0, index=0,
+                prompt_messages=[], assistant_prefix="", raw_completion="", prompt_token_ids=[1],
                 response_token_ids=[], response_logprobs=[], adapter_version=0, finish_reason="stop",
-                code="x = 1\n", status=status, reward=0.0, val_metric=val, test_metric=test, oriented=val,
-                exec_time=0.0, term_tail="", exc_type=None, message=None, limits={}, isolation="none",
-                debug_depth=depth)
+                debug_depth=depth,
+                result=ExecResult(task_id="t", status=status, reward=0.0, test_metric=test, val_metric=val,
+                                  oriented=val, exec_time=0.0, term_tail="", exc_type=None, message=None,
+                                  isolation="none", limits={}, code="x = 1\n"))
 
 
 AT = {"run_seed": 0, "step": 1}  # one (run seed, step): the coins of one round

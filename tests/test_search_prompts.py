@@ -6,6 +6,7 @@ import pytest
 
 from config.search import SearchConfig
 from search.prompts import FORMAT_INSTRUCTION, HEADINGS, fenced, mode_of, render_prompt
+from records.exec_result import ExecResult
 from search.tree import Node
 
 CASE = {
@@ -20,12 +21,13 @@ CASE = {
 
 def mk(status="ok", code="import pandas as pd\nprint('hi')\n", val=0.6123456, test=0.9876, tail="",
        exc=None, message=None, raw=None):
-    return Node(id="s1-r0-g0-0", parent_id=None, mode="draft", step=1, round=0, expansion=0,
-                sibling_group=0, index=0, prompt_messages=[], assistant_prefix="",
+    return Node(id="s1-r0-g0-0", parent_id=None, mode="draft", step=1, round=0, expansion=0, sibling_group=0,
+                index=0, prompt_messages=[], assistant_prefix="",
                 raw_completion=raw if raw is not None else f"```python\n{code}```", prompt_token_ids=[1],
                 response_token_ids=[], response_logprobs=[], adapter_version=0, finish_reason="stop",
-                code=code, status=status, reward=0.2, val_metric=val, test_metric=test, oriented=val,
-                exec_time=0.1, term_tail=tail, exc_type=exc, message=message, limits={}, isolation="none")
+                result=ExecResult(task_id="t", status=status, reward=0.2, test_metric=test, val_metric=val,
+                                  oriented=val, exec_time=0.1, term_tail=tail, exc_type=exc, message=message,
+                                  isolation="none", limits={}, code=code))
 
 
 def user(messages):

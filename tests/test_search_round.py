@@ -22,9 +22,12 @@ from config.search import SearchConfig
 from search.diagnostics import round_diagnostics
 from search.prompts import mode_of
 from search.round import RoundError, grow_round
-from search.rows import CORE_FIELDS, ROW_FIELDS, TREE_FIELDS, round_rows
+from records.exec_result import ExecResult
+from records.jsonl import RecordError
+from records.rows import NODE_FIELDS, TREE_FIELDS, TREE_NODE_FIELDS, check_node_rows, node_row
+from records.run_dir import RunDir
+from search.rows import round_rows
 from search.tree import Generation, Tree
-from services.archive import NODE_FIELDS, TREE_NODE_FIELDS, ArchiveError, RunDir, check_node_rows, node_row
 
 TASK = "tabular-binary"
 
@@ -114,21 +117,22 @@ def test_round_grows_every_mode_and_status(grown, verifier):
     assert [e["mode"] for e in rnd.expansions] == ["draft", "debug", "improve"]
     assert [e["reason"] for e in rnd.expansions] == ["initial_drafts", "debug", "improve_best"]
     assert execute.batches == [4, 4, 4]  # each expansion's siblings executed as one batch
-    assert [n.status for n in rnd.nodes] == DRAFT_STATUS + DEBUG_STATUS + IMPROVE_STATUS
+    assert [n.result.status for n in rnd.nodes] == DRAFT_STATUS + DEBUG_STATUS + IMPROVE_STATUS
     assert rnd.groups == [0] * 4 + [1] * 4 + [2] * 4
     assert [n.id for n in rnd.nodes[:2]] == ["s5-r0-g0-0", "s5-r0-g0-1"]
     assert all(n.step == 5 and n.round == 0 and n.adapter_version == 4 for n in rnd.nodes)
     for n in rnd.nodes:
-        if n.status == "ok":
-            assert n.reward == pytest.approx(max(0.0, 2 * n.val_metric - 1))  # val feeds the reward
-            assert n.test_metric is not None and n.code.startswith("import csv")
+        if n.result.status == "ok":
+            assert n.result.reward == pytest.approx(max(0.0, 2 * n.result.val_metric - 1))  # val feeds the reward
+            assert n.result.test_metric is not None and n.result.code.startswith("import csv")
         else:  # the sentinel, whatever the failure
-            assert n.reward == verifier.cfg.sentinel and n.val_metric is None and n.test_metric is None
+            r = n.result
+            assert r.reward == verifier.cfg.sentinel and r.val_metric is None and r.test_metric is None
     by = {n.id: n for n in rnd.nodes}
-    assert by["s5-r0-g0-3"].code == "" and by["s5-r0-g0-2"].exc_type == "FileNotFoundError"
-    assert by["s5-r0-g1-1"].exc_type == "WallTimeout" and by["s5-r0-g1-3"].exc_type == "ZeroDivisionError"
-    assert "ZeroDivisionError" in by["s5-r0-g1-3"].term_tail
-    assert by["s5-r0-g0-0"].limits["cpu_s"] == verifier.cfg.cpu_s
+    assert by["s5-r0-g0-3"].result.code == "" and by["s5-r0-g0-2"].result.exc_type == "FileNotFoundError"
+    assert by["s5-r0-g1-1"].result.exc_type == "WallTimeout" and by["s5-r0-g1-3"].result.exc_type == "ZeroDivisionError"
+    assert "ZeroDivisionError" in by["s5-r0-g1-3"].result.term_tail
+    assert by["s5-r0-g0-0"].result.limits["cpu_s"] == verifier.cfg.cpu_s
 
 
 def test_parents_debug_depth_and_n_children(grown):
@@ -140,14 +144,14 @@ def test_parents_debug_depth_and_n_children(grown):
     # parent of improve = best on VALIDATION among f00 (0.544), f03 (0.479), f13 (0.468);
     # f03 has the best test metric (0.563) and is not chosen
     assert all(n.parent_id == f00 and n.debug_depth == 0 for n in improve)
-    assert tree.get(f03).test_metric > tree.get(f00).test_metric
-    assert tree.get(f03).val_metric < tree.get(f00).val_metric
+    assert tree.get(f03).result.test_metric > tree.get(f00).result.test_metric
+    assert tree.get(f03).result.val_metric < tree.get(f00).result.val_metric
     assert (tree.get(crashed).n_children, tree.get(f00).n_children, tree.get(f03).n_children) == (4, 4, 0)
     # what the policy saw: the crashed draft's code and error for debug; f00's code and val for improve
     debug_prompt, improve_prompt = policy.prompts[1][-1]["content"], policy.prompts[2][-1]["content"]
     assert "train_v2.csv" in debug_prompt and "FileNotFoundError" in debug_prompt
-    assert "eval('f00'" in improve_prompt and f"{tree.get(f00).val_metric:.6g}" in improve_prompt
-    assert f"{tree.get(f00).test_metric:.6g}" not in improve_prompt
+    assert "eval('f00'" in improve_prompt and f"{tree.get(f00).result.val_metric:.6g}" in improve_prompt
+    assert f"{tree.get(f00).result.test_metric:.6g}" not in improve_prompt
     assert all(n.prompt_messages == policy.prompts[n.sibling_group] for n in rnd.nodes)
 
 
@@ -158,15 +162,16 @@ def test_summary_chooses_on_validation_and_reports_test(grown, verifier):
     assert s["mode_counts"] == {"draft": 4, "debug": 4, "improve": 4}
     assert s["status_counts"] == {"ok": 6, "crashed": 3, "no_code": 1, "timeout": 1, "invalid_submission": 1}
     best = tree.get(s["best_node_id"])
-    assert s["best_node_id"] == "s5-r0-g2-0" and best.val_metric == max(n.val_metric for n in tree.valid_nodes())
-    assert s["honest_test_metric"] == best.test_metric == pytest.approx(0.498, abs=1e-3)
+    assert s["best_node_id"] == "s5-r0-g2-0"
+    assert best.result.val_metric == max(n.result.val_metric for n in tree.valid_nodes())
+    assert s["honest_test_metric"] == best.result.test_metric == pytest.approx(0.498, abs=1e-3)
     assert s["best_test_metric"] == pytest.approx(0.563, abs=1e-3)
     assert s["best_test_metric"] > s["honest_test_metric"]
-    assert tree.get(s["best_test_node_id"]).val_metric < best.val_metric
+    assert tree.get(s["best_test_node_id"]).result.val_metric < best.result.val_metric
     assert s["tree_best_node_id"] == s["best_node_id"] and s["tree_nodes"] == 12
     assert s["gen_llm_seconds"] >= 0 and s["gen_exec_seconds"] > 1.0  # one timeout of 2 s ran
     assert s["gen_exec_seconds"] == pytest.approx(sum(e["exec_seconds"] for e in rnd.expansions))
-    assert s["exec_time_sum"] == pytest.approx(sum(n.exec_time for n in rnd.nodes))
+    assert s["exec_time_sum"] == pytest.approx(sum(n.result.exec_time for n in rnd.nodes))
     assert s["adapter_versions"] == [4] and s["exec_backend"] == verifier.isolation
     json.dumps(s)
 
@@ -177,21 +182,21 @@ def test_diagnostics_of_the_real_round(grown):
     assert d["valid_share"] == 0.5 and d["debug_success_rate"] == 0.25
     assert d["improve_success_rate"] == 0.25  # f00-f09 beats f00; f03 worse, the crash fails, f00 ties
     assert d["frac_groups_zero_reward_std"] == 0.0 and d["model_families"] == 1  # all "constant" csv
-    assert d["best_vs_constant"] == pytest.approx(rnd.tree.get("s5-r0-g2-0").val_metric - 0.5)
+    assert d["best_vs_constant"] == pytest.approx(rnd.tree.get("s5-r0-g2-0").result.val_metric - 0.5)
 
 
 def test_rows_fit_the_archive(grown, tmp_path):
     rnd, _, _ = grown
     rows = round_rows(rnd.nodes, "run-x", advantages=[0.1] * 12)
-    assert tuple(rows[0]) == ROW_FIELDS and CORE_FIELDS == NODE_FIELDS and ROW_FIELDS == TREE_NODE_FIELDS
+    assert tuple(rows[0]) == TREE_NODE_FIELDS == (*NODE_FIELDS, *TREE_FIELDS)
     check_node_rows(rows)
-    with pytest.raises(ArchiveError, match="missing fields"):  # a tree row without its tree fields
-        check_node_rows([{k: rows[0][k] for k in CORE_FIELDS}])
-    for r in rows:  # the archive's own constructor builds the same row from the core and tree fields
-        core = {k: v for k, v in r.items() if k in CORE_FIELDS and k != "is_buggy"}
+    with pytest.raises(RecordError, match="missing fields"):  # a tree row without its tree fields
+        check_node_rows([{k: rows[0][k] for k in NODE_FIELDS}])
+    for r in rows:  # the flat constructor builds the same row from the core and tree fields
+        core = {k: v for k, v in r.items() if k in NODE_FIELDS and k != "is_buggy"}
         assert node_row(**core, is_buggy=r["is_buggy"], tree={k: r[k] for k in TREE_FIELDS}) == r
-    with pytest.raises(ArchiveError, match="tree fields"):
-        node_row(**{k: v for k, v in rows[0].items() if k in CORE_FIELDS})
+    with pytest.raises(RecordError, match="tree fields"):
+        node_row(**{k: v for k, v in rows[0].items() if k in NODE_FIELDS})
     paths = RunDir(tmp_path / "run").create().write_round(5, TASK, 0, rows, pass_verdicts=("ok",),
                                                           tree_json=rnd.tree.dumps())
     assert Tree.loads(paths["tree_json"].read_text()).to_dict() == rnd.tree.to_dict()
@@ -223,8 +228,8 @@ def test_round_continued_from_a_saved_tree_is_the_same_round(verifier, case):
     assert [e["expansion"] for e in live.expansions] == [2, 3] and live.round == 1
 
     def key(rnd):
-        return [(n.id, n.parent_id, n.mode, n.status, n.val_metric, n.test_metric, n.reward, n.debug_depth)
-                for n in rnd.nodes]
+        return [(n.id, n.parent_id, n.mode, n.result.status, n.result.val_metric, n.result.test_metric,
+                 n.result.reward, n.debug_depth) for n in rnd.nodes]
 
     assert key(resumed) == key(live)
     assert [e["parent_id"] for e in live.expansions] == ["s1-r0-g0-0", "s2-r1-g0-0"]  # f00, then f00-f09
@@ -254,24 +259,29 @@ def test_collaborators_breaking_the_contract_fail_the_round(verifier, case):
 
 def test_driver_adapters_give_the_same_round_as_the_verifier(grown, verifier, case):
     """services/tree_round.py feeds grow_round from the grader's wire records: the case from a
-    CaseInfo, each result from a Score (its details) plus the script the driver extracts itself.
-    A round grown through them is the round grown on the verifier's own results."""
+    CaseInfo, each result from a Score's details (the verifier's whole ExecResult, the script it
+    ran included). A round grown through them is the round grown on the verifier's own results."""
     from graders.code_exec.service import CodeExecGraderTask, score_record
-    from services.tree_round import case_dict, result_of
+    from services.tree_round import case_dict
 
     (info,) = [c for c in CodeExecGraderTask(verifier).cases(0, "train") if c.id == TASK]
     assert case_dict(info) == {k: case[k] for k in ("id", "prompt_messages", "task")}
 
     def execute(items):
-        return [result_of(score_record(cid, r), text)
-                for (cid, text), r in zip(items, verifier.score_many(items))]
+        return [ExecResult.from_details(score_record(cid, r).details)
+                for (cid, _), r in zip(items, verifier.score_many(items))]
 
     rnd, _, _ = grown
     again = grow_round(None, case_dict(info), CFG, ScriptedPolicy(version=4), execute, round_index=5,
                        run_seed=RUN_SEED)
-    keys = ("id", "parent_id", "mode", "status", "reward", "val_metric", "test_metric", "oriented", "code",
-            "exc_type", "limits", "isolation", "debug_depth", "n_children")
-    assert [[getattr(n, k) for k in keys] for n in again.nodes] == [[getattr(n, k) for k in keys] for n in rnd.nodes]
+    node_keys = ("id", "parent_id", "mode", "debug_depth", "n_children")
+    result_keys = ("status", "reward", "val_metric", "test_metric", "oriented", "code", "exc_type", "limits",
+                   "isolation")
+
+    def key(n):
+        return [getattr(n, k) for k in node_keys] + [getattr(n.result, k) for k in result_keys]
+
+    assert [key(n) for n in again.nodes] == [key(n) for n in rnd.nodes]
 
 
 def test_fresh_tree_rounds_toss_new_coins_every_step():
@@ -287,9 +297,12 @@ def test_fresh_tree_rounds_toss_new_coins_every_step():
     def generate(prompts, n):
         return [Generation(text=py("x = 1\n"), prompt_token_ids=[1], token_ids=[2], logprobs=[-0.1])] * n
 
+    def result(status, reward, val=None, test=None):
+        return ExecResult(task_id=TASK, status=status, reward=reward, test_metric=test, val_metric=val,
+                          oriented=val, exec_time=0.0, term_tail="", exc_type=None, message=None, isolation="")
+
     def execute(items):  # half the siblings crash: a buggy leaf is always there to debug
-        return [{"status": "ok", "reward": 0.4, "val_metric": 0.7, "test_metric": 0.6, "oriented": 0.7}
-                if k % 2 else {"status": "crashed", "reward": -0.5} for k in range(len(items))]
+        return [result("ok", 0.4, 0.7, 0.6) if k % 2 else result("crashed", -0.5) for k in range(len(items))]
 
     for run_seed in (0, 1, 2):
         rounds = [grow_round(None, case, cfg, generate, execute, step, run_seed=run_seed) for step in range(1, 121)]

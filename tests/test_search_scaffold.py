@@ -13,6 +13,7 @@ from graders.code_exec.extract import extract_code
 from search.prompts import BLOCK_INSTRUCTION, FORMAT_INSTRUCTION, HEADINGS, mode_of, render_prompt
 from search.round import grow_round
 from search.scaffold import BLOCK_MARK, Scaffold, ScaffoldError, cut_at_stop, join_script, scaffold_of
+from records.exec_result import ExecResult
 from search.tree import Generation
 
 RAW = {"head": "import pandas as pd\nmodel = ", "tail": "model.fit()\n", "hint": "Pick a model.",
@@ -61,12 +62,13 @@ def test_completion_runs_head_block_tail_through_the_graders_extraction():
 def _node(status, raw, val=None, tail="", exc=None):
     from search.tree import Node
 
-    return Node(id="p", parent_id=None, mode="draft", step=1, round=0, expansion=0, sibling_group=0,
-                index=0, prompt_messages=[], assistant_prefix="```python\n" + RAW["head"],
-                raw_completion=raw, prompt_token_ids=[1], response_token_ids=[], response_logprobs=[],
-                adapter_version=1, finish_reason="stop", code="import pandas as pd\nmodel = X\n",
-                status=status, reward=0.1, val_metric=val, test_metric=0.987654, oriented=val,
-                exec_time=0.1, term_tail=tail, exc_type=exc, message=None, limits={}, isolation="none")
+    return Node(id="p", parent_id=None, mode="draft", step=1, round=0, expansion=0, sibling_group=0, index=0,
+                prompt_messages=[], assistant_prefix="```python\n" + RAW["head"], raw_completion=raw,
+                prompt_token_ids=[1], response_token_ids=[], response_logprobs=[], adapter_version=1,
+                finish_reason="stop",
+                result=ExecResult(task_id="t", status=status, reward=0.1, test_metric=0.987654, val_metric=val,
+                                  oriented=val, exec_time=0.1, term_tail=tail, exc_type=exc, message=None,
+                                  isolation="none", limits={}, code="import pandas as pd\nmodel = X\n"))
 
 
 def test_scaffolded_prompts_show_the_tail_hint_and_the_parents_block_only():
@@ -100,8 +102,9 @@ def test_grow_round_forces_the_head_stops_the_block_and_runs_head_block_tail():
 
     def execute(items):
         runs.extend(items)
-        return [{"status": "ok", "reward": 0.5, "val_metric": 0.7, "test_metric": 0.6, "oriented": 0.7,
-                 "code": extract_code(c)} for _, c in items]
+        return [ExecResult(task_id=CASE["id"], status="ok", reward=0.5, test_metric=0.6, val_metric=0.7, oriented=0.7,
+                           exec_time=0.1, term_tail="", exc_type=None, message=None, isolation="none",
+                           code=extract_code(c)) for _, c in items]
 
     cfg = SearchConfig(nodes_per_round=4, expansions_per_round=2, num_drafts=2, scaffold=True)
     rnd = grow_round(None, CASE, cfg, generate, execute, round_index=1, run_seed=0)
@@ -110,7 +113,7 @@ def test_grow_round_forces_the_head_stops_the_block_and_runs_head_block_tail():
     assert [c for _, c in runs[:2]] == [sc.completion("M0()"), sc.completion("M1()")]
     node = rnd.nodes[0]
     assert node.assistant_prefix == sc.prefix and node.raw_completion == "M0()\nextra"
-    assert node.code == "import pandas as pd\nmodel = M0()\nmodel.fit()\n"  # head + block + tail ran
+    assert node.result.code == "import pandas as pd\nmodel = M0()\nmodel.fit()\n"  # head + block + tail ran
     assert [n.mode for n in rnd.nodes] == ["draft", "draft", "improve", "improve"]
     assert "model = M0()" in rnd.nodes[2].prompt_messages[-1]["content"]
 

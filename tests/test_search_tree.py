@@ -6,17 +6,20 @@ import json
 
 import pytest
 
+from records.exec_result import ExecResult
+from records.jsonl import RecordError
 from search.tree import Node, Tree, TreeError, oriented_value
 
 
 def mk(id, mode="draft", parent=None, status="ok", val=None, test=None, depth=0, code=""):
-    return Node(id=id, parent_id=parent, mode=mode, step=1, round=0, expansion=0, sibling_group=0,
-                index=0, prompt_messages=[{"role": "user", "content": "p"}], assistant_prefix="",
+    return Node(id=id, parent_id=parent, mode=mode, step=1, round=0, expansion=0, sibling_group=0, index=0,
+                prompt_messages=[{"role": "user", "content": "p"}], assistant_prefix="",
                 raw_completion=f"```python\n{code}\n```", prompt_token_ids=[1], response_token_ids=[2, 3],
-                response_logprobs=[-0.1, -0.2], adapter_version=0, finish_reason="stop", code=code,
-                status=status, reward=-0.5 if status != "ok" else 0.3, val_metric=val, test_metric=test,
-                oriented=val, exec_time=0.1, term_tail="", exc_type=None if status == "ok" else "E",
-                message=None, limits={"cpu_s": 1}, isolation="none", debug_depth=depth)
+                response_logprobs=[-0.1, -0.2], adapter_version=0, finish_reason="stop", debug_depth=depth,
+                result=ExecResult(task_id="t", status=status, reward=-0.5 if status != "ok" else 0.3,
+                                  test_metric=test, val_metric=val, oriented=val, exec_time=0.1, term_tail="",
+                                  exc_type=None if status == "ok" else "E", message=None, isolation="none",
+                                  limits={"cpu_s": 1}, code=code))
 
 
 def small_tree(direction="higher") -> Tree:
@@ -97,6 +100,21 @@ def test_json_round_trip_is_exact():
     assert json.loads(back.dumps()) == json.loads(t.dumps())
     back.add(mk("f", "improve", "e", val=0.7, test=0.6))  # a loaded tree keeps growing
     assert back.get("e").n_children == 1 and t.get("e").n_children == 0
+
+
+def test_a_format_1_tree_json_is_read_as_the_same_tree():
+    """tree.json before ExecResult (format 1) spread the execution fields over each node; a run
+    resumed across the change continues the tree it saved."""
+    t = small_tree()
+    t.get("a").result.limits["cpu_s"] = 7  # a value that must survive the fold, not a default
+    old = {**t.to_dict(), "format": 1,
+           "nodes": [{**{k: v for k, v in n.items() if k != "result"},
+                      **{k: v for k, v in n["result"].items() if k != "task_id"}} for n in t.to_dict()["nodes"]]}
+    assert "status" in old["nodes"][0] and "result" not in old["nodes"][0]
+    back = Tree.from_dict(old)
+    assert back.to_dict() == t.to_dict() and back.dumps() == t.dumps()
+    with pytest.raises(RecordError, match=r"lacks \['status'\]"):  # a format-1 node missing a field
+        Tree.from_dict({**old, "nodes": [{k: v for k, v in old["nodes"][0].items() if k != "status"}]})
 
 
 def test_loading_a_corrupt_tree_names_the_problem():

@@ -9,7 +9,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from services.archive import RunDir
+from records.run_dir import RunDir
 from services.plot import plot_command, plot_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -41,12 +41,13 @@ from learner.policy import PolicyLearner
 from learner.types import StepResult
 from learner.worker import handle
 from rollout.engines.hf import HFEngine
-from model.adapter import adapter_version
 from model.base import resolve_model
+from model.adapter import adapter_version
 from rollout.types import Sample
 from search.prompts import mode_of
 from search.tree import Tree
-from services.archive import RunDir, read_jsonl
+from records.jsonl import read_jsonl
+from records.run_dir import RunDir
 from services.metrics import TrainerMetrics
 from services.orchestrator import RunParts, run_steps
 from services.progress import StepProgress

@@ -41,7 +41,6 @@ import pandas as pd
 
 from config.code_exec import GradingRules
 
-STATUSES = ("ok", "no_code", "crashed", "timeout", "invalid_submission")
 METRICS = {"roc_auc": "higher", "log_loss": "lower", "rmsle": "lower"}
 REWARD_MAPS = {"roc_auc": "max(0, 2*m - 1)", "log_loss": "exp(-m)", "rmsle": "exp(-m)"}
 RULE_SETS = get_args(GradingRules)

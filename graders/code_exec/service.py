@@ -9,9 +9,10 @@
   request with `Overloaded` (RESOURCE_EXHAUSTED; not retried by the client: the replica already
   waited, see graders/records.py). Score: ``status`` (no_code | crashed | timeout |
   invalid_submission | ok), ``reward`` (the sentinel for every failure), ``format_ok`` and
-  ``admitted`` = status ok, ``verdict`` = status, ``test_metric``; ``details`` holds val_metric,
-  oriented, exec_time, term_tail, exc_type, message, isolation, limits and ``worker`` (host:pid
-  of the process that ran it).
+  ``admitted`` = status ok, ``verdict`` = status, ``test_metric``; ``details`` holds the whole
+  ExecResult (records/exec_result.py: the script that ran, its metrics, output tail, limits,
+  isolation, ...; ``ExecResult.from_details`` reads it back) and ``worker`` (host:pid of the
+  process that ran it).
 - health: the isolation level in force (and why), the limits that matter to callers, and which
   grading rule set grades (graders/code_exec/grading.py): ``checker`` names it (tasks graded
   under different rule sets: ``task=rules`` pairs), so the run receipt's ``checker`` and
@@ -35,9 +36,10 @@ from collections.abc import Sequence
 from graders import metrics
 from graders.code_exec.sandbox import IsolationUnavailable, ResourceExhausted
 from graders.code_exec.task import load_tasks, resolve_tasks_dir
-from graders.code_exec.verifier import CodeExecTask, ScoreResult
+from graders.code_exec.verifier import CodeExecTask
 from graders.records import CaseInfo, Overloaded, PoolError, PoolTooSmall, Score, TaskInfo, UnknownCase, UnknownSplit
 from graders.tasks import register_task
+from records.exec_result import ExecResult
 
 NAME = "code-exec"
 SPLITS = ("train", "heldout")  # both list every task; a task's val/test rows are inside it
@@ -48,21 +50,18 @@ class IsolationRefused(ValueError):
     """The host is below ``code_exec.min_isolation``: the grader must not start."""
 
 
-def score_record(case_id: str, r: ScoreResult) -> Score:
+def score_record(case_id: str, r: ExecResult) -> Score:
     """A verifier result as the service's Score (pure)."""
     ok = r.status == "ok"
     return Score(
         case_id=case_id, reward=r.reward, format_ok=ok, admitted=ok, verdict=r.status, status=r.status,
-        test_metric=r.test_metric,
-        details={"val_metric": r.val_metric, "oriented": r.oriented, "exec_time": r.exec_time,
-                 "term_tail": r.term_tail, "exc_type": r.exc_type, "message": r.message,
-                 "isolation": r.isolation, "limits": r.limits, "worker": WORKER},
+        test_metric=r.test_metric, details={**r.as_details(), "worker": WORKER},
     )
 
 
-def score_row(r: ScoreResult) -> dict:
+def score_row(r: ExecResult) -> dict:
     """The JSON row `grader score --task code-exec` prints for one input (the script left out)."""
-    row = r.as_dict()
+    row = r.as_details()
     row.pop("code")
     return row
 
@@ -121,7 +120,7 @@ class CodeExecGraderTask:
         return [CaseInfo(id=c.id, split=split, task=NAME, messages=[dict(m) for m in c.messages],
                          details=dict(c.details)) for c in self._cases[: limit or None]]
 
-    def score_one(self, case_id: str, completion: str) -> ScoreResult:
+    def score_one(self, case_id: str, completion: str) -> ExecResult:
         try:
             r = self.verifier.score(case_id, completion)
         except ResourceExhausted as exc:

@@ -1,4 +1,5 @@
-"""The code-exec verifier: cases (one per task) and score(case, completion) -> ScoreResult.
+"""The code-exec verifier: cases (one per task) and score(case, completion) -> ExecResult
+(records/exec_result.py: the script it extracted and ran, and what that gave).
 
 A plain object for the grader registry: no Ray, no gRPC. The service layer maps
 `ResourceExhausted` to RESOURCE_EXHAUSTED, `KeyError` of an unknown case to NOT_FOUND and
@@ -10,7 +11,7 @@ from __future__ import annotations
 import csv
 import math
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import pandas as pd
 
@@ -20,6 +21,7 @@ from graders.code_exec.grading import (InvalidSubmission, grade, oriented, parse
                                        read_csv_exact, reward_of)
 from graders.code_exec.sandbox import ResourceExhausted, Sandbox  # noqa: F401 (re-export)
 from graders.code_exec.task import TaskError, TaskSpec, load_tasks, resolve_tasks_dir
+from records.exec_result import ExecResult
 
 SYSTEM_PROMPT = (
     "You are an expert machine-learning engineer. Write ONE complete Python script that solves "
@@ -30,33 +32,6 @@ SYSTEM_PROMPT = (
 )
 PREVIEW_LINES = 5
 PREVIEW_CHARS = 240
-
-
-@dataclass
-class ScoreResult:
-    """One graded node. `test_metric`/`val_metric`/`oriented` are None unless status is ok.
-
-    `reward` and `oriented` (higher is better across tasks) come from the selection split
-    (`reward_split`, val by default); `test_metric` is the reported one and never feeds them
-    unless reward_split="test" or the task has no val rows."""
-
-    task_id: str
-    status: str
-    reward: float
-    test_metric: float | None
-    val_metric: float | None
-    oriented: float | None
-    exec_time: float
-    term_tail: str
-    exc_type: str | None
-    message: str | None
-    isolation: str
-    limits: dict
-    code: str
-    queue_wait: float = 0.0  # seconds waited for an execution slot (0 when nothing ran)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _preview(path, lines: int = PREVIEW_LINES) -> str:
@@ -174,8 +149,8 @@ class CodeExecTask:
             })
         return out
 
-    def _failed(self, tid, status, code, message=None, res=None) -> ScoreResult:
-        return ScoreResult(
+    def _failed(self, tid, status, code, message=None, res=None) -> ExecResult:
+        return ExecResult(
             task_id=tid, status=status, reward=self.cfg.sentinel, test_metric=None,
             val_metric=None, oriented=None, exec_time=res.exec_time if res else 0.0,
             term_tail=res.tail if res else "", exc_type=res.exc_type if res else None,
@@ -184,7 +159,7 @@ class CodeExecTask:
             queue_wait=res.queue_wait if res else 0.0,
         )
 
-    def score(self, case_id: str, completion: str) -> ScoreResult:
+    def score(self, case_id: str, completion: str) -> ExecResult:
         """Extract, run in the sandbox, check and grade. Raises KeyError for an unknown task
         and ResourceExhausted when no execution slot frees up in time; never for the script."""
         t = self.tasks[case_id]
@@ -209,14 +184,14 @@ class CodeExecTask:
         m = g.val if use_val else g.test
         if not math.isfinite(m):
             return self._failed(case_id, "invalid_submission", code, "metric is not finite", res)
-        return ScoreResult(
+        return ExecResult(
             task_id=case_id, status="ok", reward=reward_of(t.metric, m), test_metric=g.test,
             val_metric=g.val, oriented=oriented(t.metric, m), exec_time=res.exec_time,
             term_tail=res.tail, exc_type=None, message=None, isolation=self.isolation,
             limits=res.limits, code=code, queue_wait=res.queue_wait,
         )
 
-    def score_many(self, items: list[tuple[str, str]], score=None) -> list[ScoreResult]:
+    def score_many(self, items: list[tuple[str, str]], score=None) -> list[ExecResult]:
         """Score (case_id, completion) pairs, at most `max_concurrent` at once, in input order.
 
         ``score(case_id, completion)`` replaces `self.score` (the service wraps it to record

@@ -1,4 +1,5 @@
-"""Run directory and rollout archive: JSONL durability, step bookkeeping, round files."""
+"""Run directory (records/) and the driver's archive policy on resume (services/archive.py):
+JSONL durability, step bookkeeping, round files, superseded attempts."""
 
 from __future__ import annotations
 
@@ -13,16 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from services.archive import (
-    NODE_FIELDS,
-    ArchiveError,
-    RunDir,
-    append_jsonl,
-    node_id,
-    node_row,
-    read_jsonl,
-    repair_jsonl,
-)
+from records.jsonl import RecordError, append_jsonl, read_jsonl, repair_jsonl
+from records.rows import NODE_FIELDS, node_id, node_row
+from records.run_dir import RunDir
+from services.archive import recover, supersede_after
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = {"gen": 1.5, "score": 0.2, "old_log_prob": 0.3, "ref": 0.0, "adv": 0.01,
@@ -35,7 +30,8 @@ def flat_rows(step: int, rewards: list[list[float]], adapter_version: int = 3) -
         mean = sum(group_rewards) / len(group_rewards)
         for i, reward in enumerate(group_rewards):
             rows.append(node_row(
-                id=node_id(step, group, i), step=step, exp_id="run-a", sibling_group=group,
+                id=node_id(step=step, round=0, group=group, index=i), step=step, exp_id="run-a",
+                sibling_group=group,
                 prompt_messages=[{"role": "user", "content": f"harmonise progression {group}"}],
                 assistant_prefix='[{"measure": 1, "degrees": [' if i == 0 else "",
                 prompt_token_ids=[1, 20 + group, 30 + i, 2],
@@ -79,7 +75,7 @@ def test_complete_json_without_newline_counts_as_uncommitted(tmp_path: Path) -> 
 def test_corrupt_line_in_the_middle_is_an_error_naming_the_line(tmp_path: Path) -> None:
     path = tmp_path / "x.jsonl"
     path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
-    with pytest.raises(ArchiveError, match=r"x\.jsonl:2"):
+    with pytest.raises(RecordError, match=r"x\.jsonl:2"):
         read_jsonl(path)
 
 
@@ -88,7 +84,7 @@ def test_sigkill_during_appends_leaves_a_recoverable_file(tmp_path: Path) -> Non
     # A child appends big timing lines as fast as it can; we SIGKILL it mid-stream.
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(REPO)!r})
-        from services.archive import RunDir
+        from records.run_dir import RunDir
         run = RunDir({str(run)!r}).create()
         print("ready", flush=True)
         step = 1
@@ -105,11 +101,11 @@ def test_sigkill_during_appends_leaves_a_recoverable_file(tmp_path: Path) -> Non
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
     rd = RunDir(run)
-    dropped = rd.recover()
+    dropped = recover(rd)
     assert set(dropped) == {"timing_torn_bytes", "metrics_torn_bytes", "metrics_uncommitted_lines"}
     trained = rd.trained_steps()
     assert trained == list(range(1, len(trained) + 1))
-    rd.supersede_after(trained[-1])  # what resume does (from the last step's checkpoint)
+    supersede_after(rd, trained[-1])  # what resume does (from the last step's checkpoint)
     # Every metrics line left belongs to a committed step, once.
     assert [m["step"] for m in rd.metrics()] == trained
     assert rd.metrics_path.read_bytes().endswith(b"\n")
@@ -131,13 +127,13 @@ def test_recover_cuts_torn_lines_and_supersede_keeps_uncommitted_metrics(tmp_pat
     rd.append_metrics(3, {"reward_mean": 0.3})  # crash before the timing line of step 3
     with open(rd.timing_path, "ab") as fh:
         fh.write(b'{"step": 3, "total_s"')
-    assert rd.recover() == {
+    assert recover(rd) == {
         "timing_torn_bytes": len(b'{"step": 3, "total_s"'),
         "metrics_torn_bytes": 0,
         "metrics_uncommitted_lines": 1,
     }
     assert rd.last_trained_step() == 2
-    dropped, attempt = rd.supersede_after(2)
+    dropped, attempt = supersede_after(rd, 2)
     assert dropped == [] and attempt == rd.root / "superseded" / "attempt_1"
     assert [m["step"] for m in rd.metrics()] == [1, 2]
     # The uncommitted line is kept aside, not lost.
@@ -148,12 +144,12 @@ def test_recover_cuts_torn_lines_and_supersede_keeps_uncommitted_metrics(tmp_pat
 
 def test_timing_rejects_unknown_phase_and_repeated_step(tmp_path: Path) -> None:
     rd = RunDir(tmp_path / "run").create()
-    with pytest.raises(ArchiveError, match="generate"):
+    with pytest.raises(RecordError, match="generate"):
         rd.append_timing(1, 1.0, {"generate": 1.0})
     rd.append_timing(1, 1.0, {"gen": 1.0, "save_checkpoint": 0.2})
-    with pytest.raises(ArchiveError, match="step 1 is not after"):
+    with pytest.raises(RecordError, match="step 1 is not after"):
         rd.append_timing(1, 1.0, {"gen": 1.0})
-    with pytest.raises(ArchiveError, match="scalars"):
+    with pytest.raises(RecordError, match="scalars"):
         rd.append_metrics(2, {"histogram": [1, 2]})  # type: ignore[dict-item]
 
 
@@ -165,7 +161,7 @@ def test_paths_follow_design(tmp_path: Path) -> None:
     assert rd.checkpoint_dir(4).relative_to(rd.root).as_posix() == "checkpoints/step_4"
     assert rd.heldout_path("before").relative_to(rd.root).as_posix() == "heldout_before.jsonl"
     assert rd.heldout_path("after").relative_to(rd.root).as_posix() == "heldout_after.jsonl"
-    with pytest.raises(ArchiveError, match="'before' or 'after'"):
+    with pytest.raises(RecordError, match="'before' or 'after'"):
         rd.heldout_path("during")  # type: ignore[arg-type]
     paths = rd.round_paths(7, "voice-leading", 1)
     names = {k: p.relative_to(rd.root).as_posix() for k, p in paths.items()}
@@ -188,13 +184,13 @@ def test_node_row_has_exactly_the_design_fields() -> None:
     # sampled completion.
     assert row["assistant_prefix"] == '[{"measure": 1, "degrees": [' and row["prompt_token_ids"] == [1, 20, 30, 2]
     assert row["raw_completion"].startswith("m1: C4 E4")
-    with pytest.raises(ArchiveError, match="no prompt_token_ids"):
+    with pytest.raises(RecordError, match="no prompt_token_ids"):
         node_row(**{**row, "prompt_token_ids": []})
     assert row["mode"] == "sample" and row["parent_id"] is None and row["n_children"] == 0
     assert row["round"] == 0 and row["sibling_group"] == 0
-    with pytest.raises(ArchiveError, match="3 response tokens but 2 log-probs"):
+    with pytest.raises(RecordError, match="3 response tokens but 2 log-probs"):
         node_row(**{**row, "response_logprobs": [-1.0, -2.0]})
-    with pytest.raises(ArchiveError, match="mode"):
+    with pytest.raises(RecordError, match="mode"):
         node_row(**{**row, "mode": "explore"})
 
 
@@ -250,23 +246,23 @@ def test_tree_nests_children_under_parents(tmp_path: Path) -> None:
 
 
 def tree_fields(**kw):
-    from search.rows import TREE_FIELDS
+    from records.rows import TREE_FIELDS
 
     return {**{k: None for k in TREE_FIELDS}, "limits": {}, "code": "", "term_tail": "", **kw}
 
 
 def test_tree_rows_need_the_tree_fields_and_flat_rows_refuse_them(tmp_path: Path) -> None:
     row = flat_rows(1, [[1.0]])[0]
-    with pytest.raises(ArchiveError, match="tree fields"):
+    with pytest.raises(RecordError, match="tree fields"):
         node_row(**{**row, "mode": "draft"})  # a draft row without the tree fields
-    with pytest.raises(ArchiveError, match="tree fields"):
+    with pytest.raises(RecordError, match="tree fields"):
         node_row(**row, tree=tree_fields())  # a sample row with them
-    with pytest.raises(ArchiveError, match="tree fields"):
+    with pytest.raises(RecordError, match="tree fields"):
         node_row(**{**row, "mode": "draft"}, tree={"code": ""})  # only some of them
     draft = node_row(**{**row, "mode": "draft", "status": "crashed", "is_buggy": True},
                      tree=tree_fields(term_tail="Traceback: boom", exc_type="ValueError"))
     rd = RunDir(tmp_path)
-    with pytest.raises(ArchiveError, match="unexpected fields"):
+    with pytest.raises(RecordError, match="unexpected fields"):
         rd.write_round(1, "code-exec", 0, [{**row, "code": ""}])
     paths = rd.write_round(1, "code-exec", 0, [draft], pass_verdicts=("ok",),
                            search_summary={"task": "pizza", "best_node_id": None, "nodes": 99},
@@ -283,11 +279,11 @@ def test_tree_rows_need_the_tree_fields_and_flat_rows_refuse_them(tmp_path: Path
 def test_write_round_rejects_bad_rows(tmp_path: Path) -> None:
     rd = RunDir(tmp_path)
     row = flat_rows(1, [[1.0]])[0]
-    with pytest.raises(ArchiveError, match=r"missing fields \['verdict'\]"):
+    with pytest.raises(RecordError, match=r"missing fields \['verdict'\]"):
         rd.write_round(1, "voice-leading", 0, [{k: v for k, v in row.items() if k != "verdict"}])
-    with pytest.raises(ArchiveError, match=r"unexpected fields \['extra'\]"):
+    with pytest.raises(RecordError, match=r"unexpected fields \['extra'\]"):
         rd.write_round(1, "voice-leading", 0, [{**row, "extra": 1}])
-    with pytest.raises(ArchiveError, match="other step numbers"):
+    with pytest.raises(RecordError, match="other step numbers"):
         rd.write_round(2, "voice-leading", 0, [row])
 
 
@@ -318,7 +314,7 @@ def test_supersede_after_moves_later_steps_aside(tmp_path):
             (run.root / kind / f"step_{step}" / "state.json").write_text(str(step))
     run.write_round(4, "voice-leading", 0, flat_rows(4, [[0.0, 1.0]]))  # generated, never trained
     rows_3 = run.read_round(3, "voice-leading", 0)
-    assert run.supersede_after(1) == ([2, 3], run.root / "superseded" / "attempt_1")
+    assert supersede_after(run, 1) == ([2, 3], run.root / "superseded" / "attempt_1")
     assert run.trained_steps() == [1]
     assert [m["step"] for m in run.metrics()] == [1]
     assert run.round_steps() == [1]
@@ -339,5 +335,5 @@ def test_supersede_after_moves_later_steps_aside(tmp_path):
     run.append_timing(2, 1.0, {"gen": 0.5})
     assert run.trained_steps() == [1, 2]
     run.write_round(3, "voice-leading", 0, flat_rows(3, [[1.0, 1.0]]))
-    assert run.supersede_after(2)[1] == run.root / "superseded" / "attempt_2"
-    assert run.supersede_after(2) == ([], None)  # nothing after step 2 left to move
+    assert supersede_after(run, 2)[1] == run.root / "superseded" / "attempt_2"
+    assert supersede_after(run, 2) == ([], None)  # nothing after step 2 left to move
