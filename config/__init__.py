@@ -1,6 +1,6 @@
 """The config layer: the one schema of a counterpoint run, and the process environment every
-entry point sets. The bottom of the dependency graph: graders/, rollout/, learner/, services/
-and evals/ import it; it imports nothing of ours (pydantic and yaml only).
+entry point sets. The bottom of the dependency graph: model/ and every package above it
+import it; it imports nothing of ours (pydantic and yaml only).
 
 - config/run.py: RunConfig (seed, run_name and one section per service), TrainerConfig,
   EvalConfig; loading a YAML file plus dotted overrides; paths made absolute where read.
