@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from evals.records import CODE_EXEC_STYLE
 from rollout.types import Prompt, Sample, SamplingParams
 
 
@@ -37,9 +38,10 @@ class HeldoutResult:
             texts = (self.completions[i * g:(i + 1) * g] if self.completions is not None
                      else [p.assistant_prefix + s.text for p, s in zip(prompts, samples)])
             scores = self.scores[i * g:(i + 1) * g]
+            # code-exec drafts (completions given: the scripts as run) record each script's status
             out.append(item_record(
                 case.id, texts, [len(s.token_ids) for s in samples], scores, len(case.openings),
-                openings=[s.opening for s in scores] if self.completions is not None else None))
+                statuses=[s.status for s in scores] if self.completions is not None else None))
         return out
 
     def summary(self) -> dict[str, float]:
@@ -76,19 +78,17 @@ def evaluate_heldout(grader: Any, rollout: Any, cases: Sequence[Any], params: Sa
 
 
 # ---------------------------------------------------------------- tree mode (code-exec tasks)
-TREE_SCORING_STYLE = "code-exec test rows"  # ScoringSettings.style of a tree run's held-out evals
-
-
 @dataclass(frozen=True)
 class TestRowsScore:
     """A code-exec grade as an EVAL.jsonl completion: admitted = a valid submission (status ok);
     reward = the TEST rows' metric through the task's reward map, the sentinel for a failed
-    script. Never the validation rows, which choose nodes and give the training reward."""
+    script. Never the validation rows, which choose nodes and give the training reward.
+    ``status`` is the script's (the item's ``statuses``)."""
 
     admitted: bool
     verdict: str
     reward: float
-    opening: str  # the status again (code has no opening; keeps records' bookkeeping total)
+    status: str
 
 
 def test_rows_score(score: Any, metric: str, sentinel: float) -> TestRowsScore:
@@ -96,7 +96,7 @@ def test_rows_score(score: Any, metric: str, sentinel: float) -> TestRowsScore:
 
     ok = score.status == "ok" and score.test_metric is not None
     reward = reward_of(metric, float(score.test_metric)) if ok else float(sentinel)
-    return TestRowsScore(admitted=ok, verdict=str(score.status), reward=float(reward), opening=str(score.status))
+    return TestRowsScore(admitted=ok, verdict=str(score.status), reward=float(reward), status=str(score.status))
 
 
 def evaluate_tree_heldout(grader: Any, rollout: Any, cases: Sequence[Any], params: SamplingParams,
@@ -256,7 +256,7 @@ def heldout_section(before: Path, after: Path, seed: int, argv: Sequence[str], n
         "across_seeds": replicate_command(argv, seed),
     }
     styles = {e.header.scoring.style if e.header.scoring else None for e in evals.values()}
-    if styles == {TREE_SCORING_STYLE}:  # code-exec: pass rate = valid share; and the test reward
+    if styles == {CODE_EXEC_STYLE}:  # code-exec: pass rate = valid share; and the test reward
         section["difference"]["test_reward"] = {
             "statistic": "after - before of the mean test-rows reward (reward map of the task's "
                          "metric on the TEST rows, sentinel for a failed script), reward units",

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from evals.records import NO_OPENING, EvalFile, EvalItem
+from evals.records import NO_OPENING, EvalFile, EvalFileError, EvalItem
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,9 @@ class PriorShape:
 
 
 def prior_shape(eval_file: EvalFile) -> PriorShape:
+    if any(i.openings is None for i in eval_file.items):
+        raise EvalFileError(f"{eval_file.path}: a code-exec eval (its items have statuses, no openings); "
+                            "the prior shape is of voice-leading openings")
     voices = eval_file.header.voices
     shapes = tuple(item_shape(i, voices) for i in eval_file.items)
     parsed = [s for s in shapes if s.parseable > 0]

@@ -34,6 +34,11 @@ Lines 2.. — one line per item::
      "distinct_exact": int, "distinct_stripped": int, "pass_count": int, "alphabet_size": int}
 
 ``openings[i]`` is the opening of completion i (spec §13.1), ``"(none)"`` when nothing parsed.
+A code-exec eval (``scoring.style`` CODE_EXEC_STYLE: a tree run's drafts scored on the tasks'
+test rows) has ``"statuses": [str × G]`` instead of ``openings``: each completion's script status
+(records.exec_result.EXEC_STATUSES), ``admitted`` only where it is ``ok``; ``"no_code"``
+(no script found) is its unparseable. Files written before ``statuses`` existed kept the status
+in ``openings``; they are read as ``statuses``.
 ``lengths`` are generated token counts. ``distinct_exact`` counts distinct completion strings;
 ``distinct_stripped`` counts distinct strings once every whitespace character is removed (so
 ``[0, 1]`` and ``[0,1]`` are one). ``pass_count`` = number of admitted completions.
@@ -62,6 +67,10 @@ from pydantic import (
 )
 
 NO_OPENING = "(none)"  # the opening of a completion with no parsed entry (spec §13.1)
+NO_CODE = "no_code"  # the status of a code-exec completion with no script in it (nothing to run)
+# ScoringSettings.style of a code-exec eval: drafts scored on the tasks' TEST rows, items with
+# statuses (a tree run's held-out evals, evals/heldout.py evaluate_tree_heldout).
+CODE_EXEC_STYLE = "code-exec test rows"
 
 
 def nominal_alphabet_size(voices: int) -> int:
@@ -165,7 +174,10 @@ class EvalHeader(_Strict):
 class EvalItem(_Strict):
     item_id: str = Field(min_length=1)
     completions: list[str]
-    openings: list[str]
+    openings: list[str] | None = Field(
+        None, description="Voice-leading: the opening of each completion ((none) = nothing parsed).")
+    statuses: list[str] | None = Field(
+        None, description="Code-exec: the status of each completion's script (no_code = no script).")
     lengths: list[int]
     rewards: list[float]
     verdicts: list[str]
@@ -178,7 +190,10 @@ class EvalItem(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> EvalItem:
         g = len(self.completions)
-        for name in ("openings", "lengths", "rewards", "verdicts", "admitted"):
+        if (self.openings is None) == (self.statuses is None):
+            raise ValueError("an item has openings (voice-leading) or statuses (code-exec): exactly one of them")
+        for name in ("openings" if self.openings is not None else "statuses", "lengths", "rewards", "verdicts",
+                     "admitted"):
             if len(getattr(self, name)) != g:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, completions {g}")
         if any(n < 0 for n in self.lengths):
@@ -195,10 +210,13 @@ class EvalItem(_Strict):
         stripped = len({strip_whitespace(c) for c in self.completions})
         if self.distinct_stripped != stripped:
             raise ValueError(f"distinct_stripped {self.distinct_stripped} != {stripped}")
-        for i, (opening, admitted) in enumerate(zip(self.openings, self.admitted)):
+        for i, (opening, admitted) in enumerate(zip(self.openings or (), self.admitted)):
             if opening == NO_OPENING and admitted:
                 # spec §11: an unparseable completion is always `structure`, reward 0
                 raise ValueError(f"completion {i} is unparseable ({NO_OPENING}) yet admitted")
+        for i, (status, admitted) in enumerate(zip(self.statuses or (), self.admitted)):
+            if admitted and status != "ok":  # only a graded script can pass
+                raise ValueError(f"completion {i} is admitted with status {status!r}")
         return self
 
     @property
@@ -207,6 +225,9 @@ class EvalItem(_Strict):
 
     @property
     def unparseable(self) -> int:
+        """Completions with nothing to judge: no opening parsed, or no script found."""
+        if self.statuses is not None:
+            return sum(s == NO_CODE for s in self.statuses)
         return sum(o == NO_OPENING for o in self.openings)
 
 
@@ -231,17 +252,22 @@ def item_record(
     scores: Sequence[ScoreLike],
     alphabet_size: int,
     openings: Sequence[str] | None = None,
+    statuses: Sequence[str] | None = None,
 ) -> EvalItem:
     """Build one item line from G completions and their scores.
 
     ``scores`` are ``graders.voice_leading.ScoreResult`` (or anything with ``admitted``,
     ``verdict`` and optionally ``reward`` and ``opening``). ``openings`` default to each score's
     ``opening`` (what the grader parsed), else ``graders.voice_leading.opening_of`` of the
-    completion. ``alphabet_size`` is ``len(opening_alphabet(progression, voices))``.
+    completion. ``alphabet_size`` is ``len(opening_alphabet(progression, voices))``. A code-exec
+    item gives ``statuses`` (each script's status) and has no openings.
     """
     if len(scores) != len(completions):
         raise ValueError(f"{item_id}: {len(scores)} scores for {len(completions)} completions")
-    if openings is None:
+    if statuses is not None:
+        if openings is not None:
+            raise ValueError(f"{item_id}: give openings (voice-leading) or statuses (code-exec), not both")
+    elif openings is None:
         from graders.voice_leading import opening_of
 
         openings = [
@@ -252,7 +278,8 @@ def item_record(
     return EvalItem(
         item_id=item_id,
         completions=list(completions),
-        openings=list(openings),
+        openings=None if openings is None else list(openings),
+        statuses=None if statuses is None else list(statuses),
         lengths=[int(n) for n in lengths],
         rewards=rewards,
         verdicts=[str(s.verdict) for s in scores],
@@ -306,8 +333,8 @@ def write_eval(path: str | Path, header: EvalHeader, items: Iterable[EvalItem]) 
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
         f.write(header.model_dump_json() + "\n")
-        for item in items:
-            f.write(item.model_dump_json() + "\n")
+        for item in items:  # an item carries the one of openings / statuses its task has
+            f.write(item.model_dump_json(exclude={"statuses" if item.statuses is None else "openings"}) + "\n")
     return path
 
 
@@ -348,6 +375,11 @@ def read_eval(path: str | Path) -> EvalFile:
                 except ValidationError as e:
                     raise EvalFileError(f"{path}:1: bad header: {_format_validation(e)}") from None
                 continue
+            assert header is not None
+            if (header.scoring is not None and header.scoring.style == CODE_EXEC_STYLE
+                    and "statuses" not in obj and "openings" in obj):
+                statuses = obj.pop("openings")  # written before statuses: each status was there
+                obj = {**obj, "statuses": statuses}
             try:
                 item = EvalItem.model_validate(obj)
             except ValidationError as e:
@@ -357,7 +389,6 @@ def read_eval(path: str | Path) -> EvalFile:
                     f"{path}:{lineno}: item_id {item.item_id!r} repeats line {seen[item.item_id]}"
                 )
             seen[item.item_id] = lineno
-            assert header is not None
             if item.generations != header.generation.generations:
                 raise EvalFileError(
                     f"{path}:{lineno}: item {item.item_id!r} has {item.generations} completions, "
@@ -396,7 +427,7 @@ class EvalSummary:
     n_completions: int
     pass_rate: float  # admitted completions / completions
     coverage: float  # items with >= 1 admitted completion / items
-    unparseable_share: float  # completions whose opening is (none) / completions
+    unparseable_share: float  # completions with nothing to judge (EvalItem.unparseable) / completions
     mean_length: float  # generated tokens per completion
 
     def as_dict(self) -> dict[str, float | int]:

@@ -219,11 +219,12 @@ def heldout_eval(cfg: RunConfig, grader, rollout, version: int, out: Path) -> di
     health = grader.health()
     style = health.style
     if cfg.trainer.rollout_mode == "tree":  # drafts per task, scored on the tasks' TEST rows
-        from evals.heldout import TREE_SCORING_STYLE, evaluate_tree_heldout
+        from evals.heldout import evaluate_tree_heldout
+        from evals.records import CODE_EXEC_STYLE
 
         result = evaluate_tree_heldout(grader, rollout, cases, params, version, cfg.search,
                                        cfg.grader.code_exec.sentinel)
-        style = TREE_SCORING_STYLE
+        style = CODE_EXEC_STYLE
     else:
         result = evaluate_heldout(grader, rollout, cases, params, version, cfg.trainer.prefix_mode)
     write_heldout_eval(

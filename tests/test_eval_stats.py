@@ -167,6 +167,63 @@ def test_read_eval_rejects_items_outside_the_prompt_set_and_wrong_g(tmp_path):
         read_eval(tmp_path / "empty.jsonl")
 
 
+# ---------------------------------------------------------------- the code-exec shape
+STATUSES = ["ok", "no_code", "crashed", "ok", "timeout", "no_code"]
+
+
+def code_exec_item(item_id="tabular-binary", statuses=STATUSES):
+    scores = [Score(admitted=st == "ok", verdict=st, reward=0.4 if st == "ok" else -0.5) for st in statuses]
+    return item_record(item_id, [f"script {k}" for k in range(len(statuses))], [7] * len(statuses), scores, 0,
+                       statuses=statuses)
+
+
+def test_a_code_exec_item_has_statuses_not_openings(tmp_path):
+    from evals.records import CODE_EXEC_STYLE, ScoringSettings
+
+    item = code_exec_item()
+    assert item.openings is None and item.statuses == STATUSES and item.pass_count == 2
+    assert item.unparseable == 2  # no script found: nothing to judge
+    scoring = ScoringSettings(style=CODE_EXEC_STYLE, checker="counterpoint")
+    path = write_items(tmp_path / "e.jsonl", [item], scoring=scoring)
+    line = _lines(path)[1]
+    assert line["statuses"] == STATUSES and "openings" not in line
+    ev = read_eval(path)
+    assert ev.items == (item,)
+    assert summarize(ev.items).unparseable_share == pytest.approx(2 / 6)
+    vl = _lines(write_items(tmp_path / "v.jsonl", [make_item("a", MIXED, MIXED_ADMITTED)]))[1]
+    assert "statuses" not in vl and vl["openings"] == MIXED  # voice-leading lines as they always were
+    with pytest.raises(EvalFileError, match="code-exec eval"):
+        prior_shape(ev)
+
+
+def test_a_code_exec_eval_written_before_statuses_is_read(tmp_path):
+    """Before statuses, a code-exec item kept each status in `openings`: read as statuses."""
+    from evals.records import CODE_EXEC_STYLE, ScoringSettings
+
+    path = write_items(tmp_path / "e.jsonl", [code_exec_item()],
+                       scoring=ScoringSettings(style=CODE_EXEC_STYLE, checker="counterpoint"))
+    header, line = _lines(path)
+    _rewrite(path, [header, {**{k: v for k, v in line.items() if k != "statuses"}, "openings": STATUSES}])
+    assert read_eval(path).items == (code_exec_item(),)
+    _rewrite(path, [{**header, "scoring": None}, {**{k: v for k, v in line.items() if k != "statuses"},
+                                                   "openings": STATUSES}])
+    assert read_eval(path).items[0].openings == STATUSES  # a voice-leading file keeps its openings
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda line: {**line, "openings": ["0,1"] * 6}, "openings .*or statuses .*exactly one"),
+    (lambda line: {k: v for k, v in line.items() if k != "statuses"}, "exactly one"),
+    (lambda line: {**line, "statuses": line["statuses"][:5]}, "statuses has 5 entries"),
+    (lambda line: {**line, "statuses": ["crashed"] + line["statuses"][1:]}, "completion 0 is admitted with status 'crashed'"),
+])
+def test_a_bad_code_exec_item_is_refused_naming_why(tmp_path, change, message):
+    path = write_items(tmp_path / "e.jsonl", [code_exec_item()])
+    header, line = _lines(path)
+    _rewrite(path, [header, change(line)])
+    with pytest.raises(EvalFileError, match=message):
+        read_eval(path)
+
+
 def test_write_eval_refuses_a_header_for_other_items(tmp_path):
     items = [make_item("a", MIXED, MIXED_ADMITTED)]
     other = [make_item("b", MIXED, MIXED_ADMITTED)]

@@ -157,7 +157,7 @@ def test_test_rows_score_uses_the_test_metric_and_the_sentinel():
     assert test_rows_score(SimpleNamespace(status="ok", test_metric=0.5, reward=0), "log_loss", -0.5).reward \
         == pytest.approx(0.6065306597)
     bad = test_rows_score(SimpleNamespace(status="crashed", test_metric=None, reward=-0.5), "rmsle", -0.5)
-    assert (bad.admitted, bad.reward, bad.opening) == (False, -0.5, "crashed")
+    assert (bad.admitted, bad.reward, bad.status) == (False, -0.5, "crashed")
 
 
 def test_mean_reward_difference_pairs_items_and_brackets_the_difference():
