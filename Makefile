@@ -7,13 +7,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.installed-stamp
 
-export RAY_USAGE_STATS_ENABLED := 0
-export HF_HUB_OFFLINE := 1
-export TRANSFORMERS_OFFLINE := 1
-export VLLM_ENABLE_V1_MULTIPROCESSING := 0
-export VLLM_CPU_KVCACHE_SPACE := 1
-export GRPC_ENABLE_FORK_SUPPORT := false
-export TOKENIZERS_PARALLELISM := false
+# The process environment's defaults live in config/runtime_env.py, which every entry point
+# applies before Ray, vLLM or torch is imported. Only what the interpreter reads at start-up is
+# exported here.
 export PYTHONUNBUFFERED := 1
 
 .PHONY: setup run test prometheus bench stubs clean

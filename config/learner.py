@@ -6,6 +6,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The names the learner's registries implement (learner/advantages.py builds its estimator table
+# from AdvantageEstimator: each *_valid_only name is its base estimator over valid members only).
+AdvantageEstimator = Literal[
+    "grpo", "dr_grpo", "rank", "rloo",
+    "grpo_valid_only", "dr_grpo_valid_only", "rank_valid_only", "rloo_valid_only",
+]
+ScaleRewards = Literal["group", "batch", "none"]
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
+
 
 class LoraConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -101,23 +111,20 @@ class LearnerConfig(BaseModel):
         "dropped first); each holds the memory of its activations."
     )
     epochs_per_step: int = Field(1, ge=1, description="Optimizer passes over each step's batch.")
-    advantage: Literal[
-        "grpo", "dr_grpo", "rank", "rloo",
-        "grpo_valid_only", "dr_grpo_valid_only", "rank_valid_only", "rloo_valid_only",
-    ] = Field("grpo", description="Advantage estimator (see learner/advantages.py).")
-    scale_rewards: Literal["group", "batch", "none"] = Field(
+    advantage: AdvantageEstimator = Field("grpo", description="Advantage estimator (see learner/advantages.py).")
+    scale_rewards: ScaleRewards = Field(
         "group", description="Std used to scale advantages (grpo estimators)."
     )
     invalid_advantage: float = Field(
         -1.0, description="Advantage of failed members in the *_valid_only estimators."
     )
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
+    loss_type: LossType = Field(
         "dapo", description="Token/sequence aggregation of the policy loss (as TRL documents)."
     )
     epsilon_low: float = Field(0.2, ge=0, description="Lower clip range of the ratio.")
     epsilon_high: float = Field(0.28, ge=0, description="Upper clip range of the ratio.")
     beta: float = Field(0.0, ge=0, description="KL leash coefficient against the base model.")
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field("k3", description="KL estimator.")
+    kl_estimator: KLEstimator = Field("k3", description="KL estimator.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     entropy_floor: float | None = Field(
         None, ge=0, description="Apply the entropy bonus only while entropy is below this."
@@ -138,6 +145,21 @@ class LearnerConfig(BaseModel):
         "rebase",
         description="When a resumed checkpoint's scheduler disagrees with the configured LR: "
         "'rebase' on the config (and say so in the receipt) or 'refuse' to start.",
+    )
+    start_timeout_s: float = Field(
+        900.0, gt=0, description="How long the driver waits for the Ray Train workers to start and "
+        "answer Init (model load, LoRA init or checkpoint restore) before it fails the run.",
+    )
+    step_timeout_s: float = Field(
+        1800.0, gt=0, description="How long the driver waits for one step's update (old_log_prob, ref, "
+        "update_actor and the adapter export) before it fails the run.",
+    )
+    save_timeout_s: float = Field(
+        600.0, gt=0, description="How long the driver waits for a checkpoint and adapter save.",
+    )
+    stop_timeout_s: float = Field(
+        120.0, gt=0, description="How long stopping the learner waits for the Train run to end before "
+        "its coordinator is killed.",
     )
 
     @model_validator(mode="after")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 
 class ModelConfig(BaseModel):
@@ -118,9 +118,17 @@ class RolloutConfig(BaseModel):
         2, ge=1, description="Published adapter versions the registry keeps reachable (the "
         "latest and the ones before it, for requests still naming an older version)."
     )
+    heartbeat_s: float = Field(
+        1.0, gt=0, description="How often a replica reports to the adapter registry (its held version "
+        "and tokens) and, between reports, how long it waits on the registry for a newer adapter."
+    )
     replica_liveness_s: float = Field(
         10.0, gt=0, description="A replica not heard from for this long is taken for dead by "
-        "the adapter registry (replicas report every second, also while generating)."
+        "the adapter registry (replicas report every heartbeat_s, also while generating)."
+    )
+    max_ongoing_requests: int = Field(
+        8, ge=1, description="Ray Serve's limit of generate requests in flight per replica (its engine "
+        "thread takes them one at a time; the rest wait there instead of at Serve's router)."
     )
     max_retries: int = Field(
         3, ge=0, description="Retries of a failed generate call (e.g. a replica died and is being "
@@ -130,3 +138,10 @@ class RolloutConfig(BaseModel):
     adapter_wait_timeout_s: float = Field(
         120.0, gt=0, description="How long to wait for every replica to load a new adapter."
     )
+
+    @model_validator(mode="after")
+    def _liveness_outlasts_a_heartbeat(self) -> "RolloutConfig":
+        if self.replica_liveness_s <= self.heartbeat_s:
+            raise ValueError(f"rollout.replica_liveness_s={self.replica_liveness_s:g} must exceed rollout.heartbeat_s="
+                             f"{self.heartbeat_s:g}: a live replica would be taken for dead between two reports")
+        return self

@@ -1,8 +1,27 @@
-"""Process environment every counterpoint entry point sets before importing Ray, vLLM or torch."""
+"""The process environment: the one place its defaults live.
+
+Every entry point (the `counterpoint` CLI, the test suite's conftest, the benches) calls
+``apply_defaults()`` before importing Ray, vLLM, gRPC or torch, and hands the result to Ray
+workers and Serve replicas as their runtime_env, so every process of a run sees the same values.
+A variable already set wins (``setdefault``): the caller's environment overrides a default.
+
+Two kinds of variables are set elsewhere, on purpose:
+
+- what follows from the resolved rollout config: rollout/engines/vllm_engine.py sets
+  VLLM_CPU_KVCACHE_SPACE (rollout.kv_cache_gib), VLLM_ENABLE_V1_MULTIPROCESSING
+  (rollout.vllm_multiprocessing, resolved per host) and VLLM_WORKER_MULTIPROC_METHOD in the
+  replica that starts the engine, right before vLLM reads them (the defaults below are what a
+  process has before a replica overrides them);
+- PYTHONUNBUFFERED, which the interpreter reads at start-up: the Makefile exports it for the
+  process it starts (and its children inherit it); it exports nothing else.
+
+The cache of built models and tasks is $COUNTERPOINT_CACHE, else CACHE_DEFAULT (``cache_root``).
+"""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 DEFAULTS = {
     # No outside network on our machines; never phone home or reach a hub at run time.
@@ -51,3 +70,12 @@ def bind_local_cluster_to_loopback(ray_module) -> None:
     os.environ.update(LOCAL_CLUSTER_ENV)
     ray_module._private.ray_constants.ENABLE_RAY_CLUSTER = False
 
+
+CACHE_ENV = "COUNTERPOINT_CACHE"
+CACHE_DEFAULT = "~/.cache/counterpoint"
+
+
+def cache_root(configured: str | None = None) -> Path:
+    """Where built models (model.cache_dir) and the bundled code-exec tasks are cached: the
+    configured directory, else $COUNTERPOINT_CACHE, else ~/.cache/counterpoint."""
+    return Path(configured or os.environ.get(CACHE_ENV) or CACHE_DEFAULT).expanduser()

@@ -17,10 +17,13 @@ from collections.abc import Sequence
 
 import grpc
 
+from config.grader import GraderConfig
 from graders import wire
 from graders.proto import grader_pb2 as pb
 from graders.proto import grader_pb2_grpc as pb_grpc
 from graders.records import CaseInfo, Health, Score  # noqa: F401  (what the client returns)
+
+_GRADER = GraderConfig()  # the schema's defaults: declared there, read here
 
 RETRYABLE = frozenset({
     grpc.StatusCode.UNAVAILABLE,
@@ -56,7 +59,8 @@ class GraderClient:
     """``GraderClient("127.0.0.1:50051")``; pass ``application=`` for a Serve ingress.
 
     ``timeout_s`` is the per-attempt deadline; attempts = 1 + max_retries, the n-th retry
-    waiting ``retry_backoff_s * 2**(n-1)`` seconds.
+    waiting ``retry_backoff_s * 2**(n-1)`` seconds. Left out, they are the grader section's
+    defaults (config/grader.py); ``from_config`` takes a whole section.
     """
 
     def __init__(
@@ -64,9 +68,9 @@ class GraderClient:
         address: str,
         *,
         application: str | None = None,
-        max_retries: int = 4,
-        retry_backoff_s: float = 0.5,
-        timeout_s: float = 60.0,
+        max_retries: int = _GRADER.max_retries,
+        retry_backoff_s: float = _GRADER.retry_backoff_s,
+        timeout_s: float = _GRADER.timeout_s,
         token: str | None = None,
     ) -> None:
         if max_retries < 0 or retry_backoff_s <= 0:

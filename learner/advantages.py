@@ -23,13 +23,21 @@ A group with fewer than two valid members gives its valid member(s) advantage 0.
 Groups are given by integer ids (any values, members need not be contiguous, sizes may differ);
 ``group_ids_for(n, group_size)`` builds the usual contiguous layout. Everything here is
 vectorised; tests/test_learner_math.py checks it against a per-group Python loop.
+
+The estimator names, and the defaults of ``scale_rewards`` and ``invalid_advantage``, are the
+learner section's (config/learner.py); the table below is built from those names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import get_args
 
 import torch
+
+from config.learner import AdvantageEstimator, LearnerConfig, ScaleRewards
+
+_LEARNER = LearnerConfig()  # the schema's defaults: declared there, read here
 
 EPS = 1e-4  # TRL's epsilon in (r - mean) / (std + eps)
 
@@ -104,26 +112,22 @@ def _rank(rewards, index, k, members, scale_rewards):
 
 Estimator = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, str], torch.Tensor]
 
-# name -> (estimator, valid_only)
+_BASE_ESTIMATORS: dict[str, Estimator] = {"grpo": _grpo, "dr_grpo": _dr_grpo, "rank": _rank, "rloo": _rloo}
+VALID_ONLY = "_valid_only"
+# name -> (estimator, valid_only), for every name the config accepts
 ADVANTAGE_ESTIMATORS: dict[str, tuple[Estimator, bool]] = {
-    "grpo": (_grpo, False),
-    "dr_grpo": (_dr_grpo, False),
-    "rank": (_rank, False),
-    "rloo": (_rloo, False),
-    "grpo_valid_only": (_grpo, True),
-    "dr_grpo_valid_only": (_dr_grpo, True),
-    "rank_valid_only": (_rank, True),
-    "rloo_valid_only": (_rloo, True),
+    name: (_BASE_ESTIMATORS[name.removesuffix(VALID_ONLY)], name.endswith(VALID_ONLY))
+    for name in get_args(AdvantageEstimator)
 }
 
 
 def compute_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
-    estimator: str = "grpo",
-    scale_rewards: str = "group",
+    estimator: str,
+    scale_rewards: str = _LEARNER.scale_rewards,
     valid: torch.Tensor | None = None,
-    invalid_advantage: float = -1.0,
+    invalid_advantage: float = _LEARNER.invalid_advantage,
 ) -> torch.Tensor:
     """Advantages [N] float32.
 
@@ -132,8 +136,8 @@ def compute_advantages(
     """
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; one of {sorted(ADVANTAGE_ESTIMATORS)}")
-    if scale_rewards not in ("group", "batch", "none"):
-        raise ValueError(f"scale_rewards must be group | batch | none, got {scale_rewards!r}")
+    if scale_rewards not in get_args(ScaleRewards):
+        raise ValueError(f"scale_rewards must be {' | '.join(get_args(ScaleRewards))}, got {scale_rewards!r}")
     rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
     group_ids = torch.as_tensor(group_ids).flatten()
     if group_ids.shape != rewards.shape:

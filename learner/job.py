@@ -120,7 +120,7 @@ class LearnerJob:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self, timeout_s: float = 900.0) -> InitInfo:
+    def start(self) -> InitInfo:
         lcfg = self.run_cfg.learner
         if self.init_adapter is not None and self.resume_from is not None:
             raise ValueError("give init_adapter or resume_from, not both (a checkpoint carries its adapter)")
@@ -163,7 +163,7 @@ class LearnerJob:
         )
         self._thread = threading.Thread(target=self._fit, args=(trainer,), name="learner-fit", daemon=True)
         self._thread.start()
-        info: InitInfo = self._call(Init(), timeout_s)
+        info: InitInfo = self._call(Init(), lcfg.start_timeout_s)
         self.step_count = info.step
         return info
 
@@ -190,26 +190,26 @@ class LearnerJob:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"learner command {type(command).__name__.lower()!r} took more than {timeout_s:.0f} s")
 
-    def step(self, batch: TrainBatch, timeout_s: float = 1800.0) -> StepResult:
+    def step(self, batch: TrainBatch) -> StepResult:
         if len(batch) < self.run_cfg.learner.workers:
             raise ValueError(f"a batch of {len(batch)} sequences cannot feed {self.run_cfg.learner.workers} workers")
         ref = ray.put(batch)
-        out: StepResult = self._call(Step(step=self.step_count + 1, batch=[ref]), timeout_s)
+        out: StepResult = self._call(Step(step=self.step_count + 1, batch=[ref]), self.run_cfg.learner.step_timeout_s)
         self.step_count += 1
         return out
 
-    def save_checkpoint(self, step: int, data_position: dict[str, Any] | None = None, timeout_s: float = 600.0) -> Path:
+    def save_checkpoint(self, step: int, data_position: dict[str, Any] | None = None) -> Path:
         """checkpoints/step_<N>/ (resumable) and adapters/step_<N>/ (peft dir)."""
-        out: Saved = self._call(Save(step=step, data_position=data_position), timeout_s)
+        out: Saved = self._call(Save(step=step, data_position=data_position), self.run_cfg.learner.save_timeout_s)
         return Path(out.path)
 
-    def stop(self, timeout_s: float = 120.0) -> None:
+    def stop(self) -> None:
         if self._coord is None:
             return
         try:
             ray.get(self._coord.submit.remote(Stop()))
             if self._thread is not None:
-                self._thread.join(timeout_s)
+                self._thread.join(self.run_cfg.learner.stop_timeout_s)
         finally:
             ray.kill(self._coord)
             self._coord = None

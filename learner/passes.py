@@ -18,11 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
+from config.learner import LearnerConfig
+from config.rollout import RolloutConfig
 from learner.losses import LossInputs, LossNorm, ObjectiveParams, policy_loss
 from learner.microbatch import computed_tokens, count_bounds, token_budget_bounds
 from learner.rollout_correction import as_floats, merge_sums, rollout_mismatch_sum_tensors
 from learner.shared_prefix import shared_prefix_len
 from learner.types import TrainBatch
+
+_LEARNER, _ROLLOUT = LearnerConfig(), RolloutConfig()  # the schema's defaults: declared there, read here
 
 
 @dataclass
@@ -157,11 +161,13 @@ def response_logprobs(
     prompts: list[list[int]],
     responses: list[list[int]],
     pad_id: int,
-    temperature: float = 1.0,
-    micro_batch_size: int = 8,
+    temperature: float = _ROLLOUT.temperature,
+    micro_batch_size: int = _LEARNER.micro_batch_size,
 ) -> list[list[float]]:
     """Per-token log-probs of each response given its prompt, as plain lists (the trainer's side
-    of ppl_ratio for anyone holding sampled rows). ``model``: a causal LM or a SharedPrefixLM."""
+    of ppl_ratio for anyone holding sampled rows). ``model``: a causal LM or a SharedPrefixLM.
+    ``temperature`` and ``micro_batch_size`` default to the config's (rollout.temperature,
+    learner.micro_batch_size)."""
     from learner.shared_prefix import SharedPrefixLM
 
     lm = model if isinstance(model, SharedPrefixLM) else SharedPrefixLM(model)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config.rollout import ModelConfig
+from config.runtime_env import cache_root as runtime_cache_root
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,8 @@ def torch_dtype(name: str):
 
 
 def cache_root(cfg: ModelConfig) -> Path:
-    root = cfg.cache_dir or os.environ.get("COUNTERPOINT_CACHE") or "~/.cache/counterpoint"
-    return Path(root).expanduser()
+    """model.cache_dir, else the process's cache (config/runtime_env.py cache_root)."""
+    return runtime_cache_root(cfg.cache_dir)
 
 
 def resolve_model(cfg: ModelConfig) -> Path:

@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 NAMESPACE = "counterpoint"
 REGISTRY_NAME = "counterpoint-adapter-registry"
 APP_NAME = "counterpoint-rollout"
-HEARTBEAT_S = 1.0
 
 
 # --------------------------------------------------------------------------- registry actor
@@ -52,7 +51,7 @@ HEARTBEAT_S = 1.0
 class AdapterRegistry:
     """Async actor around RegistryState; payloads stay in the object store (refs kept here)."""
 
-    def __init__(self, keep: int = 2, liveness_s: float = 10.0):
+    def __init__(self, keep: int, liveness_s: float):
         self.state = RegistryState(keep=keep, liveness_s=liveness_s)
         self.changed = asyncio.Condition()
 
@@ -148,6 +147,7 @@ class RolloutReplica:
         from rollout.engines import make_engine
 
         context = serve.get_replica_context()
+        self.heartbeat_s = RolloutConfig(**rollout_cfg).heartbeat_s
         self.replica_id = context.replica_id.unique_id
         self.actor_name = context.replica_id.to_full_id_str()
         self.registry = registry
@@ -218,14 +218,14 @@ class RolloutReplica:
                 latest = ray.get(
                     self.registry.wait_newer.remote(
                         self.replica_id, self.actor_name, held, self.tokens,
-                        max(held, requested), HEARTBEAT_S,
+                        max(held, requested), self.heartbeat_s,
                     )
                 )
                 if latest > max(held, requested) and pending is None:
                     pending, requested = self.pool.submit(self._load_latest_if_newer), latest
             except Exception:  # keep following; the next request reports its own error
                 log.exception("replica %s: adapter follow loop", self.replica_id)
-                self._stop.wait(HEARTBEAT_S)
+                self._stop.wait(self.heartbeat_s)
 
     # ---- Serve methods
 
@@ -260,7 +260,7 @@ def rollout_app(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, registry, ki
     deployment = serve.deployment(RolloutReplica).options(
         name="RolloutReplica",
         num_replicas=rollout_cfg.replicas,
-        max_ongoing_requests=8,
+        max_ongoing_requests=rollout_cfg.max_ongoing_requests,
         ray_actor_options={
             "num_cpus": rollout_cfg.num_cpus,
             "num_gpus": rollout_cfg.num_gpus,

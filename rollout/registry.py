@@ -9,6 +9,9 @@ Pure state (no Ray import): the Ray actor in `rollout.deployment` is a thin asyn
   the next one is being published can still be served.
 - Replicas report (heartbeat) their held version and cumulative token count; a replica not
   heard from for `liveness_s` is taken for dead (Serve replaces it; the new one registers).
+
+`keep` and `liveness_s` default to the rollout section's `adapters_kept` and
+`replica_liveness_s` (config/rollout.py, where they are declared).
 - `all_hold(v, expected)`: at least `expected` live replicas, every one of them holding v.
 """
 
@@ -16,6 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from config.rollout import RolloutConfig
+
+_ROLLOUT = RolloutConfig()  # the schema's defaults: declared there, read here
 
 
 class AdapterUnavailableError(LookupError):
@@ -32,7 +39,7 @@ class ReplicaInfo:
 
 
 class RegistryState:
-    def __init__(self, keep: int = 2, liveness_s: float = 10.0):
+    def __init__(self, keep: int = _ROLLOUT.adapters_kept, liveness_s: float = _ROLLOUT.replica_liveness_s):
         if keep < 1:
             raise ValueError("keep must be >= 1")
         self.keep = keep

@@ -112,9 +112,25 @@ def test_bad_advantage_inputs_are_named():
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
         compute_advantages(REWARDS, GROUPS, "ppo")
     with pytest.raises(ValueError, match="NaN"):
-        compute_advantages(torch.tensor([1.0, float("nan")]), torch.tensor([0, 0]))
+        compute_advantages(torch.tensor([1.0, float("nan")]), torch.tensor([0, 0]), "grpo")
     with pytest.raises(ValueError, match="differ in shape"):
-        compute_advantages(REWARDS, GROUPS[:4])
+        compute_advantages(REWARDS, GROUPS[:4], "grpo")
+
+
+def test_every_name_the_config_accepts_is_implemented_and_nothing_else():
+    """config/learner.py declares the estimator, loss and KL names; the registries implement
+    exactly those (a name added to one side only fails here, not in a run)."""
+    from typing import get_args
+
+    from config.learner import AdvantageEstimator, KLEstimator, LossType
+    from learner.kl import KL_ESTIMATORS
+    from learner.losses import LOSS_AGGREGATORS
+
+    assert list(ADVANTAGE_ESTIMATORS) == list(get_args(AdvantageEstimator))
+    assert {name: valid_only for name, (_, valid_only) in ADVANTAGE_ESTIMATORS.items()} == {
+        n: n.endswith("_valid_only") for n in get_args(AdvantageEstimator)}
+    assert set(LOSS_AGGREGATORS) == set(get_args(LossType))
+    assert set(KL_ESTIMATORS) == set(get_args(KLEstimator))
 
 
 # ---------------------------------------------------------------- advantages, loop vs vectorised

@@ -78,7 +78,7 @@ def batch() -> TrainBatch:
     prompts = [torch.randint(10, 40000, (n,), generator=gen).tolist() for n in (7, 5)]
     lengths = [3, 6, 4, 5, 6, 2, 5, 4]
     responses = [torch.randint(10, 40000, (n,), generator=gen).tolist() for n in lengths]
-    adv = compute_advantages(torch.tensor(REWARDS), torch.tensor(GROUPS)).tolist()
+    adv = compute_advantages(torch.tensor(REWARDS), torch.tensor(GROUPS), "grpo").tolist()
     return TrainBatch(prompt_ids=[prompts[g] for g in GROUPS], response_ids=responses,
                       rollout_logprobs=[[0.0] * n for n in lengths], advantages=adv, rewards=REWARDS,
                       group_ids=GROUPS)

@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from config.runtime_env import cache_root as runtime_cache_root
 from graders.code_exec.grading import METRICS, REWARD_MAPS, RULE_SETS
 
 
@@ -140,8 +141,8 @@ def load_tasks(tasks_dir: str | os.PathLike) -> dict[str, TaskSpec]:
 
 
 def cache_root() -> Path:
-    """Same cache as rollout/models.py: $COUNTERPOINT_CACHE or ~/.cache/counterpoint."""
-    return Path(os.environ.get("COUNTERPOINT_CACHE") or "~/.cache/counterpoint").expanduser()
+    """The process's cache (config/runtime_env.py cache_root), as model/base.py's models use it."""
+    return runtime_cache_root()
 
 
 def resolve_tasks_dir(tasks_dir: str | None, seed: int) -> Path:
