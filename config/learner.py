@@ -49,7 +49,7 @@ class LearnerConfig(BaseModel):
         "two workers (NCCL ranks) never land on one GPU."
     )
     deepspeed: bool = Field(False, description="DeepSpeed ZeRO-2 instead of DDP (GPU only).")
-    lora: LoraConfig = Field(default_factory=LoraConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="The adapter's shape.")
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="Schedule after warmup."

@@ -20,6 +20,11 @@ from config.rollout import ModelConfig, RolloutConfig
 from config.search import SearchConfig
 
 
+# trainer.* keys of the run's held-out eval before it used the eval section -> what replaces them
+REPLACED_TRAINER_KEYS = {"eval_heldout": "eval.before_and_after", "eval_limit": "eval.limit",
+                         "eval_generations": "eval.generations"}
+
+
 class TrainerConfig(BaseModel):
     """The driver's step loop."""
 
@@ -59,9 +64,6 @@ class TrainerConfig(BaseModel):
     metrics_host: str = Field("127.0.0.1", description="Bind address of /metrics.")
     metrics_port: int = Field(9464, ge=0, le=65535, description="Port of /metrics (0 = free port).")
     runs_dir: str = Field("runs", description="Parent directory of run directories.")
-    eval_heldout: bool = Field(False, description="Evaluate held-out pass rate before and after.")
-    eval_limit: int | None = Field(None, ge=1, description="Held-out cases evaluated (None = all).")
-    eval_generations: int = Field(1, ge=1, description="Completions per held-out case.")
     ray_address: str | None = Field(None, description="Join this Ray cluster (None = start local).")
     ray_num_cpus: int | None = Field(None, ge=1, description="CPUs of a locally started Ray.")
     ray_metrics_port: int = Field(
@@ -70,15 +72,33 @@ class TrainerConfig(BaseModel):
         "replicas export there); 0 = a free port, recorded in the receipt.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _held_out_eval_is_the_eval_section(cls, data: Any) -> Any:
+        # The run's held-out eval and `counterpoint eval` share the eval section (one sample,
+        # one set of defaults); the old trainer keys would configure a second one.
+        old = [k for k in REPLACED_TRAINER_KEYS if isinstance(data, dict) and k in data]
+        if old:
+            raise ValueError("; ".join(f"trainer.{k} is now {REPLACED_TRAINER_KEYS[k]}" for k in old)
+                             + " (the run's held-out eval and `counterpoint eval` share the eval section)")
+        return data
+
 
 class EvalConfig(BaseModel):
-    """`counterpoint eval` (and replicate's per-arm eval): which prompts, how many completions each,
-    and how they are sampled. A sampling field left unset (None) takes the rollout section's
-    value, so an eval samples the way the run it checks sampled; the eval receipt records each
-    value and where it came from."""
+    """The held-out eval, one configuration for both places it runs: `counterpoint train` before
+    and after training (with before_and_after) and `counterpoint eval` (and replicate's per-arm
+    eval): which prompts, how many completions each, and how they are sampled. A sampling field
+    left unset (None) takes the rollout section's value, so an eval samples the way the run it
+    checks sampled; the eval receipt records each value and where it came from."""
 
     model_config = ConfigDict(extra="forbid")
 
+    before_and_after: bool = Field(
+        False, description="`counterpoint train` runs this eval on the base (or init) adapter before "
+        "the first step and on the trained adapter after the last (heldout_before.jsonl, "
+        "heldout_after.jsonl), and reports after - before with its interval. A tree run samples "
+        "drafts per task and scores them on the tasks' test rows. Needs split 'heldout'.",
+    )
     split: Literal["heldout", "train"] = Field("heldout", description="Grader split evaluated.")
     generations: int = Field(8, ge=1, description="Completions per prompt (G).")
     limit: int | None = Field(None, ge=1, description="Only the first N prompts of the split (None = all).")
@@ -88,20 +108,31 @@ class EvalConfig(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus mass; None = rollout.top_p.")
     top_k: int | None = Field(None, description="Top-k (-1 = off); None = rollout.top_k.")
 
+    @model_validator(mode="after")
+    def _before_and_after_is_held_out(self) -> "EvalConfig":
+        if self.before_and_after and self.split != "heldout":
+            raise ValueError(f"eval.before_and_after evaluates the held-out split (heldout_before/after.jsonl); "
+                             f"eval.split is {self.split!r}")
+        return self
+
 
 class RunConfig(BaseModel):
     """A whole run: the top-level seed plus one section per service."""
 
     model_config = ConfigDict(extra="forbid")
 
-    seed: int = Field(0, description="Controls the LoRA init, prompt order and sampling seeds.")
+    seed: int = Field(0, description="Controls the LoRA init, prompt order and the training rollouts' "
+                      "sampling seeds (the held-out eval has its own, eval.seed).")
     run_name: str | None = Field(None, description="runs/<run_name>; None = a timestamped name.")
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    grader: GraderConfig = Field(default_factory=GraderConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    learner: LearnerConfig = Field(default_factory=LearnerConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The base model (config/rollout.py).")
+    grader: GraderConfig = Field(default_factory=GraderConfig, description="The verifier (config/grader.py).")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig,
+                                   description="How training completions are sampled (config/rollout.py).")
+    learner: LearnerConfig = Field(default_factory=LearnerConfig,
+                                   description="The GRPO objective and optimiser (config/learner.py).")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The driver's step loop.")
+    eval: EvalConfig = Field(default_factory=EvalConfig,
+                             description="The held-out eval of `counterpoint train` and `counterpoint eval`.")
     search: SearchConfig = Field(
         default_factory=SearchConfig, description="Tree search (used when trainer.rollout_mode is 'tree')."
     )
@@ -119,8 +150,8 @@ class RunConfig(BaseModel):
             if t.prompts_per_step != 1:
                 raise ValueError(f"trainer.rollout_mode 'tree' grows one task's tree per step: "
                                  f"trainer.prompts_per_step must be 1, got {t.prompts_per_step}")
-            if t.eval_heldout and t.prefix_mode != "none":
-                raise ValueError("trainer.eval_heldout in tree mode samples drafts (with search.scaffold's "
+            if self.eval.before_and_after and t.prefix_mode != "none":
+                raise ValueError("eval.before_and_after in tree mode samples drafts (with search.scaffold's "
                                  "head when on): trainer.prefix_mode must be 'none'")
         return self
 

@@ -18,7 +18,7 @@ Per arm (one cell, one seed), from its files:
   rounds; honest = `honest_test_metric` (the test metric of the node chosen on validation) of the
   final round and over the last k. The signal diagnostics are metrics.jsonl's `search_*` scalars
   averaged over the trained rounds: valid share, share of groups with zero reward spread, debug
-  and improve success rates, distinct model families among valid nodes. With trainer.eval_heldout
+  and improve success rates, distinct model families among valid nodes. With eval.before_and_after
   the run also holds drafts per task before and after training, scored on the TEST rows
   (heldout_before/after.jsonl): their mean test reward after, and after − before, per task.
 
@@ -63,7 +63,7 @@ TREE_TASK_METRICS = {
     "round_best_last_k": "round-best test metric, mean of last k rounds (oracle)",
     "honest_final": "honest held-out metric (node chosen on validation), final round",
     "honest_last_k": "honest held-out metric, mean of last k rounds",
-    "heldout_test_reward": "held-out drafts' test-rows reward after training (trainer.eval_heldout)",
+    "heldout_test_reward": "held-out drafts' test-rows reward after training (eval.before_and_after)",
     "heldout_test_reward_delta": "held-out drafts' test-rows reward after - before",
 }
 DIAGNOSTICS = {  # metrics.jsonl search_<name> -> label; averaged over trained rounds
@@ -214,7 +214,7 @@ def tree_arm_metrics(run_dir: Path, last_k: int = LAST_K) -> tuple[dict[str, flo
         out[f"round_best_last_k/{task}"] = _mean([r.get("best_test_metric") for r in last])
         out[f"honest_final/{task}"] = rounds[-1].get("honest_test_metric")
         out[f"honest_last_k/{task}"] = _mean([r.get("honest_test_metric") for r in last])
-    # A tree run with trainer.eval_heldout: drafts per task before and after, on the TEST rows.
+    # A tree run with eval.before_and_after: drafts per task before and after, on the TEST rows.
     before, after = RunDir(run_dir).heldout_path("before"), RunDir(run_dir).heldout_path("after")
     if before.is_file() and after.is_file():
         try:

@@ -13,7 +13,7 @@ A grid (`--grid learner.lr=3e-5,1e-4 --grid learner.advantage=...`) is the carte
 its axes; cell i is named c<i>_<key>-<value>... and its arms <cell>__seed<s>. Every cell's config
 is loaded and checked for every seed before anything runs. Tree cells (trainer.rollout_mode
 "tree") get no `counterpoint eval` (their held-out figures are each round's honest_test_metric
-and, with trainer.eval_heldout, the run's own before/after drafts on the test rows);
+and, with eval.before_and_after, the run's own before/after drafts on the test rows);
 flat cells get one base-model eval per seed and eval settings ("before"), shared by every cell
 whose model, grader, rollout, eval and prefix settings are the same, so after − before needs no
 extra training.

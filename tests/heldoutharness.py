@@ -16,7 +16,7 @@ PARAMS = SamplingParams.from_rollout(RolloutConfig(), n=1, temperature=1.0, max_
 
 
 def heldout_result(cases, admitted: list[bool], version: int) -> HeldoutResult:
-    """One completion per case (the default run's eval_generations=1), forced openings."""
+    """One completion per case (the default run's eval.generations=1), forced openings."""
     prompts = heldout_prompts(cases, 1, "forced_opening")
     samples, scores = [], []
     for i, (case, prompt, ok) in enumerate(zip(cases, prompts, admitted, strict=True)):

@@ -31,6 +31,41 @@ def test_defaults_come_from_the_schema_only():
     assert cfg.trainer.metrics_port == 9464
 
 
+def test_every_field_of_the_schema_says_what_it_is():
+    """The schema is where defaults and their meaning live: no field without a description."""
+    from pydantic import BaseModel
+
+    missing, seen = [], set()
+
+    def walk(model: type[BaseModel], where: str) -> None:
+        if model in seen:
+            return
+        seen.add(model)
+        for name, field in model.model_fields.items():
+            if not (field.description or "").strip():
+                missing.append(f"{where}{name}")
+            for t in (field.annotation, *getattr(field.annotation, "__args__", ())):
+                if isinstance(t, type) and issubclass(t, BaseModel):
+                    walk(t, f"{where}{name}.")
+
+    walk(RunConfig, "")
+    assert len(seen) > 8 and not missing, missing  # every section was walked
+
+
+def test_the_run_and_counterpoint_eval_share_the_eval_section():
+    """One held-out eval configuration: the old trainer.eval_* keys are refused in one line
+    naming what replaces them; the run's eval samples as `counterpoint eval` does."""
+    for old, new in (("trainer.eval_heldout=true", "eval.before_and_after"), ("trainer.eval_limit=96", "eval.limit"),
+                     ("trainer.eval_generations=1", "eval.generations")):
+        with pytest.raises(ConfigError, match=rf"{old.split('=')[0]} is now {new}") as info:
+            load_config(None, [old])
+        assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="eval.before_and_after evaluates the held-out split"):
+        load_config(None, ["eval.before_and_after=true", "eval.split=train"])
+    cfg = load_config("configs/voice-leading.yaml")
+    assert (cfg.eval.before_and_after, cfg.eval.limit, cfg.eval.generations, cfg.eval.seed) == (True, 96, 1, 0)
+
+
 def test_dotted_overrides_are_typed():
     cfg = load_config(None, ["learner.lr=3e-4", "trainer.steps=5", "learner.lora.target_modules=[q_proj,v_proj]",
                              "model.eos_token_ids=[2, 7]", "learner.entropy_floor=null", "run_name=abc"])

@@ -294,7 +294,7 @@ def test_tree_cells_report_round_best_honest_and_diagnostics(tmp_path):
     assert rates and figures["improve_success_rate"] == pytest.approx(statistics.fmean(rates))
 
     assert not [k for k in figures if k.startswith("heldout_")]  # no held-out eval in this run
-    # With trainer.eval_heldout the run holds drafts per task before and after (test-rows rewards).
+    # With eval.before_and_after the run holds drafts per task before and after (test-rows rewards).
     _eval(tmp_path / "t1" / "heldout_before.jsonl", [1, 0])
     _eval(tmp_path / "t1" / "heldout_after.jsonl", [3, 0])
     figures, notes = tree_arm_metrics(tmp_path / "t1", last_k=3)

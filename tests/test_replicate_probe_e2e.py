@@ -21,7 +21,7 @@ def test_replicate_pins_the_init_and_survives_a_failed_arm(tmp_path: Path):
     (out / "runs").mkdir(parents=True)
     (out / "runs" / "seed9").write_text("not a directory")
     done = cli("replicate", "--config", "configs/smoke.yaml", "--seeds", "7,8,9", "--pin-init", "--out", str(out),
-               "--set", "trainer.steps=2", "--set", "trainer.eval_heldout=false",
+               "--set", "trainer.steps=2", "--set", "eval.before_and_after=false",
                "--generations", "2", "--max-new-tokens", "8", timeout=840)  # inside pytest's 900 s
     log = done.stdout[-3000:] + done.stderr[-3000:]
     assert done.returncode == 1, log  # one arm failed: the command says so

@@ -24,7 +24,7 @@ def test_flat_by_default_and_the_search_section_is_composed():
     (["grader.task=voice-leading"], "grader.task"),
     (["trainer.mode=one_step_off"], "trainer.mode"),
     (["trainer.prompts_per_step=2"], "trainer.prompts_per_step"),
-    (["trainer.eval_heldout=true", "trainer.prefix_mode=forced_opening"], "trainer.prefix_mode"),
+    (["eval.before_and_after=true", "trainer.prefix_mode=forced_opening"], "trainer.prefix_mode"),
     (["search.nodes_per_round=6", "search.expansions_per_round=4"], "search.nodes_per_round"),
     (["search.select_on=train"], "select_on"),
 ])

@@ -4,7 +4,7 @@ a real gRPC grader with a learnable reward (tests/grader_testtask.py), so the ad
 between steps and "sampled with version v" can be checked by the numbers.
 
 One run covers `trainer.mode=one_step_off`, `trainer.prefix_mode=forced_opening` and
-`trainer.eval_heldout=true`; then `counterpoint plot` and `counterpoint eval --adapter` run on its
+`eval.before_and_after=true`; then `counterpoint plot` and `counterpoint eval --adapter` run on its
 directory. `counterpoint train --dry-run` starts nothing.
 
 What one_step_off means here (services/orchestrator.py run_steps): generation for step s+1 is
@@ -83,8 +83,8 @@ def test_one_step_off_forced_openings_heldout_eval_then_plot_and_eval(tmp_path: 
     with char_share_grader() as (server, core):
         proc = cli(*train_args(runs, "modes", server.address, f"trainer.steps={STEPS}", f"trainer.group_size={G}",
                                f"trainer.prompts_per_step={P}", "trainer.mode=one_step_off", "trainer.save_every=1",
-                               "trainer.prefix_mode=forced_opening", "trainer.eval_heldout=true",
-                               "trainer.eval_generations=2"), timeout=1200)
+                               "trainer.prefix_mode=forced_opening", "eval.before_and_after=true",
+                               "eval.generations=2"), timeout=1200)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
         run_dir = runs / "modes"
         scored_train = [s for s in core.scored if s.case_id.startswith("cs-train-")]

@@ -42,7 +42,7 @@ def test_tree_rounds_train_end_to_end(tmp_path: Path):
         f"search.nodes_per_round={N}", f"search.expansions_per_round={E}", "search.num_drafts=2",
         "search.debug_prob=1.0", "search.carry_tree=true",
         # the scaffold through the real engine (forced head, stop strings) and the tree held-out eval
-        "search.scaffold=true", "trainer.eval_heldout=true", "trainer.eval_generations=2", "trainer.eval_limit=1",
+        "search.scaffold=true", "eval.before_and_after=true", "eval.generations=2", "eval.limit=1",
     ]
     args = ["train", "--config", "configs/smoke.yaml", "--run-name", "tree"]
     for s in sets:
