@@ -67,7 +67,7 @@ def bench_sync(model_cfg, rollout_cfg, args) -> list[dict]:
     import ray
 
     from bench.synthetic import make_lora_payload
-    from rollout.deployment import start_rollout, stop_rollout
+    from rollout.deployment import deploy_rollout, stop_rollout
     from model.base import resolve_model
     from rollout.types import SamplingParams
 
@@ -81,7 +81,7 @@ def bench_sync(model_cfg, rollout_cfg, args) -> list[dict]:
     rows = []
     try:
         t0 = time.perf_counter()
-        client = start_rollout(model_cfg, rollout_cfg, seed=args.seed)
+        client = deploy_rollout(model_cfg, rollout_cfg, seed=args.seed)
         start_s = time.perf_counter() - t0
         publish_s, sync_s, total_s = [], [], []
         for payload in payloads:

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 
-def chunk_bounds(n: int, size: int) -> list[tuple[int, int]]:
-    """[start, end) of consecutive chunks of at most ``size`` covering range(n)."""
+def sized_chunks(n: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) of consecutive chunks of at most ``size`` covering range(n) (a size;
+    rollout/deployment.py even_chunks cuts into a number of chunks)."""
     if size < 1:
         raise ValueError(f"chunk size must be >= 1, got {size}")
     return [(i, min(i + size, n)) for i in range(0, n, size)]
@@ -28,7 +29,7 @@ def score_spread(client, pairs: Sequence[tuple[str, str]], chunk: int, max_in_fl
     ``max_in_flight`` at once; None = all); scores in the order of ``pairs``. ``client`` is a
     graders.client.GraderClient (its channel is thread-safe). The first failed chunk's error
     is raised."""
-    bounds = chunk_bounds(len(pairs), chunk)
+    bounds = sized_chunks(len(pairs), chunk)
     if not bounds:
         return []
     with ThreadPoolExecutor(max_workers=max_in_flight or len(bounds)) as pool:

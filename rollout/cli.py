@@ -212,11 +212,11 @@ def _generate_in_process(model_cfg, rollout_cfg, prompts, params, payload, batch
 def _generate_on_serve(model_cfg, rollout_cfg, prompts, params, payload, seed):
     import ray
 
-    from rollout.deployment import start_rollout, stop_rollout
+    from rollout.deployment import deploy_rollout, stop_rollout
 
     ray.init(num_cpus=max(2, int(rollout_cfg.num_cpus * rollout_cfg.replicas + 0.999)), include_dashboard=False)
     try:
-        client = start_rollout(model_cfg, rollout_cfg, seed=seed)
+        client = deploy_rollout(model_cfg, rollout_cfg, seed=seed)
         version = 0
         if payload is not None:
             client.publish(payload)
@@ -253,7 +253,7 @@ def serve(
 
     import ray
 
-    from rollout.deployment import APP_NAME, REGISTRY_NAME, start_rollout, stop_rollout
+    from rollout.deployment import APP_NAME, REGISTRY_NAME, deploy_rollout, stop_rollout
 
     model_cfg, rollout_cfg = model_and_rollout_configs(
         config, {"name_or_path": model, "dtype": dtype},
@@ -263,7 +263,7 @@ def serve(
         ray.init(address=address)
     else:
         ray.init(num_cpus=max(2, int(rollout_cfg.num_cpus * rollout_cfg.replicas + 0.999)), include_dashboard=False)
-    client = start_rollout(model_cfg, rollout_cfg, seed=seed)
+    client = deploy_rollout(model_cfg, rollout_cfg, seed=seed)
     if adapter is not None:
         from model.adapter_dir import payload_from_dir
 

@@ -275,8 +275,9 @@ def rollout_app(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, registry, ki
 # --------------------------------------------------------------------------- driver side
 
 
-def chunk_bounds(n_prompts: int, n_chunks: int) -> list[tuple[int, int]]:
-    """Split range(n_prompts) into at most n_chunks contiguous, near-equal [start, end) spans."""
+def even_chunks(n_prompts: int, n_chunks: int) -> list[tuple[int, int]]:
+    """Split range(n_prompts) into at most n_chunks contiguous, near-equal [start, end) spans
+    (a number of chunks; graders/spread.py sized_chunks cuts by a size)."""
     n_chunks = max(1, min(n_chunks, n_prompts))
     size, extra = divmod(n_prompts, n_chunks)
     bounds, start = [], 0
@@ -306,7 +307,7 @@ class RolloutClient:
         chunks: int | None = None,
     ) -> list[Sample]:
         """All samples, ordered by (prompt_index, sample_index) over the whole prompt list."""
-        bounds = chunk_bounds(len(prompts), chunks or self.rollout_cfg.replicas)
+        bounds = even_chunks(len(prompts), chunks or self.rollout_cfg.replicas)
         responses = []
         for start, end in bounds:
             # Seeds as one engine would give them: prompt i gets seed + i * n.
@@ -352,7 +353,7 @@ class RolloutClient:
         return RolloutCollector(self.snapshot)
 
 
-def start_rollout(
+def deploy_rollout(
     model_cfg: ModelConfig,
     rollout_cfg: RolloutConfig,
     kind: str | None = None,

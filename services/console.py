@@ -211,10 +211,6 @@ class RunLogs:
     _saved: list[Any] = field(default_factory=list)
 
     @property
-    def driver_log(self) -> Path:
-        return self.dir / "driver.log"
-
-    @property
     def ray_dir(self) -> Path:
         return self.dir / "ray"
 

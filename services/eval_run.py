@@ -3,7 +3,6 @@ them on the grader service, write EVAL.jsonl (evals/records.py) and a receipt be
 
 from __future__ import annotations
 
-import json
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +101,3 @@ def run_eval(opts: EvalOptions):
         summary = summarize(items)
         receipt.update(heldout={"summary": summary.as_dict(), "eval_file": str(opts.out)})
     return summary, opts.out
-
-
-def summary_json(summary) -> str:
-    return json.dumps(summary.as_dict(), indent=2)

@@ -132,9 +132,9 @@ def start_grader(cfg: RunConfig, stack: ExitStack):
 
 def start_rollout(cfg: RunConfig, stack: ExitStack, seed: int | None = None):
     """Deploy the rollout replicas; they are deleted when the stack closes."""
-    from rollout.deployment import start_rollout as start, stop_rollout
+    from rollout.deployment import deploy_rollout, stop_rollout
 
-    client = start(cfg.model, cfg.rollout, kind=cfg.rollout.engine, seed=cfg.seed if seed is None else seed)
+    client = deploy_rollout(cfg.model, cfg.rollout, kind=cfg.rollout.engine, seed=cfg.seed if seed is None else seed)
     stack.callback(stop_rollout)
     return client
 

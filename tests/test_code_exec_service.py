@@ -23,7 +23,7 @@ from graders.code_exec.build import build_tasks
 from graders.code_exec.ladder import as_completion, ladder_script
 from graders.code_exec.sandbox import detect_isolation
 from graders.code_exec.service import IsolationRefused
-from graders.spread import chunk_bounds, score_spread
+from graders.spread import score_spread, sized_chunks
 from graders.service import GraderCore, start_server
 from graders.tasks import make_task, task_names
 from cliharness import REPO, cli
@@ -228,10 +228,10 @@ def test_cli_list_and_score(tasks_dir):
     assert unknown["line"] == 4 and "no-such-task" in unknown["error"]
 
 
-def test_chunk_bounds():
-    assert chunk_bounds(5, 2) == [(0, 2), (2, 4), (4, 5)] and chunk_bounds(0, 3) == []
+def test_sized_chunks():
+    assert sized_chunks(5, 2) == [(0, 2), (2, 4), (4, 5)] and sized_chunks(0, 3) == []
     with pytest.raises(ValueError):
-        chunk_bounds(3, 0)
+        sized_chunks(3, 0)
 
 
 @pytest.mark.slow

@@ -46,15 +46,15 @@ def test_silent_replicas_are_dropped_but_their_tokens_still_count():
     assert not state.all_hold(0, expected=2, now=6.0)
 
 
-def test_chunk_bounds_cover_every_prompt_once():
-    from rollout.deployment import chunk_bounds
+def test_even_chunks_cover_every_prompt_once():
+    from rollout.deployment import even_chunks
 
-    assert chunk_bounds(5, 2) == [(0, 3), (3, 5)]
-    assert chunk_bounds(2, 8) == [(0, 1), (1, 2)]
-    assert chunk_bounds(0, 3) == []
+    assert even_chunks(5, 2) == [(0, 3), (3, 5)]
+    assert even_chunks(2, 8) == [(0, 1), (1, 2)]
+    assert even_chunks(0, 3) == []
     for n in range(1, 20):
         for k in range(1, 6):
-            spans = chunk_bounds(n, k)
+            spans = even_chunks(n, k)
             assert [i for a, b in spans for i in range(a, b)] == list(range(n))
             assert max(b - a for a, b in spans) - min(b - a for a, b in spans) <= 1
 

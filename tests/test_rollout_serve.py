@@ -25,11 +25,11 @@ PARAMS = SamplingParams.from_rollout(RolloutConfig(), n=2, temperature=1.0, max_
 def client():
     import ray
 
-    from rollout.deployment import start_rollout, stop_rollout
+    from rollout.deployment import deploy_rollout, stop_rollout
 
     ray.init(num_cpus=2, include_dashboard=False)
     try:
-        yield start_rollout(MODEL, ROLLOUT, seed=0)
+        yield deploy_rollout(MODEL, ROLLOUT, seed=0)
         stop_rollout()
     finally:
         from ray import serve

@@ -138,26 +138,6 @@ def parse_submission(data: bytes) -> pd.DataFrame:
         raise InvalidSubmission(f"submission.csv is not a readable CSV: {why}") from None
 
 
-def read_submission(path, max_bytes: int) -> pd.DataFrame:
-    """Read a CSV the sandboxed script wrote, refusing symlinks, non-regular files and huge ones."""
-    import os
-    import stat
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise InvalidSubmission("no submission.csv written") from None
-    except OSError as e:
-        raise InvalidSubmission(f"submission.csv cannot be opened safely: {e.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidSubmission("submission.csv is not a regular file")
-        if st.st_size > max_bytes:
-            raise InvalidSubmission(f"submission.csv is {st.st_size} bytes (limit {max_bytes})")
-        return parse_submission(f.read())
-
-
 @dataclass(frozen=True)
 class Aligned:
     """Answers and predictions row by row, as a rule set matched them: y_true (AUC: labels;

@@ -6,9 +6,9 @@ import importlib.util
 from typing import Literal
 
 from config.rollout import ModelConfig, RolloutConfig
-from rollout.engines.base import AdapterVersionError, Engine, render_prompt
+from rollout.engines.base import AdapterVersionError, Engine, tokenize_prompt
 
-__all__ = ["AdapterVersionError", "Engine", "make_engine", "render_prompt", "resolve_kind"]
+__all__ = ["AdapterVersionError", "Engine", "make_engine", "tokenize_prompt", "resolve_kind"]
 
 
 def resolve_kind(kind: Literal["auto", "vllm", "hf"]) -> Literal["vllm", "hf"]:

