@@ -224,50 +224,13 @@ class _TrivialGrader:
         return out
 
 
-class _InProcessRollout:
-    """The orchestrator's Rollout protocol over an engine in this process (no Serve handle)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def generate(self, prompts, params, version):
-        return self.engine.generate(prompts, params, version)
-
-    def publish(self, payload) -> None:
-        self.engine.load_adapter(payload)
-
-    def sync(self, version: int) -> float:
-        if self.engine.loaded_version() != version:
-            raise RuntimeError(f"engine holds v{self.engine.loaded_version()}, expected v{version}")
-        return 0.0
-
-
-class _InProcessLearner:
-    """The orchestrator's Learner protocol over a PolicyLearner, as learner/worker.py answers."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def step(self, batch):
-        from learner.types import StepResult
-        from model.adapter import adapter_version
-
-        metrics, phases = self.policy.step(batch)
-        t = time.perf_counter()
-        adapter = self.policy.payload(adapter_version(self.policy.step_count))
-        phases["update_actor"] += time.perf_counter() - t  # as learner/worker.py counts it
-        return StepResult(metrics=metrics, phases_s=phases, adapter=adapter)
-
-    def save_checkpoint(self, step, data_position):
-        return None  # not timed here: the bench measures the step
-
-
 def run_counterpoint_shape(engine, policy, texts: list[str], prompts: int, steps: int, runs_dir: Path,
                            version: int, model_dir: Path, gpu: bool, prof_dir: Path) -> tuple[dict[str, Any], int]:
     """1 warm-up + ``steps`` steps of the driver's loop on one shape; returns figures and the
     adapter version live at the end."""
     import torch
 
+    from services.inprocess import InProcessLearner, InProcessRollout
     from services.orchestrator import RunParts, run_steps
 
     cfg = bench_config(model_dir, prompts, steps + 1, runs_dir, gpu=gpu, max_tokens=engine_max_tokens(engine),
@@ -276,8 +239,8 @@ def run_counterpoint_shape(engine, policy, texts: list[str], prompts: int, steps
     cases = {f"p{i}": SimpleNamespace(messages=({"role": "user", "content": t},), prefixes=())
              for i, t in enumerate(texts)}
     parts = RunParts(cfg=cfg, cases=cases, sampler=_Sampler(len(texts), prompts), grader=_TrivialGrader(),
-                     rollout=_InProcessRollout(engine), learner=_InProcessLearner(policy), record=records.append,
-                     version=version)
+                     rollout=InProcessRollout(engine), learner=InProcessLearner(policy, run_dir=None),
+                     record=records.append, version=version)
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     run_steps(parts, 1)

@@ -6,6 +6,10 @@ The Ray Train workers run ONE long-lived loop (a single ``fit()`` for the whole 
 command comes from the driver's coordinator actor; every worker reads the same GLOBAL batch from
 the object store and trains on its shard by rank; rank 0 answers with metrics, phase seconds and
 the new adapter. No ``ray.train.report`` per step (~2 s each).
+
+What a command answers is ``init_answer`` / ``step_answer`` / ``save_answer``, plain functions
+of the PolicyLearner; ``export`` says how the adapter leaves (here: left in the object store,
+``left_in_store``; services/inprocess.py's learner hands the payload itself).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +27,10 @@ from learner import checkpoint
 from learner.commands import Answer, Command, Failed, Init, Save, Saved, Step, Stop
 from learner.lora import save_adapter
 from learner.policy import PolicyLearner, PolicySpec
-from learner.types import InitInfo, StepResult
-from model.adapter import AdapterRef, adapter_version
+from learner.types import InitInfo, StepResult, TrainBatch
+from model.adapter import AdapterPayload, AdapterRef, adapter_version
+
+Export = Callable[[AdapterPayload], AdapterPayload | AdapterRef]
 
 
 def left_in_store(payload) -> AdapterRef:
@@ -35,38 +42,51 @@ def left_in_store(payload) -> AdapterRef:
     return AdapterRef(version=payload.version, box=[ray.put(payload)])
 
 
+def init_answer(learner: PolicyLearner, run_dir: Path, export: Export) -> InitInfo | None:
+    """Init: the adapter to sample the next step with (rank 0 answers; the others None)."""
+    if learner.rank != 0:
+        return None
+    sha = learner.resumed_sha256
+    if sha is None:  # fresh run (seeded init or --init-adapter): record what we start from
+        sha = learner.save_init_adapter(run_dir / "adapters" / "init")
+    return InitInfo(adapter_sha256=sha, init_payload=export(learner.payload(adapter_version(learner.step_count))),
+                    step=learner.step_count, lr_rebase_note=learner.lr_rebase_note,
+                    data_position=learner.data_position, init_is_identity=learner.init_is_identity)
+
+
+def step_answer(learner: PolicyLearner, batch: TrainBatch, export: Export) -> StepResult | None:
+    """Step: train this rank's shard; rank 0 answers with metrics, phases and the new adapter."""
+    metrics, phases = learner.step(batch)
+    if learner.rank != 0:
+        return None
+    t = time.perf_counter()
+    adapter = export(learner.payload(adapter_version(learner.step_count)))
+    phases["update_actor"] += time.perf_counter() - t  # exporting the adapter is part of it
+    return StepResult(metrics=metrics, phases_s=phases, adapter=adapter)
+
+
+def save_answer(learner: PolicyLearner, cmd: Save, run_dir: Path) -> Saved | None:
+    """Save: checkpoints/step_<N>/ (every rank its part) and adapters/step_<N>/ (rank 0)."""
+    if cmd.step != learner.step_count:
+        raise ValueError(f"save_checkpoint(step={cmd.step}) but the learner is at step {learner.step_count}")
+    ckpt = checkpoint.checkpoint_dir(run_dir, learner.step_count)
+    sha = learner.save_checkpoint(ckpt, cmd.data_position)
+    if learner.rank != 0:
+        return None
+    save_adapter(learner.peft_model, run_dir / "adapters" / f"step_{learner.step_count}")
+    return Saved(path=str(ckpt), adapter_sha256=sha)
+
+
 def handle(learner: PolicyLearner, cmd: Command, run_dir: Path) -> Answer:
     """Run one command on this worker; rank 0's return value is the driver's answer."""
     import ray
 
     if isinstance(cmd, Init):
-        if learner.rank != 0:
-            return None
-        sha = learner.resumed_sha256
-        if sha is None:  # fresh run (seeded init or --init-adapter): record what we start from
-            sha = learner.save_init_adapter(run_dir / "adapters" / "init")
-        return InitInfo(adapter_sha256=sha, init_payload=left_in_store(learner.payload(adapter_version(learner.step_count))),
-                        step=learner.step_count,
-                        lr_rebase_note=learner.lr_rebase_note, data_position=learner.data_position,
-                        init_is_identity=learner.init_is_identity)
+        return init_answer(learner, run_dir, left_in_store)
     if isinstance(cmd, Step):
-        batch = ray.get(cmd.batch[0])
-        metrics, phases = learner.step(batch)
-        if learner.rank != 0:
-            return None
-        t = time.perf_counter()
-        adapter = left_in_store(learner.payload(adapter_version(learner.step_count)))
-        phases["update_actor"] += time.perf_counter() - t  # exporting the adapter is part of it
-        return StepResult(metrics=metrics, phases_s=phases, adapter=adapter)
+        return step_answer(learner, ray.get(cmd.batch[0]), left_in_store)
     if isinstance(cmd, Save):
-        if cmd.step != learner.step_count:
-            raise ValueError(f"save_checkpoint(step={cmd.step}) but the learner is at step {learner.step_count}")
-        ckpt = checkpoint.checkpoint_dir(run_dir, learner.step_count)
-        sha = learner.save_checkpoint(ckpt, cmd.data_position)
-        if learner.rank != 0:
-            return None
-        save_adapter(learner.peft_model, run_dir / "adapters" / f"step_{learner.step_count}")
-        return Saved(path=str(ckpt), adapter_sha256=sha)
+        return save_answer(learner, cmd, run_dir)
     raise ValueError(f"unknown learner command {cmd!r}")
 
 

@@ -3,8 +3,8 @@ for the rollout only; everything else is the run's own: the code-exec grader as 
 on 127.0.0.1 (real sandbox) behind graders/client.py's GraderClient, the driver's step loop
 (services/orchestrator.py run_steps) with services/tree_round.py's TreeRounds as the collect,
 services/train.py's StepRecorder and resume_point over the run directory, TrainerMetrics served
-and scraped, and the learner policy (learner/policy.py PolicyLearner, driven through the Ray
-worker's own Init/Save handler) in-process on configs/smoke.yaml's tiny model.
+and scraped, and the learner policy (learner/policy.py PolicyLearner, answering as the Ray worker's
+rank 0 does: services/inprocess.py InProcessLearner) in-process on configs/smoke.yaml's tiny model.
 
 The scripted rollout chooses the TOKENS only (tests/test_search_round.py SCRIPTED, keyed on the
 prompt's mode): it renders the prompt and loads every published adapter like an engine
@@ -36,18 +36,15 @@ from graders.client import GraderClient
 from graders.code_exec.build import build_task
 from graders.service import GraderCore, start_server
 from graders.tasks import make_task
-from learner.commands import Init, Save
-from learner.policy import PolicyLearner
 from learner.types import StepResult
-from learner.worker import handle
-from rollout.engines.hf import HFEngine
 from model.base import resolve_model
-from model.adapter import adapter_version
+from records.jsonl import read_jsonl
+from records.run_dir import RunDir
+from rollout.engines.hf import HFEngine
 from rollout.types import Sample
 from search.prompts import mode_of
 from search.tree import Tree
-from records.jsonl import read_jsonl
-from records.run_dir import RunDir
+from services.inprocess import InProcessLearner, InProcessRollout
 from services.metrics import TrainerMetrics
 from services.orchestrator import RunParts, run_steps
 from services.progress import StepProgress
@@ -95,23 +92,18 @@ def run_config(tasks: Path, runs: Path, *sets: str):
 
 
 # ---------------------------------------------------------------- the stand-ins
-class ScriptedRollout:
-    """The rollout's interface (generate / publish / sync) over a real HF engine that holds the
-    published adapters; only the choice of tokens is scripted (SCRIPTED[mode][sibling])."""
+class ScriptedRollout(InProcessRollout):
+    """The in-process rollout (publish / sync) over a real HF engine that holds the published
+    adapters; only the choice of tokens is scripted (SCRIPTED[mode][sibling])."""
 
     def __init__(self, cfg, shift: float = 0.0):
-        self.engine = HFEngine(resolve_model(cfg.model), cfg.model, cfg.rollout)
+        super().__init__(HFEngine(resolve_model(cfg.model), cfg.model, cfg.rollout))
         self.shift = shift
         self.published: list[int] = []
 
     def publish(self, payload) -> None:
-        self.engine.load_adapter(payload)
+        super().publish(payload)
         self.published.append(payload.version)
-
-    def sync(self, version: int) -> float:
-        if self.engine.loaded_version() != version:
-            raise RuntimeError(f"engine holds v{self.engine.loaded_version()}, sync asked v{version}")
-        return 0.0
 
     @torch.no_grad()
     def generate(self, prompts, params, version) -> list[Sample]:
@@ -128,26 +120,6 @@ class ScriptedRollout:
             out.append(Sample(prompt_index=i, sample_index=0, text=text, prompt_token_ids=list(pids), token_ids=ids,
                               logprobs=lp.tolist(), finish_reason="stop", adapter_version=version))
         return out
-
-
-class InProcessLearner:
-    """The orchestrator's Learner over one PolicyLearner in this process: Init and Save go
-    through the Ray worker's own handler (learner/worker.py handle), a step as the worker runs it."""
-
-    def __init__(self, cfg, run_root: Path, resume_from: Path | None = None):
-        self.policy = PolicyLearner.for_run(cfg, resume_from=resume_from)
-        self.run_root = run_root
-
-    def start(self):
-        return handle(self.policy, Init(), self.run_root)
-
-    def step(self, batch) -> StepResult:
-        metrics, phases = self.policy.step(batch)
-        return StepResult(metrics=metrics, phases_s=phases,
-                          adapter=self.policy.payload(adapter_version(self.policy.step_count)))
-
-    def save_checkpoint(self, step: int, data_position):
-        return handle(self.policy, Save(step=step, data_position=data_position), self.run_root)
 
 
 class Killed(RuntimeError):
@@ -186,7 +158,7 @@ class DiesInUpdate(InProcessLearner):
 
 
 def drive(cfg, client, run: RunDir, *, resume: bool = False, shift: float = 0.0,
-          learner_cls: type = InProcessLearner) -> dict[str, list]:
+          learner_cls: type[InProcessLearner] = InProcessLearner) -> dict[str, list]:
     """One driver process's worth: assemble RunParts as services/train.py does (cases from the
     grader, the sampler, the init adapter published and synced, StepRecorder, TreeRounds) and run
     the step loop from where the files say. Returns a scrape of its /metrics at the end."""
@@ -195,7 +167,7 @@ def drive(cfg, client, run: RunDir, *, resume: bool = False, shift: float = 0.0,
     health = client.health()
     cases = {c.id: c for c in client.cases(limit=cfg.trainer.limit or 0, split="train")}
     sampler = sampler_from_config(list(cases), cfg.trainer, cfg.seed)
-    learner = learner_cls(cfg, run.root, resume_from=ckpt)
+    learner = learner_cls.for_run(cfg, run.root, resume_from=ckpt)
     init = learner.start()
     rollout = ScriptedRollout(cfg, shift)
     rollout.publish(init.init_payload)

@@ -1,0 +1,69 @@
+"""The orchestrator's Rollout and Learner (services/orchestrator.py protocols) over parts in this
+process: one engine instead of the Serve replicas, one PolicyLearner instead of the Ray Train
+job. The step loop (run_steps) cannot tell them from the real ones, which is what the benches
+(bench/gpu_vs_trl.py: the step with no Ray hop) and the tests that drive it (tests/
+test_tree_driver.py) need. The learner answers each command as the Ray worker's rank 0 does
+(learner/worker.py init_answer / step_answer / save_answer), handing the payload itself where
+the worker leaves it in the object store.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from learner.commands import Save, Saved
+from learner.policy import PolicyLearner
+from learner.types import InitInfo, StepResult, TrainBatch
+from learner.worker import init_answer, save_answer, step_answer
+from model.adapter import AdapterPayload
+from rollout.types import Prompt, Sample, SamplingParams
+
+
+def _as_is(payload: AdapterPayload) -> AdapterPayload:
+    return payload
+
+
+class InProcessRollout:
+    """generate on an engine of rollout/engines; publish loads the adapter into it, sync checks
+    that it holds the version (one engine: nothing to wait for)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams, version: int) -> list[Sample]:
+        return self.engine.generate(prompts, params, version)
+
+    def publish(self, payload: AdapterPayload) -> None:
+        self.engine.load_adapter(payload)
+
+    def sync(self, version: int) -> float:
+        if self.engine.loaded_version() != version:
+            raise RuntimeError(f"engine holds v{self.engine.loaded_version()}, sync asked v{version}")
+        return 0.0
+
+
+class InProcessLearner:
+    """start / step / save_checkpoint on one PolicyLearner. ``run_dir`` is where Init writes
+    adapters/init and Save the checkpoints; None keeps no checkpoint (a bench that times steps)."""
+
+    def __init__(self, policy: PolicyLearner, run_dir: Path | None) -> None:
+        self.policy = policy
+        self.run_dir = run_dir
+
+    @classmethod
+    def for_run(cls, cfg: Any, run_dir: Path, resume_from: Path | None = None) -> InProcessLearner:
+        return cls(PolicyLearner.for_run(cfg, resume_from=resume_from), run_dir)
+
+    def start(self) -> InitInfo:
+        if self.run_dir is None:
+            raise ValueError("start() writes adapters/init under the run directory: give run_dir")
+        return init_answer(self.policy, self.run_dir, _as_is)
+
+    def step(self, batch: TrainBatch) -> StepResult:
+        return step_answer(self.policy, batch, _as_is)
+
+    def save_checkpoint(self, step: int, data_position: dict[str, Any] | None) -> Saved | None:
+        if self.run_dir is None:
+            return None
+        return save_answer(self.policy, Save(step=step, data_position=data_position), self.run_dir)
