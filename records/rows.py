@@ -131,42 +131,18 @@ def split_completion(text: str) -> tuple[str, str]:
     return plan, thinking
 
 
-def tree_row(
-    *,
-    id: str,
-    step: int,
-    round: int,
-    exp_id: str,
-    parent_id: str | None,
-    sibling_group: int,
-    mode: NodeMode,
-    expansion: int,
-    debug_depth: int,
-    prompt_messages: Sequence[Mapping[str, str]],
-    assistant_prefix: str,
-    prompt_token_ids: Sequence[int],
-    raw_completion: str,
-    response_token_ids: Sequence[int],
-    response_logprobs: Sequence[float],
-    adapter_version: int,
-    finish_reason: str,
-    result: ExecResult,
-    advantage: float | None,
-    n_children: int,
-) -> dict[str, Any]:
-    """The row of one tree node: the search's side (ids, parent, mode, what was sampled) plus its
-    script's ExecResult. ``verdict`` is the status (so the round's pass_rate counts ``ok`` with
-    pass_verdicts=("ok",)), ``failing_rules`` is empty (code execution has no rules), ``is_buggy``
-    is AIDE's (status != ok), ``grade_error`` is the result's message; ``plan`` and ``thinking``
-    come from the completion (split_completion)."""
-    plan, thinking = split_completion(raw_completion)
+def tree_row(*, result: ExecResult, expansion: int, debug_depth: int, finish_reason: str,
+             **node: Any) -> dict[str, Any]:
+    """The row of one tree node: what the search knows of it (``node``: node_row's id, step,
+    round, exp_id, parent_id, sibling_group, mode, the prompt and sampled tokens, advantage,
+    n_children) plus its script's ExecResult, which fills the rest. ``verdict`` is the status (so
+    the round's pass_rate counts ``ok`` with pass_verdicts=("ok",)), ``failing_rules`` is empty
+    (code execution has no rules), ``is_buggy`` is AIDE's (status != ok), ``grade_error`` is the
+    result's message; ``plan`` and ``thinking`` come from the completion (split_completion)."""
+    plan, thinking = split_completion(node["raw_completion"])
     return node_row(
-        id=id, step=step, round=round, exp_id=exp_id, parent_id=parent_id, sibling_group=sibling_group,
-        mode=mode, prompt_messages=prompt_messages, assistant_prefix=assistant_prefix,
-        prompt_token_ids=prompt_token_ids, raw_completion=raw_completion, response_token_ids=response_token_ids,
-        response_logprobs=response_logprobs, adapter_version=adapter_version, status=result.status,
-        is_buggy=not result.ok, verdict=result.status, failing_rules=(), test_metric=result.test_metric,
-        reward=result.reward, advantage=advantage, exec_time=result.exec_time, n_children=n_children,
+        **node, status=result.status, is_buggy=not result.ok, verdict=result.status, failing_rules=(),
+        test_metric=result.test_metric, reward=result.reward, exec_time=result.exec_time,
         tree={"expansion": expansion, "debug_depth": debug_depth, "val_metric": result.val_metric,
               "oriented": result.oriented, "code": result.code, "plan": plan, "thinking": thinking,
               "finish_reason": finish_reason, "term_tail": result.term_tail, "exc_type": result.exc_type,

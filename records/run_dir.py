@@ -40,32 +40,29 @@ from records.rows import check_node_rows
 PHASES = ("gen", "score", "adv", "old_log_prob", "ref", "update_actor", "update_weights", "save_checkpoint")
 
 
+class _InRun:
+    """A path at a fixed place under the run directory, read as an attribute of a RunDir."""
+
+    def __init__(self, *parts: str) -> None:
+        self.parts = parts
+
+    def __get__(self, run: RunDir | None, owner: type | None = None) -> Any:
+        return self if run is None else run.root.joinpath(*self.parts)
+
+
 class RunDir:
     """Paths and records of one run directory ``runs/<run_name>/``."""
 
+    receipt_path = _InRun("run.json")
+    timing_path = _InRun("timing.jsonl")
+    metrics_path = _InRun("metrics.jsonl")
+    curves_path = _InRun("curves.png")
+    init_adapter_dir = _InRun("adapters", "init")
+    # where a resume keeps what a dead attempt recorded past its resume point
+    superseded_root = _InRun("superseded")
+
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
-
-    # paths
-    @property
-    def receipt_path(self) -> Path:
-        return self.root / "run.json"
-
-    @property
-    def timing_path(self) -> Path:
-        return self.root / "timing.jsonl"
-
-    @property
-    def metrics_path(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def curves_path(self) -> Path:
-        return self.root / "curves.png"
-
-    @property
-    def init_adapter_dir(self) -> Path:
-        return self.root / "adapters" / "init"
 
     def adapter_dir(self, step: int) -> Path:
         return self.root / "adapters" / f"step_{step}"
@@ -94,11 +91,6 @@ class RunDir:
             "tree": base / f"{task}__{epoch}__tree.txt",
             "summary": base / f"{task}__summary_{epoch}.json",
         }
-
-    @property
-    def superseded_root(self) -> Path:
-        """Where a resume keeps what a dead attempt recorded past its resume point."""
-        return self.root / "superseded"
 
     def create(self) -> RunDir:
         self.root.mkdir(parents=True, exist_ok=True)

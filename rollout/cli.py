@@ -80,21 +80,28 @@ def _eos(value: str | None) -> list[int] | None:
         fail(f"--eos-token-ids must be comma-separated integers, got {value!r}")
 
 
+def numbered_json_lines(path: Path, what: str) -> list[tuple[int, object]]:
+    """(line number, value) of each non-empty line of a JSONL input file; a missing file or a
+    line that is not JSON ends the command naming it (services/logprobs.py reads with it too)."""
+    if not path.is_file():
+        fail(f"{what} file {path} does not exist")
+    out = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                out.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as err:
+                fail(f"{path}:{lineno}: not JSON ({err.msg})")
+    return out
+
+
 def read_prompts(path: Path) -> list:
     """Prompts JSONL: one object per line with `messages` ([{role, content}, ...]) and an
     optional `assistant_prefix`."""
     from rollout.types import Prompt
 
-    if not path.is_file():
-        fail(f"prompts file {path} does not exist")
     prompts = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            fail(f"{path}:{lineno}: not JSON ({err.msg})")
+    for lineno, row in numbered_json_lines(path, "prompts"):
         messages = row.get("messages") if isinstance(row, dict) else None
         if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)

@@ -14,35 +14,26 @@ from typing import Annotated, Optional
 
 import typer
 
-from rollout.cli import AdapterOpt, ConfigOpt, DtypeOpt, ModelOpt, fail, model_and_rollout_configs, progress_bar
+from rollout.cli import (AdapterOpt, ConfigOpt, DtypeOpt, ModelOpt, fail, model_and_rollout_configs,
+                         numbered_json_lines, progress_bar)
+
+SamplesOpt = Annotated[Path, typer.Option("--in", help="Samples JSONL from `rollout generate`.")]
+ScoredOpt = Annotated[Path, typer.Option("--out", help="JSONL with `trainer_logprobs` added.")]
+TemperatureOpt = Annotated[Optional[float], typer.Option(help="Override the temperature stored in each line.")]
+MicroBatchOpt = Annotated[int, typer.Option(min=1, help="Sequences per forward.")]
+NEEDED = ("prompt_token_ids", "token_ids", "logprobs")  # what a samples line must hold
 
 
-def logprobs(
-    in_path: Annotated[Path, typer.Option("--in", help="Samples JSONL from `rollout generate`.")],
-    out: Annotated[Path, typer.Option("--out", help="JSONL with `trainer_logprobs` added.")],
-    model: ModelOpt = None,
-    dtype: DtypeOpt = None,
-    adapter: AdapterOpt = None,
-    temperature: Annotated[
-        Optional[float], typer.Option(help="Override the temperature stored in each line.")
-    ] = None,
-    micro_batch_size: Annotated[int, typer.Option(min=1, help="Sequences per forward.")] = 8,
-    config: ConfigOpt = None,
-) -> None:
+def logprobs(in_path: SamplesOpt, out: ScoredOpt, model: ModelOpt = None, dtype: DtypeOpt = None,
+             adapter: AdapterOpt = None, temperature: TemperatureOpt = None, micro_batch_size: MicroBatchOpt = 8,
+             config: ConfigOpt = None) -> None:
     """Recompute the samples' log-probs with transformers (the learner's side) and print
     ppl_ratio, rollout_kl and rollout_k3_kl of the file."""
     model_cfg, _ = model_and_rollout_configs(config, {"name_or_path": model, "dtype": dtype}, {})
-    if not in_path.is_file():
-        fail(f"samples file {in_path} does not exist")
     rows = []
-    for lineno, line in enumerate(in_path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            assert all(k in row for k in ("prompt_token_ids", "token_ids", "logprobs"))
-        except (json.JSONDecodeError, AssertionError):
-            fail(f"{in_path}:{lineno}: needs JSON with prompt_token_ids, token_ids and logprobs")
+    for lineno, row in numbered_json_lines(in_path, "samples"):
+        if not isinstance(row, dict) or not all(k in row for k in NEEDED):
+            fail(f"{in_path}:{lineno}: needs an object with {', '.join(NEEDED)}")
         rows.append(row)
     if not rows:
         fail(f"{in_path} holds no samples")
