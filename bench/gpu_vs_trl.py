@@ -670,6 +670,20 @@ def _ratio(a, b):
     return a / b if a and b else None
 
 
+def _steps(row: dict[str, Any], spec: str) -> str:
+    """A side's timed steps, or why it has none; a TRL run cut short says so."""
+    steps = ", ".join(fmt(x, spec) for x in row.get("steps_s", []))
+    if steps and row.get("stopped_early"):
+        steps += f" ({row['stopped_early']})"
+    return steps or row.get("skipped") or row.get("error") or ""
+
+
+def _section(title: str, headers: list[str], rows: list[list[Any]]) -> list[str]:
+    """A markdown section: its heading and one table."""
+    return ["", f"## {title}", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+
+
 def _range(xs) -> str:
     xs = [x for x in xs or [] if x is not None]
     return f"{min(xs):.4f}–{max(xs):.4f}" if xs else "–"
@@ -722,39 +736,32 @@ def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[s
               f"{r.get('samples', 0) - r.get('samples_behind', 0)}/{r.get('samples', 0)} on, max behind "
               f"{r.get('max_behind', '–')} ({'OK' if r.get('versions_ok') else 'FAIL'}) | "
               f"{_range(r.get('learner_cuda_graphs'))} | {fmt(r.get('startup_s'), '.0f')} |")
-    lines += ["", "## TRL + vLLM colocate (GRPOTrainer, use_vllm=True, vllm_mode='colocate')", "",
-              "| model | completions | batch | checkpointing | warm-up s | timed steps s | gen (incl. weight sync) | "
-              "score + logprobs | update | peak GiB |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    tv_cells = []
     for key, t in tv_rows.items():
         ph = t.get("phases_s", {})
-        steps = ", ".join(fmt(x, ".2f") for x in t.get("steps_s", [])) or t.get("skipped") or t.get("error") or ""
-        lines.append(f"| {key[0]} | {key[1]}x{GROUP_SIZE} | {t.get('per_device_train_batch_size', '–')} x "
-                     f"{t.get('gradient_accumulation_steps', '–')} | {t.get('gradient_checkpointing', '–')} | "
-                     f"{fmt(t.get('warmup_s'), '.1f')} | {steps} | {fmt(ph.get('gen'))} | "
-                     f"{fmt(ph.get('score_and_logprobs'))} | {fmt(ph.get('update'))} | {fmt(t.get('peak_gib'), '.1f')} |")
-    lines += ["", "## TRL with its default generation (transformers `generate`), secondary", "",
-              "| model | completions | warm-up s | timed steps s | gen | score + logprobs | update | peak GiB | MFU |",
-              "|---|---|---|---|---|---|---|---|---|"]
+        tv_cells.append([key[0], f"{key[1]}x{GROUP_SIZE}",
+                         f"{t.get('per_device_train_batch_size', '–')} x {t.get('gradient_accumulation_steps', '–')}",
+                         t.get("gradient_checkpointing", "–"), fmt(t.get("warmup_s"), ".1f"), _steps(t, ".2f"),
+                         fmt(ph.get("gen")), fmt(ph.get("score_and_logprobs")), fmt(ph.get("update")),
+                         fmt(t.get("peak_gib"), ".1f")])
+    lines += _section("TRL + vLLM colocate (GRPOTrainer, use_vllm=True, vllm_mode='colocate')",
+                      ["model", "completions", "batch", "checkpointing", "warm-up s", "timed steps s",
+                       "gen (incl. weight sync)", "score + logprobs", "update", "peak GiB"], tv_cells)
+    t_cells = []
     for key, t in t_rows.items():
         ph = t.get("phases_s", {})
-        why = t.get("skipped") or t.get("error") or ""
-        steps = ", ".join(fmt(x, ".1f") for x in t.get("steps_s", []))
-        steps += f" ({t['stopped_early']})" if steps and t.get("stopped_early") else ""
-        lines.append(f"| {key[0]} | {key[1]}x{GROUP_SIZE} | {fmt(t.get('warmup_s'), '.1f')} | "
-                     f"{steps or why} | {fmt(ph.get('gen'))} | "
-                     f"{fmt(ph.get('score_and_logprobs'))} | {fmt(ph.get('update'))} | {fmt(t.get('peak_gib'), '.1f')} | "
-                     f"{fmt(t.get('mfu'), '.4f')} |")
-    lines += ["", "## counterpoint's step loop in one process (no Ray), secondary", "",
-              "| model | completions | engine | load s | warm-up s (compile) | timed steps s | tokens per step | "
-              "learner tok/s | ppl_ratio range |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for key, c in c_rows.items():
-        why = c.get("skipped") or c.get("error") or ""
-        lines.append(f"| {key[0]} | {key[1]}x{GROUP_SIZE} | {c.get('engine', '')} | {fmt(c.get('load_s'), '.1f')} | "
-                     f"{fmt(c.get('warmup_s'), '.1f')} | {', '.join(fmt(x) for x in c.get('steps_s', [])) or why} | "
-                     f"{', '.join(str(n) for n in c.get('gen_tokens', []))} | {fmt(c.get('learner_tokens_per_s'), '.0f')} | "
-                     f"{_range(c.get('ppl_ratio'))} |")
+        t_cells.append([key[0], f"{key[1]}x{GROUP_SIZE}", fmt(t.get("warmup_s"), ".1f"), _steps(t, ".1f"),
+                        fmt(ph.get("gen")), fmt(ph.get("score_and_logprobs")), fmt(ph.get("update")),
+                        fmt(t.get("peak_gib"), ".1f"), fmt(t.get("mfu"), ".4f")])
+    lines += _section("TRL with its default generation (transformers `generate`), secondary",
+                      ["model", "completions", "warm-up s", "timed steps s", "gen", "score + logprobs", "update",
+                       "peak GiB", "MFU"], t_cells)
+    c_cells = [[key[0], f"{key[1]}x{GROUP_SIZE}", c.get("engine", ""), fmt(c.get("load_s"), ".1f"),
+                fmt(c.get("warmup_s"), ".1f"), _steps(c, ".2f"), ", ".join(str(n) for n in c.get("gen_tokens", [])),
+                fmt(c.get("learner_tokens_per_s"), ".0f"), _range(c.get("ppl_ratio"))] for key, c in c_rows.items()]
+    lines += _section("counterpoint's step loop in one process (no Ray), secondary",
+                      ["model", "completions", "engine", "load s", "warm-up s (compile)", "timed steps s",
+                       "tokens per step", "learner tok/s", "ppl_ratio range"], c_cells)
     lines += ["", "## Versions", "", "```", json.dumps(doc["versions"], indent=1), "```"]
     if notes:
         lines += ["", notes.strip()]

