@@ -65,6 +65,35 @@ class GraderConfig(BaseModel):
     target_ongoing_requests: float = Field(
         8.0, gt=0, description="Serve autoscaling target of in-flight requests per replica."
     )
+    # Serve's own defaults (ray.serve.config.AutoscalingConfig, Ray 2.60), stated here so a run's
+    # receipt says what it scaled with.
+    upscale_delay_s: float = Field(
+        30.0, ge=0,
+        description="Serve autoscaling: how long the load must ask for more replicas before they "
+        "are added (autoscaling_config.upscale_delay_s).",
+    )
+    downscale_delay_s: float = Field(
+        600.0, ge=0,
+        description="Serve autoscaling: how long the load must ask for fewer replicas before they "
+        "are removed (autoscaling_config.downscale_delay_s). A training run's grader load comes in "
+        "bursts (the score phase of each step) between longer gen and update phases: a delay "
+        "shorter than a step would drop replicas between steps and start them again under the "
+        "next burst.",
+    )
+    look_back_period_s: float = Field(
+        30.0, gt=0,
+        description="Serve autoscaling: the window over which in-flight requests are averaged "
+        "(autoscaling_config.look_back_period_s). Ray 2.60 pushes the counts every 10 s "
+        "(metrics_interval_s) and warns when the window is not longer than that.",
+    )
+    replica_poll_s: float = Field(
+        1.0, gt=0,
+        description="How often the process that started the grader app (the trainer's driver, "
+        "`grader serve --ray`) reads the replica count from Serve's controller "
+        "(graders/autoscale.py): counterpoint_grader_replicas and "
+        "counterpoint_grader_scale_events_total come from these reads, so a change shorter than "
+        "this may go unseen.",
+    )
     num_cpus: float = Field(
         0.1, gt=0, description="CPUs reserved per grader replica (Ray Serve). For code-exec, "
         "about code_exec.max_concurrent: each running script is one single-threaded interpreter.",

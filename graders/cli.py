@@ -72,7 +72,8 @@ def serve(
         Optional[int], typer.Option(help="Cut every progression to its first N chords.")
     ] = None,
     metrics_port: Annotated[
-        Optional[int], typer.Option(help="Expose Prometheus /metrics on 127.0.0.1:PORT (plain server).")
+        Optional[int], typer.Option(help="Expose Prometheus /metrics on 127.0.0.1:PORT (plain server: "
+                                    "its scores; --ray: the replica count and scale events).")
     ] = None,
     ray: Annotated[bool, typer.Option("--ray", help="Run as a Ray Serve app.")] = False,
     replicas: Annotated[Optional[int], typer.Option(help="Serve replicas (with --ray).")] = None,
@@ -200,6 +201,14 @@ def _serve_ray(cfg, stop) -> None:
         typer.echo(f"error: --port {cfg.port}: {exc}", err=True)
         serve.shutdown()
         raise typer.Exit(2) from None
+    watch = None
+    if cfg.metrics_port is not None:  # replicas export their own series through Ray's agent
+        from prometheus_client import REGISTRY
+
+        from graders.autoscale import watch_app
+
+        watch = watch_app(cfg)
+        REGISTRY.register(watch.collector())
     where = (f"{cfg.host}:{cfg.port}" if cfg.serve_ingress == "front"
              else f"Ray Serve gRPC proxy [::]:{cfg.port}")
     typer.echo(
@@ -212,6 +221,8 @@ def _serve_ray(cfg, stop) -> None:
             pass
     except KeyboardInterrupt:
         pass
+    if watch is not None:
+        watch.stop()
     serve_app.stop_front(cfg.app_name)
     serve.shutdown()
 

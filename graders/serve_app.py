@@ -136,6 +136,9 @@ def deployment_options(cfg: GraderConfig) -> dict[str, Any]:
             "initial_replicas": initial,
             "max_replicas": high,
             "target_ongoing_requests": cfg.target_ongoing_requests,
+            "upscale_delay_s": cfg.upscale_delay_s,
+            "downscale_delay_s": cfg.downscale_delay_s,
+            "look_back_period_s": cfg.look_back_period_s,
         },
         "max_ongoing_requests": max(16, int(2 * cfg.target_ongoing_requests)),
         "ray_actor_options": {"num_cpus": cfg.num_cpus, **(
@@ -143,6 +146,16 @@ def deployment_options(cfg: GraderConfig) -> dict[str, Any]:
         # Serve 2.60's per-deployment switch for its request log (serve.schema.LoggingConfig).
         "logging_config": {"enable_access_log": cfg.access_log},
     }
+
+
+def front_workers(cfg: GraderConfig) -> int:
+    """Threads of the front's grpcio server: as many calls as the app takes at its largest
+    (max_replicas x max_ongoing_requests). Each call holds a thread while it waits on the
+    replica, so fewer threads cap the in-flight requests Serve's autoscaler counts: with the
+    former 8 and target_ongoing_requests 8, one replica never looked over target and the app
+    could not scale up through the front."""
+    options = deployment_options(cfg)
+    return options["autoscaling_config"]["max_replicas"] * options["max_ongoing_requests"]
 
 
 class HandleCore:
@@ -219,7 +232,7 @@ def start(
         handle = serve.run(build_app(cfg), name=app_name, route_prefix=None)
         stop_front(app_name)  # a front left from an earlier start of this app
         _FRONTS[app_name] = start_server(
-            HandleCore(handle, cfg.timeout_s), cfg.host, grpc_port,
+            HandleCore(handle, cfg.timeout_s), cfg.host, grpc_port, max_workers=front_workers(cfg),
             max_message_bytes=cfg.max_message_bytes, token=token)
         return handle
     from ray.serve.config import gRPCOptions

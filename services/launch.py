@@ -130,6 +130,21 @@ def start_grader(cfg: RunConfig, stack: ExitStack):
     return client
 
 
+def watch_grader(cfg: RunConfig, stack: ExitStack, registry):
+    """For a grader started here as a Serve app: read its replica count from Serve every
+    grader.replica_poll_s and export it with the scale events on ``registry`` (the trainer's
+    /metrics; graders/autoscale.py). None for an external grader (grader.address): its own
+    cluster's process that deployed it knows its replicas, not this driver."""
+    if cfg.grader.address is not None:
+        return None
+    from graders.autoscale import watch_app
+
+    watch = watch_app(cfg.grader)
+    stack.callback(watch.stop)
+    registry.register(watch.collector())
+    return watch
+
+
 def start_rollout(cfg: RunConfig, stack: ExitStack, seed: int | None = None):
     """Deploy the rollout replicas; they are deleted when the stack closes."""
     from rollout.deployment import deploy_rollout, stop_rollout

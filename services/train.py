@@ -19,7 +19,7 @@ from services.archive import recover, supersede_after
 from evals.heldout import heldout_section
 from config import RunConfig, apply_override, config_from_dict, resolved, with_absolute_paths
 from services.orchestrator import RoundRecord, RunParts, StepRecord, run_steps
-from services.launch import check_resources, start_grader, start_ray, start_rollout, stop_token_report
+from services.launch import check_resources, start_grader, start_ray, start_rollout, stop_token_report, watch_grader
 from services.runlock import RunInUse  # noqa: F401 (raised by resume_config; callers import it from here)
 
 log = logging.getLogger("counterpoint.train")
@@ -293,6 +293,7 @@ def train(opts: TrainOptions) -> RunDir:
 
         metrics = TrainerMetrics(cfg.trainer.metrics_host, cfg.trainer.metrics_port)
         metrics.registry.register(rollout.metrics_collector())  # replica adapter versions, tokens
+        grader_watch = watch_grader(cfg, stack, metrics.registry)  # grader replicas, scale events
         port = metrics.start()
         stack.callback(metrics.stop)
         receipt.update(metrics_endpoint={"trainer": f"{cfg.trainer.metrics_host}:{port}", "ray": ray_metrics})
@@ -323,6 +324,8 @@ def train(opts: TrainOptions) -> RunDir:
             receipt.update(metric_series=run.metric_series(), prometheus_series=metrics.series_counts(),
                            steps_trained=run.trained_steps(),
                            retries={"grader": grader.retries})  # failed grader calls the client re-sent
+            if grader_watch is not None:
+                receipt.update(grader_scaling=grader_watch.summary())
         # One replica's engine and its counters (a compiled engine's compile seconds per batch
         # bucket: inside step 1's gen phase, reported here apart from it).
         receipt.update(rollout_engine=rollout.info())

@@ -256,6 +256,14 @@ def dashboard_exprs(path: Path) -> list[str]:
     return list(dict.fromkeys(exprs))
 
 
+def panel_exprs(path: Path, title: str) -> list[str]:
+    """The queries of the one panel titled ``title``, Grafana variables substituted."""
+    panels = [p for p in json.loads(Path(path).read_text())["panels"] if p.get("title") == title]
+    if len(panels) != 1:
+        raise ValueError(f"{len(panels)} panels titled {title!r} in {path}")
+    return [substitute_grafana_variables(e) for e in _walk_exprs(panels[0])]
+
+
 _LOGICAL_OPS = ("or", "and", "unless")
 _TRAILING_COMPARISON = re.compile(
     r"\s*(==|!=|>=|<=|>|<)\s*(bool\s+)?[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*$"
@@ -427,6 +435,14 @@ def run_demo_exporter(
     snapshot = {"replicas": {"0": 0, "1": 0}, "tokens_total": 0}
     trainer.registry.register(RolloutCollector(lambda: dict(snapshot)))
 
+    # The driver reads the grader app's replicas from Serve (graders/autoscale.py): the real
+    # tally and collector, fed a replica count that scales 1 -> 3 -> 1 over twelve steps.
+    from graders.autoscale import ScaleCollector, ScaleTally
+
+    scaling = ScaleTally(bounds=(1, 3))
+    scaling.observe({"RUNNING": 1}, time.time())
+    trainer.registry.register(ScaleCollector(scaling.snapshot))
+
     # Grader Serve replicas export through Ray's metrics agent, which names them `ray_<name>`:
     # with ray_prefix the same grader series are also served that way on a port of their own.
     prefix = "ray_" if ray_prefix else ""
@@ -468,6 +484,8 @@ def run_demo_exporter(
         grader_metrics.observe_latency("voice-leading", "ScoreBatch", latency_s)
         snapshot["tokens_total"] += tokens
         snapshot["replicas"] = {"0": step, "1": step}
+        running = (1, 1, 2, 3, 3, 3, 3, 3, 2, 1, 1, 1)[step % 12]
+        scaling.observe({"RUNNING": running, **({"STARTING": 1} if step % 12 == 2 else {})}, time.time())
         for verdict in verdicts:
             ray_requests.labels(task="voice-leading", verdict=grader_metrics.verdict_class(verdict)).inc()
         time.sleep(step_interval_s)

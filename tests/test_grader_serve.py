@@ -164,12 +164,40 @@ def test_deployment_options_from_config():
     fixed = deployment_options(GraderConfig(replicas=2))
     assert fixed["autoscaling_config"] == {
         "min_replicas": 2, "initial_replicas": 2, "max_replicas": 2,
-        "target_ongoing_requests": 8.0}
+        "target_ongoing_requests": 8.0, "upscale_delay_s": 30.0, "downscale_delay_s": 600.0,
+        "look_back_period_s": 30.0}
     scaled = deployment_options(GraderConfig(replicas=1, min_replicas=1, max_replicas=4,
                                              target_ongoing_requests=20, num_cpus=0.5))
     assert (scaled["autoscaling_config"]["max_replicas"], scaled["max_ongoing_requests"]) == (4, 40)
     assert scaled["ray_actor_options"] == {"num_cpus": 0.5}
     assert scaled["autoscaling_config"]["initial_replicas"] == 1
+    quick = deployment_options(GraderConfig(upscale_delay_s=1, downscale_delay_s=2,
+                                            look_back_period_s=12))["autoscaling_config"]
+    assert (quick["upscale_delay_s"], quick["downscale_delay_s"], quick["look_back_period_s"]) == (
+        1, 2, 12)
+
+
+def test_grader_defaults_are_serves_autoscaling_defaults():
+    """Our stated defaults are what Serve would do unset, so a run's receipt is true to it."""
+    from ray.serve.config import AutoscalingConfig
+
+    serve_defaults, ours = AutoscalingConfig(), GraderConfig()
+    for name in ("upscale_delay_s", "downscale_delay_s", "look_back_period_s"):
+        assert getattr(ours, name) == getattr(serve_defaults, name), name
+
+
+def test_front_has_a_thread_for_every_call_the_app_can_take():
+    """The front holds a grpcio thread per call in flight: with fewer than the app takes at
+    max_replicas, Serve's autoscaler would never count enough ongoing requests to scale up."""
+    from graders.serve_app import deployment_options, front_workers
+
+    for cfg in (GraderConfig(), GraderConfig(min_replicas=1, max_replicas=3, target_ongoing_requests=2),
+                GraderConfig(max_replicas=4, target_ongoing_requests=20)):
+        options = deployment_options(cfg)
+        high = options["autoscaling_config"]["max_replicas"]
+        assert front_workers(cfg) == high * options["max_ongoing_requests"]
+        # enough in flight for the autoscaler to ask for every replica
+        assert front_workers(cfg) >= high * cfg.target_ongoing_requests
 
 
 def test_client_from_config():

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ def test_grader_serve_ray_replicas_end_to_end(tmp_path):
     with open(console, "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "grader", "serve", "--ray", "--replicas", "2",
-             "--port", "0"],
+             "--port", "0", "--metrics-port", "0"],
             cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
@@ -37,6 +38,14 @@ def test_grader_serve_ray_replicas_end_to_end(tmp_path):
                 break
         assert seen and "serving on 127.0.0.1:" in seen[-1], "".join(seen)
         assert "2 replica(s)" in seen[-1]
+        (metrics_line,) = [line for line in seen if line.startswith("metrics on ")]
+        # With --ray, /metrics carries the replica count read from Serve (graders/autoscale.py).
+        with urllib.request.urlopen(metrics_line.split()[-1], timeout=30) as resp:
+            exported = resp.read().decode()
+        for sample in ('counterpoint_grader_replicas{state="running"} 2.0',
+                       'counterpoint_grader_replica_bounds{bound="max"} 2.0',
+                       'counterpoint_grader_scale_events_total{direction="up"} 0.0'):
+            assert sample in exported, exported[-2000:]
         address = seen[-1].split("serving on ")[1].split()[0]
         with GraderClient(address, max_retries=2) as client:
             cases = client.cases(4)

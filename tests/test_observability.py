@@ -238,11 +238,13 @@ def test_ray_prefixed_grader_series_are_relabelled(prom_drifting):
 
 
 def test_dashboard_shows_every_exported_series():
+    from graders.autoscale import METRIC_NAMES as SCALING_NAMES
     from services.metrics import METRIC_NAMES
 
-    others = {  # DESIGN.md: graders and rollout replicas
+    others = {  # DESIGN.md: graders and rollout replicas; the driver's grader replica watch
         "counterpoint_grader_requests_total", "counterpoint_grader_latency_seconds",
         "counterpoint_rollout_tokens_total", "counterpoint_rollout_adapter_version",
+        *SCALING_NAMES,
     }
     text = " ".join(dashboard_exprs(DASHBOARD))
     missing = {n for n in {*METRIC_NAMES, *others} if not re.search(rf"\b{n}(_bucket)?\b", text)}
@@ -273,3 +275,23 @@ def test_search_dashboard_queries_exactly_what_tree_rounds_export():
     assert queried == set(SEARCH_METRIC_NAMES), (queried ^ set(SEARCH_METRIC_NAMES))
     panels = json.loads(SEARCH_DASHBOARD.read_text())["panels"]
     assert [p["type"] for p in panels][0] == "row" and len({p["id"] for p in panels}) == len(panels)
+
+
+def test_grader_scaling_panel_shows_replicas_and_both_directions(prom):
+    """The scaling panel over the demo's 1 -> 3 -> 1 cycle: the running line reaches the max
+    bound and the bars show replicas added and removed (the real Serve scaling is in
+    tests/test_grader_autoscale.py)."""
+    from promharness import panel_exprs
+
+    exprs = panel_exprs(DASHBOARD, "Grader replicas and scale events")
+    assert_all_queries_return_data(prom, exprs)
+    events = next(e for e in exprs if "scale_events" in e)
+
+    def both_directions():
+        seen = {s["metric"]["direction"]: float(s["value"][1]) for s in prom.query(events)}
+        return seen.get("up", 0) > 0 and seen.get("down", 0) > 0
+
+    wait_for(both_directions, "scale events up and down in the panel's query")
+    peak = prom.query('max_over_time(counterpoint_grader_replicas{state="running"}[1m])')
+    bound = prom.query('counterpoint_grader_replica_bounds{bound="max"}')
+    assert [float(s["value"][1]) for s in peak] == [float(s["value"][1]) for s in bound] == [3.0]

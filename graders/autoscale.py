@@ -1,0 +1,202 @@
+"""Grader replica counts and scale events, read from Serve's controller.
+
+Serve scales the grader app (`autoscaling_config` from config/grader.py: min/max replicas,
+target_ongoing_requests, upscale/downscale delays, look-back). No replica knows how many
+replicas there are, so the count is read where the app was started, through `serve.status()`:
+the trainer's driver (exported on its `/metrics`, `--metrics-port`) or `grader serve --ray`
+(on its `--metrics-port`). `ReplicaWatch` reads it every `grader.replica_poll_s` in a daemon
+thread; `ScaleTally` (pure) turns the reads into:
+
+- `counterpoint_grader_replicas{state}`: replicas of the grader deployment per Serve replica
+  state, lower-cased (REPLICA_STATES, Serve's ReplicaState values, plus `other` for a state a
+  later Ray adds: bounded). Every state is exported, 0 included, so a panel's line never gaps.
+- `counterpoint_grader_replica_bounds{bound}`: `min` and `max` of the autoscaling config.
+- `counterpoint_grader_scale_events_total{direction}`: one per replica that joined (`up`) or
+  left (`down`) the RUNNING set between two reads; a step of 1 -> 3 replicas is 2 up, so the
+  counter does not depend on how often it is read. The first read is the baseline (the initial
+  replicas are no event). A replica that dies and is replaced counts one down and one up.
+
+Serve's own `ray_serve_*` series would need Ray's metrics agent and name replicas (unbounded
+labels); these are the dashboard's (deploy/grafana/dashboards/counterpoint.json, "Grader
+replicas").
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+REPLICAS = "counterpoint_grader_replicas"
+BOUNDS = "counterpoint_grader_replica_bounds"
+SCALE_EVENTS = "counterpoint_grader_scale_events"  # exposed as ..._total
+METRIC_NAMES = (REPLICAS, BOUNDS, f"{SCALE_EVENTS}_total")
+# ray.serve._private.common.ReplicaState (Ray 2.60), lower-cased; anything else is `other`.
+REPLICA_STATES = ("starting", "updating", "recovering", "running", "stopping", "stopped",
+                  "pending_migration", "other")
+DIRECTIONS = ("up", "down")
+HISTORY_LIMIT = 1000  # changes of the running count kept for the receipt (a bounded list)
+
+
+def replica_counts(replica_states: Mapping) -> dict[str, int]:
+    """Serve's ``{ReplicaState: n}`` (enum members or their names) as a count for every state
+    of REPLICA_STATES."""
+    counts = dict.fromkeys(REPLICA_STATES, 0)
+    for state, n in replica_states.items():
+        name = str(getattr(state, "value", state)).lower()
+        counts[name if name in counts else "other"] += int(n)
+    return counts
+
+
+def scale_step(previous: int | None, running: int) -> dict[str, int]:
+    """Scale events between two reads of the running count (None: no earlier read)."""
+    if previous is None:
+        return dict.fromkeys(DIRECTIONS, 0)
+    return {"up": max(0, running - previous), "down": max(0, previous - running)}
+
+
+@dataclass
+class ScaleTally:
+    """The reads so far: the last replica counts, the events, the changes of the running count
+    (time, running) and its range."""
+
+    bounds: tuple[int, int]
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REPLICA_STATES, 0))
+    events: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
+    history: list[tuple[float, int]] = field(default_factory=list)
+    _last: int | None = None
+
+    def observe(self, replica_states: Mapping, now: float) -> dict[str, int]:
+        """One read of Serve's replica states at unix time ``now``; returns its events."""
+        counts = replica_counts(replica_states)
+        running = counts["running"]
+        step = scale_step(self._last, running)
+        for direction, n in step.items():
+            self.events[direction] += n
+        if running != self._last and len(self.history) < HISTORY_LIMIT:
+            self.history.append((now, running))
+        self.counts, self._last = counts, running
+        return step
+
+    def summary(self) -> dict:
+        """For run.json: the bounds, the range of running replicas seen, the events and the
+        changes as [seconds since the first read, running]."""
+        seen = [n for _, n in self.history]
+        t0 = self.history[0][0] if self.history else 0.0
+        return {
+            "min_replicas": self.bounds[0], "max_replicas": self.bounds[1],
+            "running_min": min(seen, default=None), "running_max": max(seen, default=None),
+            "scale_events": dict(self.events),
+            "changes": [[round(t - t0, 1), n] for t, n in self.history],
+        }
+
+    def snapshot(self) -> dict:
+        return {"counts": dict(self.counts), "events": dict(self.events), "bounds": self.bounds}
+
+
+def metric_families(snapshot: Mapping) -> list:
+    """Prometheus families from a ScaleTally snapshot (pure)."""
+    replicas = GaugeMetricFamily(
+        REPLICAS, "Grader Serve replicas per replica state, read from Serve's controller.",
+        labels=["state"])
+    for state in REPLICA_STATES:
+        replicas.add_metric([state], float(snapshot["counts"].get(state, 0)))
+    bounds = GaugeMetricFamily(BOUNDS, "Autoscaling bounds of the grader app (min, max replicas).",
+                               labels=["bound"])
+    low, high = snapshot["bounds"]
+    bounds.add_metric(["min"], float(low))
+    bounds.add_metric(["max"], float(high))
+    events = CounterMetricFamily(
+        SCALE_EVENTS, "Grader replicas that joined (up) or left (down) the running set.",
+        labels=["direction"])
+    for direction in DIRECTIONS:
+        events.add_metric([direction], float(snapshot["events"].get(direction, 0)))
+    return [replicas, bounds, events]
+
+
+class ScaleCollector(Collector):
+    """Register with a prometheus_client CollectorRegistry; reads the tally at scrape time."""
+
+    def __init__(self, snapshot_fn: Callable[[], Mapping]) -> None:
+        self._snapshot_fn = snapshot_fn
+
+    def collect(self) -> Iterator:
+        return iter(metric_families(self._snapshot_fn()))
+
+
+def serve_replica_states(app_name: str, deployment: str) -> Mapping | None:
+    """``{ReplicaState: n}`` of one deployment from Serve's controller (None: app not there)."""
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    if app is None or deployment not in app.deployments:
+        return None
+    return app.deployments[deployment].replica_states
+
+
+class ReplicaWatch:
+    """Reads a grader app's replica states every ``poll_s`` into a ScaleTally.
+
+    ``start()`` takes the baseline read before it returns (call it once the app is deployed);
+    a read that fails (the controller restarting, the app being deleted) is skipped, never
+    counted as replicas gone."""
+
+    def __init__(self, app_name: str, deployment: str, bounds: tuple[int, int], poll_s: float,
+                 read: Callable[[], Mapping | None] | None = None) -> None:
+        self.tally = ScaleTally(bounds=bounds)
+        self._read = read or (lambda: serve_replica_states(app_name, deployment))
+        self._poll_s = poll_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failed_reads = 0
+
+    def poll(self) -> None:
+        try:
+            states = self._read()
+        except Exception:  # noqa: BLE001 - a read must never end the run; counted instead
+            states = None
+        with self._lock:
+            if states is None:
+                self.failed_reads += 1
+                return
+            self.tally.observe(states, time.time())
+
+    def start(self) -> ReplicaWatch:
+        self.poll()
+        self._thread = threading.Thread(target=self._loop, name="grader-replica-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            self.poll()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return self.tally.snapshot()
+
+    def summary(self) -> dict:
+        with self._lock:
+            return {**self.tally.summary(), "failed_reads": self.failed_reads}
+
+    def collector(self) -> ScaleCollector:
+        return ScaleCollector(self.snapshot)
+
+
+def watch_app(cfg, app_name: str | None = None) -> ReplicaWatch:
+    """A started ReplicaWatch of the grader app deployed from GraderConfig ``cfg``."""
+    from graders.serve_app import DEPLOYMENT_NAME, deployment_options
+
+    scaling = deployment_options(cfg)["autoscaling_config"]
+    return ReplicaWatch(app_name or cfg.app_name, DEPLOYMENT_NAME,
+                        (scaling["min_replicas"], scaling["max_replicas"]), cfg.replica_poll_s).start()
