@@ -30,7 +30,7 @@ def _train_logged(opts, verbose: bool):
     import traceback
 
     from services.console import failure_lines, run_logs
-    from services.receipt import Terminated, install_sigterm_handler
+    from services.receipt import as_terminated, install_sigterm_handler
     from services.train import train
 
     logs_dir = opts.run_dir / "logs"
@@ -42,11 +42,14 @@ def _train_logged(opts, verbose: bool):
         logs.echo(f"run directory: {opts.run_dir}  (logs: {logs_dir}{'' if verbose else '; --verbose shows them'})")
         try:
             run = train(opts)
-        except (KeyboardInterrupt, Terminated) as err:
+        except (KeyboardInterrupt, SystemExit) as err:
+            term = as_terminated(err)  # Ray may have re-raised our SIGTERM as its own SystemExit(1)
+            if term is None and isinstance(err, SystemExit):
+                raise
             logs.to_file(traceback.format_exc())
-            how = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
+            how = "terminated (SIGTERM)" if term is not None else "interrupted"
             logs.echo(f"{how}; resume with: counterpoint train --resume {opts.run_dir}")
-            raise typer.Exit(err.code if isinstance(err, Terminated) else 130) from None
+            raise typer.Exit(term.code if term is not None else 130) from None
         except Exception as err:
             logs.to_file(traceback.format_exc())
             for line in failure_lines(err, logs_dir):

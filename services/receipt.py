@@ -230,6 +230,13 @@ class Terminated(SystemExit):
         self.signum = signum
 
 
+# The signals install_sigterm_handler's handler received in this process. A SIGTERM that lands
+# while the main thread blocks in ray.get reaches the caller not as Terminated but as Ray's own
+# SystemExit(1) (its signal check re-raises any SystemExit as a new one with exit code 1), so what
+# was received is kept here, where as_terminated() finds it again.
+_RECEIVED: list[int] = []
+
+
 def install_sigterm_handler() -> Any:
     """Make SIGTERM raise :class:`Terminated` in the main thread, so ``guard()`` records
     "interrupted" and ``finally`` blocks run. Returns the previous handler. Install it after
@@ -238,9 +245,21 @@ def install_sigterm_handler() -> Any:
         return None
 
     def _raise(signum: int, frame: FrameType | None) -> None:
+        _RECEIVED.append(signum)
         raise Terminated(signum)
 
     return signal.signal(signal.SIGTERM, _raise)
+
+
+def as_terminated(err: BaseException) -> Terminated | None:
+    """``err`` as the Terminated it stands for: itself, or the SystemExit / KeyboardInterrupt a
+    library raised in its place after the handler ran (Ray's ray.get turns it into SystemExit(1));
+    None for any other way out."""
+    if isinstance(err, Terminated):
+        return err
+    if _RECEIVED and isinstance(err, (SystemExit, KeyboardInterrupt)):
+        return Terminated(_RECEIVED[-1])
+    return None
 
 
 class Receipt:
@@ -327,23 +346,28 @@ class Receipt:
         """Record how the block ended ("completed" / "interrupted" / "failed") and re-raise."""
         try:
             yield self
-        except Terminated as err:
-            self.finish("interrupted", f"signal {signal.Signals(err.signum).name}")
-            raise
-        except KeyboardInterrupt:
-            self.finish("interrupted", "KeyboardInterrupt")
-            raise
-        except SystemExit as err:
-            if err.code in (None, 0):
-                self.finish("completed")
-            else:
-                self.finish("failed", f"SystemExit({err.code!r})")
-            raise
+        except (SystemExit, KeyboardInterrupt) as err:
+            term = as_terminated(err)
+            if term is None:
+                self._finish_exit(err)
+                raise
+            self.finish("interrupted", f"signal {signal.Signals(term.signum).name}")
+            if term is err:
+                raise
+            raise term from err
         except BaseException as err:
             self.finish("failed", f"{type(err).__name__}: {err}")
             raise
         else:
             self.finish("completed")
+
+    def _finish_exit(self, err: SystemExit | KeyboardInterrupt) -> None:
+        if isinstance(err, KeyboardInterrupt):
+            self.finish("interrupted", "KeyboardInterrupt")
+        elif err.code in (None, 0):
+            self.finish("completed")
+        else:
+            self.finish("failed", f"SystemExit({err.code!r})")
 
     def write(self) -> None:
         _write_json_atomic(self.path, self.data)

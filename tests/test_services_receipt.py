@@ -123,6 +123,46 @@ def test_sigterm_in_a_subprocess_is_recorded_as_interrupted(tmp_path: Path) -> N
     assert data["status"] == "interrupted" and data["error"] == "signal SIGTERM"
 
 
+def test_sigterm_inside_a_blocking_ray_get_is_still_an_interruption(tmp_path: Path) -> None:
+    """Ray's ray.get checks signals itself and re-raises the handler's Terminated as a new
+    SystemExit(1): the guard finds the SIGTERM again, records "interrupted" and re-raises it as
+    Terminated (exit 143), as a SIGTERM anywhere else does. The script first asserts what Ray
+    does, so this test fails if the guard's recovery were not needed or did not run."""
+    path = tmp_path / "run.json"
+    script = textwrap.dedent(f"""
+        import os, signal, sys, threading, time; sys.path.insert(0, {str(REPO)!r})
+        import ray
+        from services.receipt import Receipt, Terminated, install_sigterm_handler
+        ray.init(num_cpus=1, include_dashboard=False, address="local")
+        install_sigterm_handler()
+
+        @ray.remote(num_cpus=0)
+        def slow():
+            time.sleep(120)
+
+        kill = lambda: (time.sleep(2), os.kill(os.getpid(), signal.SIGTERM))
+        ref = slow.remote()
+        threading.Thread(target=kill, daemon=True).start()
+        try:
+            ray.get(ref)
+        except SystemExit as err:  # what Ray raises in its place
+            assert type(err) is SystemExit and err.code == 1, repr(err)
+        receipt = Receipt({str(path)!r}).start()
+        threading.Thread(target=kill, daemon=True).start()
+        try:
+            with receipt.guard():
+                ray.get(ref)
+        except Terminated as err:
+            print("terminated", err.code, type(err.__context__).__name__, flush=True)
+            sys.exit(err.code)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert "terminated 143 SystemExit" in proc.stdout, proc.stdout
+    data = read(path)
+    assert data["status"] == "interrupted" and data["error"] == "signal SIGTERM"
+
+
 def test_install_sigterm_handler_returns_previous_and_raises(tmp_path: Path) -> None:
     previous = install_sigterm_handler()
     try:
