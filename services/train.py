@@ -19,6 +19,7 @@ from services.archive import recover, supersede_after
 from evals.heldout import heldout_section
 from config import RunConfig, apply_override, config_from_dict, resolved, with_absolute_paths
 from services.orchestrator import RoundRecord, RunParts, StepRecord, run_steps
+from services.cluster import check_placement, placement_record
 from services.launch import check_resources, start_grader, start_ray, start_rollout, stop_token_report
 from services.runlock import RunInUse  # noqa: F401 (raised by resume_config; callers import it from here)
 
@@ -206,6 +207,15 @@ class StepRecorder:
 
 
 # ---------------------------------------------------------------- the run
+def _placement(cfg: RunConfig, learner) -> dict[str, Any]:
+    """run.json's ``placement`` (services/cluster.py); a record, so reading it never stops a run."""
+    try:
+        return placement_record(cfg, learner)
+    except Exception as err:  # the GCS actor table is a Ray developer API: it may move
+        log.warning("could not record where the parts run: %s: %s", type(err).__name__, err)
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
 def heldout_eval(cfg: RunConfig, grader, rollout, version: int, out: Path) -> dict[str, Any]:
     """Held-out eval with adapter `version`, kept per item as the EVAL.jsonl `out` (so before and
     after pair item by item); returns its summary and file for the receipt. Prompts and sampling
@@ -261,6 +271,7 @@ def train(opts: TrainOptions) -> RunDir:
         stages = StageClock()
         ray_metrics = start_ray(cfg, stack)
         check_resources(cfg)
+        check_placement(cfg)  # a part whose resources/labels no live node offers would wait forever
         stages.done("Ray")
         install_sigterm_handler()
         grader = start_grader(cfg, stack)
@@ -290,6 +301,7 @@ def train(opts: TrainOptions) -> RunDir:
         rollout.publish(adapter)
         rollout.sync(adapter.version)
         stages.done("learner")
+        receipt.update(placement=_placement(cfg, learner))
 
         metrics = TrainerMetrics(cfg.trainer.metrics_host, cfg.trainer.metrics_port)
         metrics.registry.register(rollout.metrics_collector())  # replica adapter versions, tokens
