@@ -165,6 +165,13 @@ class LearnerConfig(BaseModel):
     )
     resources_per_worker: dict[str, float] = resources_field("learner worker", '{"learner_slot": 1}')
     label_selector: dict[str, str] = label_selector_field("learner worker", '{"counterpoint-role": "learner"}')
+    max_restarts: int = Field(
+        2, ge=0, description="In-run restores of the learner after a worker (or its node) dies: the "
+        "driver restarts the Ray Train workers from the last checkpoint this run saved (or its start "
+        "point) and re-feeds the batches it kept since, so the run goes on with the data order and LR "
+        "of an uninterrupted one (README, 'What survives what'). 0 = the run stops at the first death "
+        "(`--resume` continues it). A worker that raises an error of its own is never restarted.",
+    )
 
     @model_validator(mode="after")
     def _gpu_fraction_one_rank_per_gpu(self) -> "LearnerConfig":

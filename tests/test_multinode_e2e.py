@@ -254,3 +254,340 @@ def test_each_part_on_its_node_and_every_artifact_in_the_drivers_run_dir(cluster
                           capture_output=True, text=True, timeout=30)
     assert "placed" not in seen.stdout.split(), seen.stdout
 
+
+# ------------------------------------------------------------------ faults
+def _replicas(node: subprocess.Popen, app: str) -> list[psutil.Process]:
+    """The live Serve replica workers of ``app`` on one node (Ray titles them
+    ``ray::ServeReplica:<app>:...``): descendants of that node's `ray start`, never another's."""
+    out = []
+    with contextlib.suppress(psutil.Error):
+        for p in psutil.Process(node.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if " ".join(p.cmdline()).startswith(f"ray::ServeReplica:{app}:") and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+    return out
+
+
+def _cpu(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return t.user + t.system
+
+
+def _wait_busy(p: psutil.Process, within_s: float, burst_s: float = 0.025, window_s: float = 0.05) -> bool:
+    """Whether ``p`` starts working (``burst_s`` of CPU within ``window_s``: an idle replica
+    uses next to none) before ``within_s`` runs out."""
+    deadline = time.monotonic() + within_s
+    last_t, last_cpu = time.monotonic(), _cpu(p)
+    while time.monotonic() < deadline:
+        time.sleep(window_s)
+        now, cpu = time.monotonic(), _cpu(p)
+        if cpu - last_cpu >= burst_s * (now - last_t) / window_s:
+            return True
+        last_t, last_cpu = now, cpu
+    return False
+
+
+def _wait_idle(p: psutil.Process, quiet_s: float, within_s: float) -> bool:
+    """Whether ``p`` stays (nearly) idle for ``quiet_s`` before ``within_s`` runs out."""
+    deadline = time.monotonic() + within_s
+    quiet_since, last = time.monotonic(), _cpu(p)
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        cpu = _cpu(p)
+        if cpu - last > 0.02:
+            quiet_since = time.monotonic()
+        last = cpu
+        if time.monotonic() - quiet_since >= quiet_s:
+            return True
+    return False
+
+
+def _trained(run: Path) -> list[int]:
+    path = run / "timing.jsonl"
+    return [json.loads(x)["step"] for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait(predicate, until: float, proc: subprocess.Popen, what: str, log: Path, poll: float = 0.2):
+    while time.monotonic() < until:
+        got = predicate()
+        if got:
+            return got
+        assert proc.poll() is None, f"train exited ({proc.returncode}) while waiting for {what}:\n" + log.read_text()[-6000:]
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}:\n" + log.read_text()[-4000:])
+
+
+def _recoveries(run: Path) -> list[dict]:
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((run / "run.json").read_text()).get("recoveries") or []
+    return []
+
+
+FAULT_STEPS = 6
+
+
+def test_rollout_replica_and_grader_replica_killed_mid_call_inside_a_run(cluster: Cluster):
+    """One run, two faults, each on its own node:
+
+    - the rollout replica is SIGKILLed while it generates step k (the first busy moment right
+      after step k-1's timing line: the step's sync is over, so the work in flight is
+      generation). Serve starts a replacement on the rollout node, which loads the latest
+      adapter before it takes traffic; the driver's generate call is retried and answered.
+    - both grader replicas are frozen (SIGSTOP: replicas that hang) when step j's generation
+      starts. Once the rollout replica has gone idle (its generation answered, so step j's
+      ScoreBatch is waiting on the frozen replicas) and one grader call deadline
+      (grader.timeout_s=5) has passed, they are SIGKILLed. The timed-out call is retried by the
+      grader client (grader.max_retries=6) and answered by the replicas Serve starts instead.
+      (A replica killed while it merely holds the request queued is invisible to the client:
+      Serve's router re-routes a request no replica accepted; a smoke ScoreBatch runs for a
+      few ms, too short to be caught executing.)
+
+    Proof that each recovery path ran: run.json's `recoveries` holds a rollout entry for step k
+    (a `generate` retried, every live replica then at the adapter version it was asked for) and
+    a grader entry for step j (ScoreBatch errors, then an answer); /metrics counts both in
+    counterpoint_recoveries_total{part}; no sample of any step carries another adapter version
+    than the one the step asked for; the replaced replicas have new pids."""
+    name = "faults"
+    run = cluster.runs / name
+    log = cluster.base / f"{name}.log"
+    until = time.monotonic() + BUDGET_S
+    proc = subprocess.Popen(CLI + ["train", "--config", str(_config(cluster, name)), "--run-name", name,
+                                   "--set", f"trainer.steps={FAULT_STEPS}", "--set", "grader.timeout_s=5",
+                                   "--set", "grader.max_retries=6"],
+                            cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=ray_env(),
+                            start_new_session=True)
+    try:
+        # rollout: killed in step k's generation
+        _wait(lambda: len(_trained(run)) >= 1, until, proc, "step 1 trained", log)
+        (replica,) = _replicas(cluster.procs["rollout"], "counterpoint-rollout")
+        k = len(_trained(run)) + 1
+        assert _wait_busy(replica, within_s=60), "the rollout replica never started generating"
+        assert len(_trained(run)) == k - 1, "the step moved on before the kill"
+        replica.kill()
+        rollout_killed = replica.pid
+        _wait(lambda: any(r["part"] == "rollout" for r in _recoveries(run)), until, proc,
+              "the rollout recovery entry", log)
+
+        # grader: killed mid-ScoreBatch of step j
+        done = _wait(lambda: _trained(run)[-1:] if _trained(run) and _trained(run)[-1] >= k else None,
+                     until, proc, f"step {k} trained", log)
+        j = done[0] + 1
+        assert j <= FAULT_STEPS, "no step left for the grader fault"
+        graders = _replicas(cluster.procs["grader"], GRADER_APP)
+        assert len(graders) == 2, graders
+        (replica,) = _replicas(cluster.procs["rollout"], "counterpoint-rollout")
+        assert replica.pid != rollout_killed  # Serve's replacement, on the rollout node
+        for g in graders:
+            g.send_signal(signal.SIGSTOP)
+        try:
+            assert _wait_busy(replica, within_s=60), f"step {j}'s generation never started"
+            assert _wait_idle(replica, quiet_s=1.0, within_s=120), f"step {j}'s generation never ended"
+            assert len(_trained(run)) == j - 1
+            time.sleep(6.0)  # past one grader.timeout_s: the ScoreBatch attempt in flight has failed
+            assert len(_trained(run)) == j - 1
+        finally:
+            for g in graders:
+                with contextlib.suppress(psutil.Error):
+                    g.kill()
+        grader_killed = {g.pid for g in graders}
+        entry = _wait(lambda: [r for r in _recoveries(run) if r["part"] == "grader"], until, proc,
+                      "the grader recovery entry", log)
+        replaced = {p.pid for p in _replicas(cluster.procs["grader"], GRADER_APP)} - grader_killed
+        assert replaced, "no new grader replica on the grader node answered the retry"
+        endpoint = json.loads((run / "run.json").read_text())["metrics_endpoint"]["trainer"]
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as resp:
+            scraped = resp.read().decode()
+        code = proc.wait(timeout=max(1.0, until - time.monotonic()))
+        assert code == 0, log.read_text()[-6000:]
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+                    p.kill()
+
+    receipt = json.loads((run / "run.json").read_text())
+    assert receipt["status"] == "completed"
+    recs = receipt["recoveries"]
+    rollout = [r for r in recs if r["part"] == "rollout"]
+    assert [r["step"] for r in rollout] == [k], recs
+    assert rollout[0]["what"].startswith(f"generate (step {k}, adapter v"), rollout[0]
+    asked = int(rollout[0]["what"].split("adapter v")[1].split(")")[0])
+    versions = rollout[0]["details"]["replica_versions"]
+    assert versions and set(versions.values()) == {asked}, versions  # the replacement caught up
+    grader = [r for r in recs if r["part"] == "grader"]
+    assert [r["step"] for r in grader] == [j] and grader[0]["details"]["errors"], recs
+    for part in ("rollout", "grader"):
+        assert f'counterpoint_recoveries_total{{part="{part}"}} 1.0' in scraped, scraped[-3000:]
+    # no sample carries a stale version: every row of step s was sampled with the version the
+    # step asked for (metrics.jsonl: the version live after step s-1; step 1: the init's)
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    live_after = {m["step"]: int(m["adapter_version"]) for m in metrics}
+    assert sorted(live_after) == list(range(1, FAULT_STEPS + 1))
+    for s in range(2, FAULT_STEPS + 1):
+        rows = [json.loads(x) for f in (run / f"round_{s}").glob("*__*.jsonl") if "__summary" not in f.name
+                for x in f.read_text().splitlines()]
+        assert rows and {r["adapter_version"] for r in rows} == {live_after[s - 1]}, (s, {r["adapter_version"] for r in rows})
+    assert live_after[k - 1] == asked
+
+
+def _rows(run: Path, step: int) -> list[dict]:
+    return [json.loads(x) for f in sorted((run / f"round_{step}").glob("*__*.jsonl")) if "__summary" not in f.name
+            for x in f.read_text().splitlines()]
+
+
+def test_learner_worker_killed_mid_update_is_restored_in_the_run(cluster: Cluster, placed: Path):
+    """The learner's Ray Train worker (on the learner node) is SIGKILLed while it trains step 2
+    (the first busy moment after step 1's timing line: step 2's old_log_prob/ref/update). With
+    no `--resume`, the driver restores the learner from checkpoints/step_1 (smoke saves every
+    step), sends step 2's batch again and the run finishes.
+
+    Proof that the restore ran: run.json's `recoveries` holds one learner entry for step 2,
+    restored from checkpoint step 1; the worker pid changed; and the run equals the uninterrupted
+    `placed` run of the same config: the same prompts in the same order, the same LR per step,
+    the same final adapter, byte for byte."""
+    name = "learner-fault"
+    run = cluster.runs / name
+    log = cluster.base / f"{name}.log"
+    until = time.monotonic() + BUDGET_S
+    proc = subprocess.Popen(CLI + ["train", "--config", str(_config(cluster, name)), "--run-name", name],
+                            cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=ray_env(),
+                            start_new_session=True)
+
+    def workers() -> list[psutil.Process]:
+        out = []
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(cluster.procs["learner"].pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if " ".join(p.cmdline()).startswith("ray::RayTrainWorker") and p.status() != psutil.STATUS_ZOMBIE:
+                        out.append(p)
+        return out
+
+    try:
+        _wait(lambda: len(_trained(run)) >= 1, until, proc, "step 1 trained", log)
+        (worker,) = workers()
+        assert _wait_busy(worker, within_s=120), "the learner worker never started on step 2"
+        assert _trained(run) == [1]
+        worker.kill()
+        code = proc.wait(timeout=max(1.0, until - time.monotonic()))
+        assert code == 0, log.read_text()[-6000:]
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+                    p.kill()
+    receipt = json.loads((run / "run.json").read_text())
+    assert receipt["status"] == "completed"
+    (rec,) = [r for r in receipt["recoveries"] if r["part"] == "learner"]
+    assert rec["step"] == 2 and rec["details"]["restored_from_step"] == 1 and rec["outcome"] == "recovered", rec
+    assert "restored from checkpoint step 1" in rec["what"], rec
+    assert "learner lost at step 2" in log.read_text()
+    steps = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())["trainer"]["steps"]
+    assert _trained(run) == list(range(1, steps + 1))
+    mine = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    theirs = [json.loads(x) for x in (placed / "metrics.jsonl").read_text().splitlines()]
+    assert [m["learning_rate"] for m in mine] == [m["learning_rate"] for m in theirs]
+    for s in range(1, steps + 1):
+        assert [(r["prompt_messages"], r["response_token_ids"]) for r in _rows(run, s)] == [
+            (r["prompt_messages"], r["response_token_ids"]) for r in _rows(placed, s)], f"step {s} differs"
+    for name_ in ("adapter_model.safetensors",):
+        assert (run / "adapters" / f"step_{steps}" / name_).read_bytes() == (
+            placed / "adapters" / f"step_{steps}" / name_).read_bytes(), "the restored run trained otherwise"
+
+
+def test_driver_sigkilled_then_resumed_on_the_cluster(cluster: Cluster):
+    """The driver (only it: the cluster's nodes and Serve's detached controller stay) is
+    SIGKILLed once step 2 is trained; `counterpoint train --resume` on the same cluster finishes
+    the run. Proof: the resumed attempt's run.json has a `driver` recovery entry of attempt 2
+    naming the checkpoint it resumed from, `previous_attempts` holds the killed attempt, and every
+    step is trained exactly once in timing.jsonl."""
+    name = "driver-kill"
+    run = cluster.runs / name
+    log = cluster.base / f"{name}.log"
+    until = time.monotonic() + BUDGET_S
+    proc = subprocess.Popen(CLI + ["train", "--config", str(_config(cluster, name)), "--run-name", name],
+                            cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=ray_env(),
+                            start_new_session=True)
+    try:
+        _wait(lambda: len(_trained(run)) >= 2, until, proc, "step 2 trained", log)
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    killed_at = _trained(run)
+    steps = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())["trainer"]["steps"]
+    assert killed_at[-1] < steps, f"the run ended before the kill: {killed_at}"
+    out = subprocess.run(CLI + ["train", "--resume", str(run)], cwd=REPO, capture_output=True, text=True,
+                         timeout=max(1.0, until - time.monotonic()), env=ray_env())
+    (cluster.base / f"{name}.resume.log").write_text(out.stdout + out.stderr)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
+    receipt = json.loads((run / "run.json").read_text())
+    assert receipt["status"] == "completed"
+    # killed: its run.json still said running, and its pid is gone
+    assert [a["status"] for a in receipt["previous_attempts"]] == ["died"]
+    (rec,) = [r for r in receipt["recoveries"] if r["part"] == "driver"]
+    resumed_from = receipt["resumed_from_step"]
+    assert rec["attempt"] == 2 and rec["step"] == resumed_from + 1, rec
+    assert rec["what"].startswith("previous attempt died") and f"checkpoint step {resumed_from}" in rec["what"], rec
+    assert _trained(run) == list(range(1, steps + 1))
+
+
+def test_rollout_node_removed_stops_in_one_line_and_resume_continues(cluster: Cluster):
+    """The rollout node is removed (its `ray start`, raylet and every worker of it SIGKILLed)
+    once step 1 is trained. No other node offers `rollout_slot`, so Serve cannot place the
+    replica again: step 2's generate calls time out (rollout.request_timeout_s=20,
+    max_retries=1) and the run stops with one line naming the node, that it held the rollout
+    replica, and the command that continues it. A new rollout node joins; that command finishes
+    the run. Proof: the error line, a `node` entry (outcome stopped) in run.json, the resumed
+    attempt's `driver` entry, every step trained once. Last in the module: it replaces a node."""
+    name = "node-loss"
+    run = cluster.runs / name
+    log = cluster.base / f"{name}.log"
+    until = time.monotonic() + BUDGET_S
+    proc = subprocess.Popen(CLI + ["train", "--config", str(_config(cluster, name)), "--run-name", name,
+                                   "--set", "rollout.request_timeout_s=20", "--set", "rollout.max_retries=1"],
+                            cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=ray_env(),
+                            start_new_session=True)
+    try:
+        _wait(lambda: len(_trained(run)) >= 1, until, proc, "step 1 trained", log)
+        node = cluster.procs["rollout"]
+        family = [psutil.Process(node.pid), *psutil.Process(node.pid).children(recursive=True)]
+        for p in family:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        node.wait(timeout=30)
+        code = proc.wait(timeout=max(1.0, until - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert code != 0, text[-4000:]
+    (line,) = [x for x in text.splitlines() if x.startswith("error: ")]
+    lost = cluster.node_of_role["rollout"]
+    assert f"node {lost[:12]} (counterpoint-role=rollout) is gone, it held rollout replica" in line, line
+    receipt = json.loads((run / "run.json").read_text())
+    assert receipt["status"] == "failed"  # run.json has the whole line (the console cuts it at 200)
+    assert receipt["error"].startswith("NodeLost: node ") and receipt["error"].endswith(
+        f"counterpoint train --resume {run}"), receipt["error"]
+    (stop,) = [r for r in receipt["recoveries"] if r["part"] == "node"]
+    assert stop["outcome"] == "stopped" and stop["step"] == 2, stop
+
+    cpus, resources = ROLES["rollout"]
+    cluster.procs["rollout"] = _start_node(cluster.base, "rollout-2", [
+        f"--address={cluster.address}", f"--num-cpus={cpus}", f"--resources={json.dumps(resources)}",
+        "--labels=counterpoint-role=rollout"])
+    while "Ray runtime started" not in (cluster.base / "node-rollout-2.log").read_text():
+        assert cluster.procs["rollout"].poll() is None and time.monotonic() < until
+        time.sleep(0.5)
+    out = subprocess.run(CLI + ["train", "--resume", str(run)], cwd=REPO, capture_output=True, text=True,
+                         timeout=max(1.0, until - time.monotonic()), env=ray_env())
+    (cluster.base / f"{name}.resume.log").write_text(out.stdout + out.stderr)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
+    receipt = json.loads((run / "run.json").read_text())
+    assert receipt["status"] == "completed"
+    (rec,) = [r for r in receipt["recoveries"] if r["part"] == "driver"]
+    assert rec["attempt"] == 2 and "previous attempt failed (NodeLost: node" in rec["what"], rec
+    steps = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())["trainer"]["steps"]
+    assert _trained(run) == list(range(1, steps + 1))
