@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from config.code_exec import CodeExecConfig
+from config.placement import check_label_selector, check_resources, label_selector_field, resources_field
 from config.vowel_share import VowelShareConfig
 
 Style = Literal["common-practice", "lead-sheet", "film-ambient"]
@@ -161,6 +162,11 @@ class GraderConfig(BaseModel):
         "as the cluster manifests use.",
     )
 
+    resources: dict[str, float] = resources_field("grader replica (a Serve app the trainer starts)",
+                                                  '{"grader_slot": 1}')
+    label_selector: dict[str, str] = label_selector_field("grader replica (a Serve app the trainer starts)",
+                                                          '{"counterpoint-role": "grader"}')
+
     code_exec: CodeExecConfig = Field(
         default_factory=CodeExecConfig,
         description="The code-exec task's settings (task: code-exec): sandbox limits, isolation, "
@@ -171,6 +177,12 @@ class GraderConfig(BaseModel):
         description="The vowel-share task's settings (task: vowel-share, a synthetic reward for speed "
         "benchmarks): prompt length and pool sizes (config/vowel_share.py).",
     )
+
+    @model_validator(mode="after")
+    def _placement(self) -> GraderConfig:
+        check_resources("grader.resources", self.resources)
+        check_label_selector("grader.label_selector", self.label_selector)
+        return self
 
     @model_validator(mode="after")
     def _one_token_source(self) -> GraderConfig:

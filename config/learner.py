@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from config.placement import check_label_selector, check_resources, label_selector_field, resources_field
+
 # The names the learner's registries implement (learner/advantages.py builds its estimator table
 # from AdvantageEstimator: each *_valid_only name is its base estimator over valid members only).
 AdvantageEstimator = Literal[
@@ -161,12 +163,27 @@ class LearnerConfig(BaseModel):
         120.0, gt=0, description="How long stopping the learner waits for the Train run to end before "
         "its coordinator is killed.",
     )
+    resources_per_worker: dict[str, float] = resources_field("learner worker", '{"learner_slot": 1}')
+    label_selector: dict[str, str] = label_selector_field("learner worker", '{"counterpoint-role": "learner"}')
+    max_restarts: int = Field(
+        2, ge=0, description="In-run restores of the learner after a worker (or its node) dies: the "
+        "driver restarts the Ray Train workers from the last checkpoint this run saved (or its start "
+        "point) and re-feeds the batches it kept since, so the run goes on with the data order and LR "
+        "of an uninterrupted one (README, 'What survives what'). 0 = the run stops at the first death "
+        "(`--resume` continues it). A worker that raises an error of its own is never restarted.",
+    )
 
     @model_validator(mode="after")
     def _gpu_fraction_one_rank_per_gpu(self) -> "LearnerConfig":
         if self.use_gpu and self.workers > 1 and self.gpus_per_worker <= 0.5:
             raise ValueError(f"learner.gpus_per_worker={self.gpus_per_worker:g} with {self.workers} workers lets Ray "
                              "put two NCCL ranks on one GPU; use more than 0.5")
+        return self
+
+    @model_validator(mode="after")
+    def _placement(self) -> "LearnerConfig":
+        check_resources("learner.resources_per_worker", self.resources_per_worker)
+        check_label_selector("learner.label_selector", self.label_selector)
         return self
 
     @model_validator(mode="after")

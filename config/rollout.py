@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
+from config.placement import check_label_selector, check_resources, label_selector_field, resources_field
+
 
 class ModelConfig(BaseModel):
     """The base model shared by every rollout engine and the learner."""
@@ -139,6 +141,19 @@ class RolloutConfig(BaseModel):
     adapter_wait_timeout_s: float = Field(
         120.0, gt=0, description="How long to wait for every replica to load a new adapter."
     )
+    request_timeout_s: float = Field(
+        1800.0, gt=0, description="How long one generate call may take before it counts as failed and "
+        "is retried (max_retries): a replica whose node is gone, with no node left that may hold its "
+        "replacement, would otherwise keep the call waiting at Serve's router forever."
+    )
+    resources: dict[str, float] = resources_field("rollout replica", '{"rollout_slot": 1}')
+    label_selector: dict[str, str] = label_selector_field("rollout replica", '{"counterpoint-role": "rollout"}')
+
+    @model_validator(mode="after")
+    def _placement(self) -> "RolloutConfig":
+        check_resources("rollout.resources", self.resources)
+        check_label_selector("rollout.label_selector", self.label_selector)
+        return self
 
     @model_validator(mode="after")
     def _liveness_outlasts_a_heartbeat(self) -> "RolloutConfig":

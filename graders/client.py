@@ -12,6 +12,7 @@ RESOURCE_EXHAUSTED for an oversized request, ...) are raised at once as `GraderR
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 
@@ -82,6 +83,10 @@ class GraderClient:
             ((TOKEN_METADATA, token),) if token else ()
         )
         self.retries = 0  # retried attempts over this client's life (failures it absorbed)
+        # Every retryable failure, (time.monotonic(), rpc, "CODE: details"), so a caller can say
+        # which of its calls a retry saved and how long that took (services/orchestrator.py).
+        self.retry_events: list[tuple[float, str, str]] = []
+        self._events_lock = threading.Lock()
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         self.timeout_s = timeout_s
@@ -122,6 +127,8 @@ class GraderClient:
                         f"grader {self.address} {rpc}: {code.name}: {exc.details()}", code
                     ) from None
                 last = exc
+                with self._events_lock:  # score_spread sends chunks from several threads
+                    self.retry_events.append((time.monotonic(), rpc, f"{code.name}: {(exc.details() or '')[:200]}"))
         assert last is not None
         raise GraderUnavailable(
             f"grader {self.address} {rpc} failed after {self.max_retries + 1} attempts: "

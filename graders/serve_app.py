@@ -126,7 +126,7 @@ class GraderDeployment:
 
 
 def deployment_options(cfg: GraderConfig) -> dict[str, Any]:
-    """Replica count, autoscaling bounds, CPUs and the access log from the grader config."""
+    """Replica count, autoscaling bounds, CPUs, placement and the access log from the grader config."""
     low = cfg.min_replicas or cfg.replicas
     high = max(cfg.max_replicas or cfg.replicas, low)
     initial = min(max(cfg.replicas, low), high)
@@ -142,7 +142,10 @@ def deployment_options(cfg: GraderConfig) -> dict[str, Any]:
         },
         "max_ongoing_requests": max(16, int(2 * cfg.target_ongoing_requests)),
         "ray_actor_options": {"num_cpus": cfg.num_cpus, **(
-            {"memory": cfg.replica_memory_mb * 2**20} if cfg.replica_memory_mb else {})},
+            {"memory": cfg.replica_memory_mb * 2**20} if cfg.replica_memory_mb else {}),
+            # where the replicas may run (grader.resources / grader.label_selector; none when unset)
+            **({"resources": dict(cfg.resources)} if cfg.resources else {}),
+            **({"label_selector": dict(cfg.label_selector)} if cfg.label_selector else {})},
         # Serve 2.60's per-deployment switch for its request log (serve.schema.LoggingConfig).
         "logging_config": {"enable_access_log": cfg.access_log},
     }

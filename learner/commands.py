@@ -45,7 +45,7 @@ Command = Union[Init, Step, Save, Stop]
 
 @dataclass(frozen=True)
 class Saved:
-    path: str
+    path: str  # the checkpoint directory, relative to the run directory
     adapter_sha256: str | None
 
 

@@ -6,6 +6,16 @@ ref to the coordinator; every worker takes the command in order, reads the batch
 shard; rank 0 posts the answer (metrics, phase seconds, AdapterPayload) back to the coordinator,
 where the driver picks it up. A worker that fails posts its traceback before dying, so the
 driver raises it instead of waiting forever.
+
+Files never cross a shared disk (learner/files.py): Init and Save answers come with what every
+rank wrote, as bytes in the object store, and the driver writes them into the run directory; a
+checkpoint to resume from (and an --init-adapter) goes to the workers the same way. The
+coordinator runs on the driver's node, so a worker node that dies takes only the workers with it.
+
+Every way the learner can be lost raises ``LearnerLost`` with a kind (services/recovery.py
+LEARNER_FAILURES): "worker_error" (a worker posted a traceback), "train_run_ended" (the Train run
+is over: a worker process or its node died), "coordinator_lost", "timeout". Whether to restore the
+learner and go on is the caller's decision (services/learner_recovery.py).
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import ray
 
 from learner import checkpoint
 from learner.commands import Command, Failed, Init, Save, Saved, Step, Stop
+from learner.files import pack, write_bundle
 from learner.types import InitInfo, StepResult, TrainBatch
 from config.runtime_env import apply_defaults
 
@@ -35,7 +46,20 @@ class LearnerCoordinator:
         self.commands: list[Command] = []
         self.taken: list[int] = []
         self.results: dict[int, Any] = {}
+        self.files: dict[int, dict[int, list]] = {}  # command index -> rank -> [ref of its bundle]
+        self.workers: dict[int, dict] = {}  # rank -> {"node_id", "pid"}
         self.changed = asyncio.Condition()
+
+    async def hello(self, rank: int, node_id: str, pid: int) -> None:
+        self.workers[rank] = {"rank": rank, "node_id": node_id, "pid": pid}
+
+    async def where(self) -> list[dict]:
+        return [self.workers[r] for r in sorted(self.workers)]
+
+    async def put_files(self, index: int, rank: int, box: list) -> None:
+        async with self.changed:
+            self.files.setdefault(index, {})[rank] = box
+            self.changed.notify_all()
 
     async def submit(self, command: Command) -> int:
         async with self.changed:
@@ -58,13 +82,22 @@ class LearnerCoordinator:
             self.results.setdefault(index, result)  # a worker's error report wins if it came first
             self.changed.notify_all()
 
-    async def get_result(self, index: int, timeout_s: float) -> tuple[bool, Any]:
+    async def get_result(self, index: int, timeout_s: float, with_files: bool = False) -> tuple[bool, Any, list]:
+        """(done, answer, [the ranks' bundle refs]); with ``with_files`` done waits for every rank's
+        files too (a Failed answer ends the wait at once)."""
+        def ready() -> bool:
+            if index not in self.results:
+                return False
+            return (not with_files or isinstance(self.results[index], Failed)
+                    or len(self.files.get(index, {})) >= self.world_size)
+
         async with self.changed:
             try:
-                await asyncio.wait_for(self.changed.wait_for(lambda: index in self.results), timeout_s)
+                await asyncio.wait_for(self.changed.wait_for(ready), timeout_s)
             except asyncio.TimeoutError:
-                return False, None
-            return True, self.results.pop(index)
+                return False, None, []
+            boxes = self.files.pop(index, {})
+            return True, self.results.pop(index), [boxes[r] for r in sorted(boxes)]
 
 
 def _state_api_answers() -> bool:
@@ -101,6 +134,27 @@ def _trainer_class(torch_trainer):
     return LearnerTrainer
 
 
+class LearnerLost(RuntimeError):
+    """The learner cannot answer: ``kind`` says how it was lost, ``detail`` (a traceback for
+    "worker_error") says what was seen."""
+
+    def __init__(self, kind: str, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.kind, self.detail = kind, detail or message
+
+
+def _bundle_ref(path: Path | None) -> list | None:
+    """A directory's files put in the object store by the driver (which owns them: they outlive
+    any worker), boxed so that Ray hands the workers the ref."""
+    return None if path is None else [ray.put(pack(path))]
+
+
+def _on_this_node() -> Any:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+
+
 class LearnerJob:
     """The learner as the orchestrator sees it: start, step, save_checkpoint, stop."""
 
@@ -109,7 +163,7 @@ class LearnerJob:
         stays in the object store, owned by the rank-0 worker (learner/worker.py), fetchable
         until ``stop()``."""
         self.run_cfg = run_cfg
-        # Absolute: the Train workers run in their own working directory (Ray's session dir).
+        # The driver's run directory: what the workers write arrives here as bytes (_call).
         self.run_dir = Path(run_dir).resolve()
         self.init_adapter = Path(init_adapter).resolve() if init_adapter else None
         self.resume_from = Path(resume_from).resolve() if resume_from else None
@@ -128,15 +182,17 @@ class LearnerJob:
             # Refuse early (before any worker starts) when the LR policy says so.
             state = checkpoint.read_state(self.resume_from)
             checkpoint.lr_decision(state["lr"], lcfg.lr, lcfg.on_lr_mismatch)
+        from ray.train import FailureConfig, ScalingConfig
         from ray.train import RunConfig as TrainRunConfig
-        from ray.train import ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
         from learner.policy import PolicySpec
         from learner.worker import train_loop_per_worker
 
-        self._coord = LearnerCoordinator.options(name=f"learner-coordinator-{uuid.uuid4().hex[:8]}").remote(lcfg.workers)
-        resources = {"CPU": lcfg.num_cpus_per_worker}
+        # On the driver's node: the command log and the answers outlive any worker node.
+        self._coord = LearnerCoordinator.options(name=f"learner-coordinator-{uuid.uuid4().hex[:8]}",
+                                                 scheduling_strategy=_on_this_node()).remote(lcfg.workers)
+        resources = {"CPU": lcfg.num_cpus_per_worker, **lcfg.resources_per_worker}
         if lcfg.use_gpu:
             resources["GPU"] = lcfg.gpus_per_worker
         trainer = _trainer_class(TorchTrainer)(
@@ -147,18 +203,24 @@ class LearnerJob:
                 "learner": lcfg.model_dump(mode="json"),
                 "model": self.run_cfg.model.model_dump(mode="json"),
                 "spec": dataclasses.asdict(PolicySpec.for_run(self.run_cfg)),
-                "run_dir": str(self.run_dir),
-                "init_adapter": str(self.init_adapter) if self.init_adapter else None,
-                "resume_from": str(self.resume_from) if self.resume_from else None,
+                # Bytes, not paths: the workers' nodes need not see the driver's disk.
+                "init_adapter": _bundle_ref(self.init_adapter),
+                "resume_from": _bundle_ref(self.resume_from),
             },
             torch_config=TorchConfig(backend="nccl" if lcfg.use_gpu else "gloo"),
             scaling_config=ScalingConfig(
-                num_workers=lcfg.workers, use_gpu=lcfg.use_gpu, resources_per_worker=resources
+                num_workers=lcfg.workers, use_gpu=lcfg.use_gpu, resources_per_worker=resources,
+                label_selector=dict(lcfg.label_selector) or None,
             ),
             run_config=TrainRunConfig(
                 name=f"learner-{uuid.uuid4().hex[:8]}",
+                # Written by Ray Train's controller, which Ray pins to the driver's node.
                 storage_path=str(self.run_dir / ".ray_train"),
                 worker_runtime_env={"env_vars": apply_defaults()},
+                # Ray Train would restart the workers from the top of their loop, which would
+                # replay a command log that no longer holds its batches; a lost learner is the
+                # driver's to restore (services/learner_recovery.py, bounded by learner.max_restarts).
+                failure_config=FailureConfig(max_failures=0, max_preemption_failures=0),
             ),
         )
         self._thread = threading.Thread(target=self._fit, args=(trainer,), name="learner-fit", daemon=True)
@@ -174,21 +236,43 @@ class LearnerJob:
             self._fit_error = err
 
     def _call(self, command: Command, timeout_s: float) -> Any:
+        from ray.exceptions import RayActorError
+
         if self._coord is None:
             raise RuntimeError("LearnerJob.start() was not called (or the job was stopped)")
-        index = ray.get(self._coord.submit.remote(command))
-        deadline = time.monotonic() + timeout_s
-        while True:
-            done, result = ray.get(self._coord.get_result.remote(index, 1.0))
-            if done:
-                if isinstance(result, Failed):
-                    raise RuntimeError(f"learner command {type(command).__name__.lower()!r} failed in {result.where}:\n"
-                                       f"{result.traceback}")
-                return result
-            if self._thread is not None and not self._thread.is_alive():
-                raise RuntimeError(f"the learner's Ray Train run ended unexpectedly: {self._fit_error!r}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"learner command {type(command).__name__.lower()!r} took more than {timeout_s:.0f} s")
+        what = type(command).__name__.lower()
+        with_files = isinstance(command, (Init, Save))
+        try:
+            index = ray.get(self._coord.submit.remote(command))
+            deadline = time.monotonic() + timeout_s
+            while True:
+                done, result, boxes = ray.get(self._coord.get_result.remote(index, 1.0, with_files))
+                if done:
+                    break
+                if self._thread is not None and not self._thread.is_alive():
+                    raise LearnerLost("train_run_ended", f"the learner's Ray Train run ended during {what!r}: "
+                                      f"{self._fit_error!r}"[:2000])
+                if time.monotonic() > deadline:
+                    raise LearnerLost("timeout", f"learner command {what!r} took more than {timeout_s:.0f} s")
+        except RayActorError as err:
+            raise LearnerLost("coordinator_lost", f"the learner's coordinator died during {what!r}: {err}") from None
+        if isinstance(result, Failed):
+            raise LearnerLost("worker_error", f"learner command {what!r} failed in {result.where}:\n{result.traceback}",
+                              detail=result.traceback)
+        # Every rank's part of what the command wrote (rank 0 the adapter, each rank its shard of
+        # the checkpoint), merged first: a checkpoint directory is written once, whole.
+        merged: dict[str, bytes] = {}
+        for box in boxes:
+            for rel, data in ray.get(box[0]).items():
+                if merged.setdefault(rel, data) != data:
+                    raise RuntimeError(f"learner ranks wrote different bytes to {rel} during {what!r}")
+        if merged:
+            write_bundle(merged, self.run_dir)
+        return result
+
+    def workers(self) -> list[dict]:
+        """Where the workers run: [{"rank", "node_id", "pid"}] (empty before they start)."""
+        return [] if self._coord is None else ray.get(self._coord.where.remote(), timeout=30)
 
     def step(self, batch: TrainBatch) -> StepResult:
         if len(batch) < self.run_cfg.learner.workers:
@@ -201,15 +285,17 @@ class LearnerJob:
     def save_checkpoint(self, step: int, data_position: dict[str, Any] | None = None) -> Path:
         """checkpoints/step_<N>/ (resumable) and adapters/step_<N>/ (peft dir)."""
         out: Saved = self._call(Save(step=step, data_position=data_position), self.run_cfg.learner.save_timeout_s)
-        return Path(out.path)
+        return self.run_dir / out.path
 
     def stop(self) -> None:
         if self._coord is None:
             return
         try:
-            ray.get(self._coord.submit.remote(Stop()))
+            ray.get(self._coord.submit.remote(Stop()), timeout=30)
             if self._thread is not None:
                 self._thread.join(self.run_cfg.learner.stop_timeout_s)
+        except Exception:  # a lost learner's coordinator or Train run: nothing left to stop
+            pass
         finally:
             ray.kill(self._coord)
             self._coord = None

@@ -10,11 +10,20 @@ the new adapter. No ``ray.train.report`` per step (~2 s each).
 What a command answers is ``init_answer`` / ``step_answer`` / ``save_answer``, plain functions
 of the PolicyLearner; ``export`` says how the adapter leaves (here: left in the object store,
 ``left_in_store``; services/inprocess.py's learner hands the payload itself).
+
+No shared disk: a worker never opens the run directory (its node may not see it). What a command
+writes (adapters/init, adapters/step_<N>, checkpoints/step_<N>) goes to a staging directory on
+the worker's own node, laid out like the run directory, and leaves as bytes (learner/files.py)
+that every rank posts to the coordinator; the driver writes them into the run directory. A
+checkpoint to resume from and an --init-adapter arrive the same way, as a bundle the driver put
+in the object store, unpacked into the staging directory.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -24,6 +33,7 @@ from typing import Any
 import torch
 
 from learner import checkpoint
+from learner.files import pack, unpack
 from learner.commands import Answer, Command, Failed, Init, Save, Saved, Step, Stop
 from learner.lora import save_adapter
 from learner.policy import PolicyLearner, PolicySpec
@@ -66,7 +76,8 @@ def step_answer(learner: PolicyLearner, batch: TrainBatch, export: Export) -> St
 
 
 def save_answer(learner: PolicyLearner, cmd: Save, run_dir: Path) -> Saved | None:
-    """Save: checkpoints/step_<N>/ (every rank its part) and adapters/step_<N>/ (rank 0)."""
+    """Save: checkpoints/step_<N>/ (every rank its part) and adapters/step_<N>/ (rank 0), under
+    ``run_dir`` (the Ray workers' staging directory; the driver maps ``path`` to its own)."""
     if cmd.step != learner.step_count:
         raise ValueError(f"save_checkpoint(step={cmd.step}) but the learner is at step {learner.step_count}")
     ckpt = checkpoint.checkpoint_dir(run_dir, learner.step_count)
@@ -74,7 +85,7 @@ def save_answer(learner: PolicyLearner, cmd: Save, run_dir: Path) -> Saved | Non
     if learner.rank != 0:
         return None
     save_adapter(learner.peft_model, run_dir / "adapters" / f"step_{learner.step_count}")
-    return Saved(path=str(ckpt), adapter_sha256=sha)
+    return Saved(path=str(ckpt.relative_to(run_dir)), adapter_sha256=sha)
 
 
 def handle(learner: PolicyLearner, cmd: Command, run_dir: Path) -> Answer:
@@ -88,6 +99,13 @@ def handle(learner: PolicyLearner, cmd: Command, run_dir: Path) -> Answer:
     if isinstance(cmd, Save):
         return save_answer(learner, cmd, run_dir)
     raise ValueError(f"unknown learner command {cmd!r}")
+
+
+def _unpacked(box: list | None, where: Path) -> Path | None:
+    """A bundle the driver left in the object store (boxed in a list), written under ``where``."""
+    import ray
+
+    return None if not box else unpack(ray.get(box[0]), where)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -104,27 +122,29 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     coord = config["coordinator"]
     cfg = LearnerConfig.model_validate(config["learner"])
     model_cfg = ModelConfig.model_validate(config["model"])
-    run_dir = Path(config["run_dir"])
     torch.set_num_threads(cfg.torch_threads or max(1, int(cfg.num_cpus_per_worker)))
+    # This node's own scratch space: the run directory lives on the driver's node.
+    stage = Path(tempfile.mkdtemp(prefix=f"counterpoint-learner-r{rank}-"))
+    out = stage / "out"
     index = 0
     try:
-        for key in ("run_dir", "init_adapter", "resume_from"):
-            if config.get(key) and not Path(config[key]).is_absolute():
-                # A relative path here resolves against Ray's session directory: the run's
-                # adapters and checkpoints would vanish into /tmp. Fail loudly instead.
-                raise ValueError(f"learner worker got a relative {key} {config[key]!r}; the driver must pass "
-                                 f"absolute paths (this worker runs in {os.getcwd()})")
+        ray.get(coord.hello.remote(rank, ray.get_runtime_context().get_node_id(), os.getpid()))
         device = ray.train.torch.get_device() if cfg.use_gpu else torch.device("cpu")
+        init_adapter = _unpacked(config.get("init_adapter"), stage / "in" / "init_adapter")
+        resume_from = _unpacked(config.get("resume_from"), stage / "in" / "checkpoint")
         learner = PolicyLearner(
             cfg, model_cfg, PolicySpec(**config["spec"]), rank=rank, world_size=world, device=device,
-            init_adapter=Path(config["init_adapter"]) if config.get("init_adapter") else None,
-            resume_from=Path(config["resume_from"]) if config.get("resume_from") else None,
+            init_adapter=init_adapter, resume_from=resume_from,
         )
         while True:
             cmd = ray.get(coord.next_command.remote(index, rank))
             if isinstance(cmd, Stop):
                 return
-            answer = handle(learner, cmd, run_dir)
+            answer = handle(learner, cmd, out)
+            if isinstance(cmd, (Init, Save)):  # every rank posts what it wrote (maybe nothing)
+                files = pack(out)
+                shutil.rmtree(out, ignore_errors=True)  # shipped: the driver writes the record
+                ray.get(coord.put_files.remote(index, rank, [ray.put(files)]))
             if rank == 0:
                 ray.get(coord.put_result.remote(index, answer))
             index += 1
@@ -132,3 +152,5 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         failed = Failed(where=f"learner rank {rank} (pid {os.getpid()})", traceback=traceback.format_exc())
         ray.get(coord.put_result.remote(index, failed))
         raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)  # a copy: what it held went to the driver

@@ -75,17 +75,18 @@ class AdapterRegistry:
     async def latest(self) -> int:
         return self.state.latest
 
-    async def heartbeat(self, replica_id: str, actor_name: str, version: int, tokens: int) -> int:
-        self.state.heartbeat(replica_id, actor_name, version, tokens, time.monotonic())
+    async def heartbeat(self, replica_id: str, actor_name: str, version: int, tokens: int, node_id: str = "") -> int:
+        self.state.heartbeat(replica_id, actor_name, version, tokens, time.monotonic(), node_id)
         await self._notify()
         return self.state.latest
 
     async def wait_newer(
-        self, replica_id: str, actor_name: str, held: int, tokens: int, newer_than: int, timeout: float
+        self, replica_id: str, actor_name: str, held: int, tokens: int, newer_than: int, timeout: float,
+        node_id: str = "",
     ) -> int:
         """Heartbeat (`held` = the version the replica serves), then return the latest version
         as soon as it is newer than `newer_than` (or after `timeout`)."""
-        await self.heartbeat(replica_id, actor_name, held, tokens)
+        await self.heartbeat(replica_id, actor_name, held, tokens, node_id)
         async with self.changed:
             try:
                 await asyncio.wait_for(
@@ -115,8 +116,12 @@ class AdapterRegistry:
 
 
 def get_or_create_registry(rollout_cfg: RolloutConfig, name: str = REGISTRY_NAME):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # On the driver's node: the control plane outlives any replica node.
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     return AdapterRegistry.options(
-        name=name, namespace=NAMESPACE, get_if_exists=True
+        name=name, namespace=NAMESPACE, get_if_exists=True, scheduling_strategy=here,
     ).remote(keep=rollout_cfg.adapters_kept, liveness_s=rollout_cfg.replica_liveness_s)
 
 
@@ -150,6 +155,7 @@ class RolloutReplica:
         self.heartbeat_s = RolloutConfig(**rollout_cfg).heartbeat_s
         self.replica_id = context.replica_id.unique_id
         self.actor_name = context.replica_id.to_full_id_str()
+        self.node_id = ray.get_runtime_context().get_node_id()
         self.registry = registry
         self.tokens = 0
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -160,7 +166,13 @@ class RolloutReplica:
             make_engine, ModelConfig(**model_cfg), RolloutConfig(**rollout_cfg), kind, engine_seed
         ).result()
         # Catch up before taking traffic: a replacement replica starts at the latest version.
-        self.pool.submit(self._load_latest_if_newer).result()
+        # The latest may be unfetchable (its owner, the learner's rank 0, died and is being
+        # restored): start without it then; a request naming a version loads it or fails loudly.
+        try:
+            self.pool.submit(self._load_latest_if_newer).result()
+        except Exception as err:
+            log.warning("replica %s starts without the latest adapter (%s: %s); requests load what they name",
+                        self.replica_id, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
         self._stop = threading.Event()
         self._follower = threading.Thread(target=self._follow, name="adapter-follower", daemon=True)
         self._follower.start()
@@ -197,7 +209,7 @@ class RolloutReplica:
         # Waited for (a few ms), so that a snapshot taken after a call returns includes it.
         ray.get(
             self.registry.heartbeat.remote(
-                self.replica_id, self.actor_name, self.engine.loaded_version(), self.tokens
+                self.replica_id, self.actor_name, self.engine.loaded_version(), self.tokens, self.node_id
             )
         )
 
@@ -218,7 +230,7 @@ class RolloutReplica:
                 latest = ray.get(
                     self.registry.wait_newer.remote(
                         self.replica_id, self.actor_name, held, self.tokens,
-                        max(held, requested), self.heartbeat_s,
+                        max(held, requested), self.heartbeat_s, self.node_id,
                     )
                 )
                 if latest > max(held, requested) and pending is None:
@@ -253,6 +265,16 @@ class RolloutReplica:
             stop.set()
 
 
+def placement_options(rollout_cfg: RolloutConfig) -> dict:
+    """ray_actor_options keys for rollout.resources / rollout.label_selector (none when unset)."""
+    out: dict = {}
+    if rollout_cfg.resources:
+        out["resources"] = dict(rollout_cfg.resources)
+    if rollout_cfg.label_selector:
+        out["label_selector"] = dict(rollout_cfg.label_selector)
+    return out
+
+
 def rollout_app(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, registry, kind: str | None = None, seed: int = 0):
     """The Serve application: `rollout_cfg.replicas` replicas of RolloutReplica."""
     from config.runtime_env import apply_defaults
@@ -265,6 +287,7 @@ def rollout_app(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, registry, ki
             "num_cpus": rollout_cfg.num_cpus,
             "num_gpus": rollout_cfg.num_gpus,
             "runtime_env": {"env_vars": apply_defaults()},
+            **placement_options(rollout_cfg),
         },
     )
     return deployment.bind(
@@ -315,7 +338,8 @@ class RolloutClient:
             responses.append((start, self.handle.generate.remote(prompts[start:end], chunk_params, version)))
         samples: list[Sample] = []
         for start, response in responses:
-            for s in response.result():
+            # Bounded: a replica that can never be replaced would keep the call queued forever.
+            for s in response.result(timeout_s=self.rollout_cfg.request_timeout_s):
                 s.prompt_index += start
                 samples.append(s)
         return samples
@@ -342,6 +366,10 @@ class RolloutClient:
 
     def snapshot(self) -> dict:
         return ray.get(self.registry.snapshot.remote())
+
+    def replicas(self) -> dict[str, int]:
+        """replica id -> the adapter version it holds, for every live replica (recovery records)."""
+        return dict(self.snapshot()["replicas"])
 
     def info(self) -> dict:
         """One replica's engine kind, held version, stop-token report and engine stats (for the receipt)."""

@@ -36,6 +36,7 @@ class ReplicaInfo:
     version: int
     tokens: int
     last_seen: float
+    node_id: str = ""  # the Ray node it runs on (placement records, node-loss messages)
 
 
 class RegistryState:
@@ -77,8 +78,9 @@ class RegistryState:
 
     # ----------------------------------------------------------------- replicas
 
-    def heartbeat(self, replica_id: str, actor_name: str, version: int, tokens: int, now: float) -> None:
-        self._replicas[replica_id] = ReplicaInfo(replica_id, actor_name, version, tokens, now)
+    def heartbeat(self, replica_id: str, actor_name: str, version: int, tokens: int, now: float,
+                  node_id: str = "") -> None:
+        self._replicas[replica_id] = ReplicaInfo(replica_id, actor_name, version, tokens, now, node_id)
 
     def forget(self, replica_id: str) -> None:
         info = self._replicas.pop(replica_id, None)
@@ -105,5 +107,6 @@ class RegistryState:
             "replicas": {r.replica_id: r.version for r in self.live(now)},
             "actor_names": {r.replica_id: r.actor_name for r in self.live(now)},
             "tokens": {r.replica_id: r.tokens for r in self.live(now)},  # per live replica
+            "nodes": {r.replica_id: r.node_id for r in self.live(now)},
             "tokens_total": self.tokens_total(),
         }

@@ -75,6 +75,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "counterpoint_adapter_version",
     "counterpoint_generated_tokens_total",
     "counterpoint_last_step_timestamp_seconds",
+    "counterpoint_recoveries_total",
 )
 
 # Tree mode (issue 14): the round diagnostics of search/diagnostics.py, exported by
@@ -168,6 +169,17 @@ class TrainerMetrics:
             "counterpoint_last_step_timestamp_seconds", "Unix time the last step finished.",
             registry=reg,
         )
+        # One series per part of services/recovery.py's bounded set, at 0 from the start, so an
+        # increase() over a window that holds the first recovery sees it.
+        from services.recovery import PARTS as RECOVERY_PARTS
+
+        self._recoveries = Counter(
+            "counterpoint_recoveries", "Failures a run recovered from (or stopped at), per part "
+            "(rollout, grader, learner, node, driver); run.json `recoveries` says what each was.",
+            ["part"], registry=reg,
+        )
+        for part in RECOVERY_PARTS:
+            self._recoveries.labels(part=part)
 
     def start(self) -> int:
         """Serve /metrics; return the bound port (port 0 picks a free one)."""
@@ -289,6 +301,12 @@ class TrainerMetrics:
                 elif m := _SELECTION_KEY.fullmatch(key):
                     self._set_or_remove(self._search_selection, "counterpoint_search_selection_metric", value,
                                         stat=m.group(1), split=m.group(2))
+
+    def record_recovery(self, entry) -> None:
+        """One services.recovery.Recovery: counterpoint_recoveries_total{part} + 1."""
+        self._recoveries.labels(part=entry.part).inc()
+        with self._lock:
+            self._points[f'counterpoint_recoveries_total{{part="{entry.part}"}}'] += 1
 
     def _set_or_remove(self, gauge: Gauge, name: str, value: float | int | None, **labels: str) -> None:
         if value is None:

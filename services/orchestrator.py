@@ -31,6 +31,7 @@ from model.adapter import AdapterPayload, AdapterRef
 from rollout.types import Prompt, Sample, SamplingParams
 from config import RunConfig
 from graders.spread import score_spread
+from services.recovery import first_line, retried_what
 from services.step_timer import PhaseTimer
 
 log = logging.getLogger("counterpoint.train")
@@ -64,6 +65,7 @@ class RunParts:
     version: int = 0  # adapter version live on every replica
     collect: Callable[..., tuple["Rollouts", list[Any]]] | None = None  # None = collect_flat
     archive: Callable[["RoundRecord"], None] | None = None  # the round to disk before the update
+    recoveries: Any = None  # services.recovery.RecoveryLog: what a retry saved (None = not recorded)
 
 
 @dataclass
@@ -129,13 +131,23 @@ def sampling_params(cfg: RunConfig, step: int) -> SamplingParams:
     return SamplingParams.from_rollout(r, seed=cfg.seed * 1_000_003 + step)
 
 
-def with_retries(call: Callable[[], Any], what: str, retries: int, backoff_s: float) -> Any:
+def with_retries(call: Callable[[], Any], what: str, retries: int, backoff_s: float,
+                 retried: Callable[[list[str], float], None] | None = None) -> Any:
     """Run `call`, retrying with exponential backoff (a replica may be dying and replaced);
-    after `retries` failures the last error propagates: never a partial result."""
+    after `retries` failures the last error propagates: never a partial result. A call that
+    answered after failing is reported to `retried` (its errors, seconds from the first failure)."""
+    errors: list[str] = []
+    first_failure = 0.0
     for attempt in range(retries + 1):
         try:
-            return call()
+            out = call()
+            if errors and retried is not None:
+                retried(errors, time.monotonic() - first_failure)
+            return out
         except Exception as err:  # Ray wraps replica failures in several exception types
+            if not errors:
+                first_failure = time.monotonic()
+            errors.append(first_line(err))
             if attempt == retries:
                 raise
             delay = backoff_s * 2**attempt
@@ -150,7 +162,8 @@ def generate(parts: RunParts, step: int, version: int) -> Rollouts:
     case_ids, prompts = prompts_for_step(parts, step)
     rc = parts.cfg.rollout
     samples = with_retries(lambda: parts.rollout.generate(prompts, sampling_params(parts.cfg, step), version),
-                           f"generate (step {step})", rc.max_retries, rc.retry_backoff_s)
+                           f"generate (step {step})", rc.max_retries, rc.retry_backoff_s,
+                           _recorder(parts, "rollout", step, f"generate (step {step}, adapter v{version})"))
     if len(samples) != len(prompts):
         raise RuntimeError(f"rollout returned {len(samples)} samples for {len(prompts)} prompts")
     samples = sorted(samples, key=lambda s: s.prompt_index)
@@ -159,6 +172,25 @@ def generate(parts: RunParts, step: int, version: int) -> Rollouts:
         raise RuntimeError(f"rollout answered with adapter versions {sorted(set(stale))}, asked for {version}")
     groups = [i // parts.cfg.trainer.group_size for i in range(len(prompts))]
     return Rollouts(step, case_ids, prompts, samples, groups, time.perf_counter() - t0)
+
+
+def _recorder(parts: RunParts, part: str, step: int, call: str) -> Callable[[list[str], float], None] | None:
+    """What `with_retries` reports a saved call to: one recovery entry (run.json `recoveries`,
+    counterpoint_recoveries_total{part}), with the adapter version each live replica holds."""
+    if parts.recoveries is None:
+        return None
+
+    def record(errors: list[str], seconds: float) -> None:
+        held = getattr(parts.rollout, "replicas", None)
+        details = {"errors": errors}
+        if held is not None:
+            try:
+                details["replica_versions"] = held()
+            except Exception as err:  # a record: never the reason a recovered step fails
+                details["replica_versions"] = f"unknown ({first_line(err)})"
+        parts.recoveries.record(part, step, retried_what(call, errors), seconds, **details)
+
+    return record
 
 
 def completion_text(prompt: Prompt, sample: Sample) -> str:
@@ -170,7 +202,15 @@ def score(parts: RunParts, ro: Rollouts) -> list[Any]:
     items = [(cid, completion_text(p, s)) for cid, p, s in zip(ro.case_ids, ro.prompts, ro.samples)]
     # Chunks sent concurrently spread over the grader replicas; each is retried inside the client,
     # and a failed chunk raises rather than return a partial batch.
+    events = getattr(parts.grader, "retry_events", None)
+    seen = len(events) if events is not None else 0
     replies = score_spread(parts.grader, items, parts.cfg.grader.chunk_for(len(items)))
+    if events is not None and len(events) > seen and parts.recoveries is not None:
+        # the grader client retried some chunk of this batch (a replica died under it) and answered
+        new = list(events[seen:])
+        errors = [f"{rpc} {err}" for _, rpc, err in new]
+        parts.recoveries.record("grader", ro.step, retried_what(f"ScoreBatch (step {ro.step})", errors),
+                                time.monotonic() - new[0][0], errors=errors)
     if len(replies) != len(items):
         raise RuntimeError(f"grader returned {len(replies)} scores for {len(items)} completions")
     return replies
@@ -231,7 +271,8 @@ def run_steps(parts: RunParts, first_step: int) -> None:
                 adapter = result.adapter  # version stamped by the learner (model.adapter.adapter_version)
                 parts.rollout.publish(adapter)
                 with_retries(lambda: parts.rollout.sync(adapter.version), f"sync adapter v{adapter.version}",
-                             parts.cfg.rollout.max_retries, parts.cfg.rollout.retry_backoff_s)
+                             parts.cfg.rollout.max_retries, parts.cfg.rollout.retry_backoff_s,
+                             _recorder(parts, "rollout", step, f"sync adapter v{adapter.version}"))
             parts.version = adapter.version
             live_s = timer.total()  # DESIGN.md: a step ends when its adapter is live on every replica
             if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:

@@ -67,6 +67,8 @@ UPDATABLE_FIELDS = (
     "init_adapter",
     "artifacts",
     "sampling",
+    "placement",  # where each part ran (services/cluster.py placement_record)
+    "recoveries",  # every recovery of every attempt (services/recovery.py RecoveryLog.all)
 )
 
 ExitStatus = Literal["completed", "interrupted", "failed"]

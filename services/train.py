@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -18,7 +19,9 @@ from records.run_dir import RunDir
 from services.archive import recover, supersede_after
 from evals.heldout import heldout_section
 from config import RunConfig, apply_override, config_from_dict, resolved, with_absolute_paths
+from services.recovery import RecoveryLog, first_line, resume_what
 from services.orchestrator import RoundRecord, RunParts, StepRecord, run_steps
+from services.cluster import check_placement, placement_record
 from services.launch import check_resources, start_grader, start_ray, start_rollout, stop_token_report, watch_grader
 from services.runlock import RunInUse  # noqa: F401 (raised by resume_config; callers import it from here)
 
@@ -132,6 +135,32 @@ def resume_point(run: RunDir) -> tuple[int, Path | None]:
     return step + 1, run.checkpoint_dir(step) if usable else None
 
 
+class NodeLost(RuntimeError):
+    """A node of the cluster went away with a part no other live node may hold."""
+
+
+def _node_loss_line(cfg: RunConfig, run: RunDir, placement: dict[str, Any]) -> str | None:
+    """services/placement.py's node-loss line for a run whose step failed, when a node that held
+    one of its parts is gone (None otherwise, or when the cluster cannot be read)."""
+    from services.cluster import nodes
+    from services.placement import Held, lost_parts, needs_of, node_loss_message
+
+    try:
+        known = nodes()
+    except Exception:  # the failure may be the cluster itself: keep the original error
+        return None
+    held = [Held(p["part"], p["what"], p["node_id"], p.get("pid")) for p in placement.get("parts", [])]
+    return node_loss_message(lost_parts(held, known), known, needs_of(cfg), str(run.root))
+
+
+def _previous_receipt(run: RunDir) -> dict[str, Any] | None:
+    """The receipt the attempt being resumed left (None when unreadable or absent)."""
+    try:
+        return json.loads(run.receipt_path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _had_given_init(run: RunDir) -> bool:
     """Whether the run started from an --init-adapter (its receipt names it) rather than the seed."""
     try:
@@ -206,6 +235,15 @@ class StepRecorder:
 
 
 # ---------------------------------------------------------------- the run
+def _placement(cfg: RunConfig, learner) -> dict[str, Any]:
+    """run.json's ``placement`` (services/cluster.py); a record, so reading it never stops a run."""
+    try:
+        return placement_record(cfg, learner)
+    except Exception as err:  # the GCS actor table is a Ray developer API: it may move
+        log.warning("could not record where the parts run: %s: %s", type(err).__name__, err)
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
 def heldout_eval(cfg: RunConfig, grader, rollout, version: int, out: Path) -> dict[str, Any]:
     """Held-out eval with adapter `version`, kept per item as the EVAL.jsonl `out` (so before and
     after pair item by item); returns its summary and file for the receipt. Prompts and sampling
@@ -245,14 +283,21 @@ def train(opts: TrainOptions) -> RunDir:
     from services.receipt import Receipt, install_sigterm_handler
     from services.sampler import sampler_from_config
 
+    started = time.monotonic()
     cfg = opts.config
     run = RunDir(opts.run_dir).create()
+    previous = _previous_receipt(run) if opts.resume else None
     first_step, ckpt = resume_point(run) if opts.resume else (1, None)
     init_adapter = opts.init_adapter
     if opts.resume and ckpt is None and init_adapter is None and _had_given_init(run):
         init_adapter = run.init_adapter_dir  # restarting from step 1: the copy of the init it was given
     receipt = Receipt(run.receipt_path, kind="train", run_name=run.root.name)
     receipt.start(config=resolved(cfg), seeds={"seed": cfg.seed}, resumed_from_step=first_step - 1 if opts.resume else None)
+    recoveries = RecoveryLog(attempt=len(receipt.data["previous_attempts"]) + 1,
+                             earlier=(previous or {}).get("recoveries") or ())
+    recoveries.subscribe(lambda _entry: receipt.update(recoveries=recoveries.all()))
+    if recoveries.earlier:
+        receipt.update(recoveries=recoveries.all())
     if opts.resume:
         receipt.update(resume_changes=opts.resume_changes or {})
     if run.superseded_root.is_dir():  # what earlier attempts recorded past their resume points
@@ -261,6 +306,7 @@ def train(opts: TrainOptions) -> RunDir:
         stages = StageClock()
         ray_metrics = start_ray(cfg, stack)
         check_resources(cfg)
+        check_placement(cfg)  # a part whose resources/labels no live node offers would wait forever
         stages.done("Ray")
         install_sigterm_handler()
         grader = start_grader(cfg, stack)
@@ -280,20 +326,27 @@ def train(opts: TrainOptions) -> RunDir:
         stages.done("rollout replicas")
 
         from learner.job import LearnerJob
+        from services.learner_recovery import RecoveringLearner
 
-        learner = LearnerJob(cfg, run.root, init_adapter=init_adapter, resume_from=ckpt)
+        # A learner whose workers die is restored in the run (learner.max_restarts): from the
+        # newest checkpoint this run saved, or from where this attempt started.
+        learner = RecoveringLearner(
+            lambda resume_from: LearnerJob(cfg, run.root, init_adapter=init_adapter, resume_from=resume_from),
+            run.checkpoint_dir, cfg.learner.max_restarts, recoveries, trained=first_step - 1)
         stack.callback(learner.stop)
-        init = learner.start()
+        init = learner.start(ckpt)
         receipt.update(init_adapter_sha256=init.adapter_sha256, lr_rebase=init.lr_rebase_note,
                        init_adapter=str(init_adapter) if init_adapter else "seeded (adapters/init)")
         adapter = init.init_payload
         rollout.publish(adapter)
         rollout.sync(adapter.version)
         stages.done("learner")
+        receipt.update(placement=_placement(cfg, learner))
 
         metrics = TrainerMetrics(cfg.trainer.metrics_host, cfg.trainer.metrics_port)
         metrics.registry.register(rollout.metrics_collector())  # replica adapter versions, tokens
         grader_watch = watch_grader(cfg, stack, metrics.registry)  # grader replicas, scale events
+        recoveries.subscribe(metrics.record_recovery)  # this attempt's, also those before /metrics
         port = metrics.start()
         stack.callback(metrics.stop)
         receipt.update(metrics_endpoint={"trainer": f"{cfg.trainer.metrics_host}:{port}", "ray": ray_metrics})
@@ -317,9 +370,22 @@ def train(opts: TrainOptions) -> RunDir:
         recorder = StepRecorder(run, metrics, progress, health.task)
         parts = RunParts(cfg=cfg, cases=cases, sampler=sampler, grader=grader, rollout=rollout,
                          learner=learner, record=recorder, archive=recorder.archive, version=adapter.version,
-                         collect=collect)
+                         collect=collect, recoveries=recoveries)
+        resumed = resume_what(previous, first_step - 1, first_step) if opts.resume else None
+        if resumed is not None:  # this attempt continues one that died: the driver's recovery
+            recoveries.record("driver", first_step, resumed, time.monotonic() - started,
+                              previous_status=(previous or {}).get("status"))
         try:
             run_steps(parts, first_step)
+        except Exception as err:
+            stopped = _node_loss_line(cfg, run, receipt.data.get("placement") or {})
+            if stopped is None:
+                raise
+            # A node that held a part is gone and no live node may hold it: say so in one line
+            # (which node, what it held, how to continue) rather than the last retry's error.
+            recoveries.record("node", len(run.trained_steps()) + 1, stopped, 0.0, outcome="stopped",
+                              error=first_line(err))
+            raise NodeLost(stopped) from err
         finally:
             receipt.update(metric_series=run.metric_series(), prometheus_series=metrics.series_counts(),
                            steps_trained=run.trained_steps(),

@@ -443,6 +443,12 @@ def run_demo_exporter(
     scaling.observe({"RUNNING": 1}, time.time())
     trainer.registry.register(ScaleCollector(scaling.snapshot))
 
+    # Recoveries reach /metrics as in a run: services/recovery.py's log, the trainer subscribed.
+    from services.recovery import PARTS as RECOVERY_PARTS, RecoveryLog
+
+    recoveries = RecoveryLog()
+    recoveries.subscribe(trainer.record_recovery)
+
     # Grader Serve replicas export through Ray's metrics agent, which names them `ray_<name>`:
     # with ray_prefix the same grader series are also served that way on a port of their own.
     prefix = "ray_" if ray_prefix else ""
@@ -486,6 +492,9 @@ def run_demo_exporter(
         snapshot["replicas"] = {"0": step, "1": step}
         running = (1, 1, 2, 3, 3, 3, 3, 3, 2, 1, 1, 1)[step % 12]
         scaling.observe({"RUNNING": running, **({"STARTING": 1} if step % 12 == 2 else {})}, time.time())
+        if step % 5 == 0:  # a part fails now and then and is recovered
+            part = RECOVERY_PARTS[(step // 5) % len(RECOVERY_PARTS)]
+            recoveries.record(part, step, f"demo: {part} failed, recovered", 1.5)
         for verdict in verdicts:
             ray_requests.labels(task="voice-leading", verdict=grader_metrics.verdict_class(verdict)).inc()
         time.sleep(step_interval_s)

@@ -295,3 +295,23 @@ def test_grader_scaling_panel_shows_replicas_and_both_directions(prom):
     peak = prom.query('max_over_time(counterpoint_grader_replicas{state="running"}[1m])')
     bound = prom.query('counterpoint_grader_replica_bounds{bound="max"}')
     assert [float(s["value"][1]) for s in peak] == [float(s["value"][1]) for s in bound] == [3.0]
+
+
+def test_recoveries_panel_shows_each_part_that_recovered(prom):
+    """The recoveries panel over the demo's run, where a part fails every fifth step (the real
+    recoveries of a run are in tests/test_multinode_e2e.py): its query returns a series per part
+    of services/recovery.py's bounded set, and the parts that failed show an increase."""
+    from promharness import panel_exprs
+
+    from services.recovery import PARTS
+
+    (expr,) = panel_exprs(DASHBOARD, "Recoveries by part")
+    assert_all_queries_return_data(prom, [expr])
+
+    def recovered_parts():
+        total = prom.query("counterpoint_recoveries_total")
+        return {s["metric"]["part"] for s in total if float(s["value"][1]) > 0}
+
+    wait_for(lambda: len(recovered_parts()) >= 2, "two parts with a recovery on /metrics")
+    seen = {s["metric"]["part"] for s in prom.query(substitute_grafana_variables(expr))}
+    assert seen == set(PARTS), seen

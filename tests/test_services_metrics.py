@@ -20,6 +20,8 @@ DESIGN_NAMES = {
     "counterpoint_learning_rate", "counterpoint_adapter_version",
     "counterpoint_generated_tokens_total", "counterpoint_last_step_timestamp_seconds",
     "counterpoint_step_seconds", "counterpoint_adapter_staleness", "counterpoint_tokens_per_second",
+    # issue 25 (README "What survives what"); DESIGN.md's list is to gain it with the issue
+    "counterpoint_recoveries_total",
 }
 
 STEP_METRICS = {

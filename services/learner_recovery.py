@@ -1,0 +1,95 @@
+"""The learner as the step loop sees it, restored in the run when its Ray Train workers die.
+
+``RecoveringLearner`` wraps learner/job.py's LearnerJob. A step whose learner is lost (a worker
+process or its node died: ``LearnerLost``, judged by services/recovery.py
+``learner_failure_retryable``) is not the run's end while ``learner.max_restarts`` allows: the
+old job is stopped, a new one starts from the last checkpoint this run saved (or from the run's
+start point: its init adapter, or the seeded one again), is fed the batches trained since that
+checkpoint again (``BatchLedger``: the same batches in the same order; the optimizer and LR
+scheduler come back with the checkpoint), and the lost step's batch is sent again. The replayed
+steps' adapters are never published: the next version published is the lost step's, one newer
+than any a replica holds, so DESIGN.md's "versions only grow" contract stands and a replica
+cannot serve a rewound adapter. Each restore is one `recoveries` entry (part "learner").
+
+A worker that raised an error of its own (a bug, bad input) is not restored: it would fail again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from services.recovery import BatchLedger, Budget, first_line, learner_failure_retryable, learner_what
+
+log = logging.getLogger("counterpoint.train")
+
+
+class RecoveringLearner:
+    def __init__(self, make_job: Callable[[Path | None], Any], checkpoint_of: Callable[[int], Path],
+                 max_restarts: int, recoveries: Any, trained: int = 0) -> None:
+        """``make_job(resume_from)`` builds a LearnerJob (not started); ``checkpoint_of(step)`` is
+        the run directory's checkpoints/step_<step>; ``trained``: the step the first job starts at
+        (0, or the checkpoint a --resume starts from)."""
+        self._make_job, self._checkpoint_of = make_job, checkpoint_of
+        self.budget = Budget(max_restarts)
+        self.recoveries = recoveries
+        self.trained = trained
+        self.ledger = BatchLedger(trained)
+        self.job: Any = None
+
+    def start(self, resume_from: Path | None = None) -> Any:
+        self.job = self._make_job(resume_from)
+        return self.job.start()
+
+    def workers(self) -> list[dict]:
+        return self.job.workers() if self.job is not None else []
+
+    def step(self, batch: Any) -> Any:
+        from learner.job import LearnerLost
+
+        step = self.trained + 1
+        while True:
+            try:
+                result = self.job.step(batch)
+                break
+            except LearnerLost as err:
+                if not learner_failure_retryable(err.kind, err.detail):
+                    raise
+                if not self.budget.take():
+                    self.recoveries.record("learner", step, f"learner lost ({err.kind}: {first_line(str(err))}); "
+                                           f"learner.max_restarts={self.budget.limit} spent: the run stops",
+                                           0.0, outcome="stopped")
+                    raise
+                self._restore(step, err)
+        self.ledger.add(step, batch)
+        self.trained = step
+        return result
+
+    def _restore(self, step: int, err: Exception) -> None:
+        t0 = time.monotonic()
+        source = self.ledger.checkpoint_step
+        log.warning("learner lost at step %d (%s); restoring it from %s (restart %d/%d)", step,
+                    first_line(str(err)), f"checkpoint step {source}" if source else "the run's start point",
+                    self.budget.used, self.budget.limit)
+        self.job.stop()
+        self.job = self._make_job(self._checkpoint_of(source) if source else None)
+        self.job.start()
+        replayed = [k.step for k in self.ledger.replay(self.trained)]
+        for kept in self.ledger.replay(self.trained):
+            self.job.step(kept.batch)  # its adapter is discarded: that version is already live
+        self.recoveries.record(
+            "learner", step, learner_what(getattr(err, "kind", "lost"), first_line(str(err)), source, replayed,
+                                          f"step {step}"),
+            time.monotonic() - t0, restored_from_step=source, replayed_steps=replayed,
+            restart=self.budget.used, max_restarts=self.budget.limit)
+
+    def save_checkpoint(self, step: int, data_position: dict[str, Any] | None = None) -> Path:
+        path = self.job.save_checkpoint(step, data_position)
+        self.ledger.checkpointed(step)  # on the driver's disk: nothing before it is needed again
+        return path
+
+    def stop(self) -> None:
+        if self.job is not None:
+            self.job.stop()

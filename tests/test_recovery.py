@@ -1,0 +1,61 @@
+"""services/recovery.py's pure parts, and the orchestrator's retry reporting. No Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.orchestrator import with_retries
+from services.recovery import Budget, RecoveryLog, backoff_delays, resume_what, retried_what
+
+
+def test_log_keeps_earlier_attempts_and_feeds_late_subscribers():
+    log = RecoveryLog(attempt=2, earlier=[{"part": "driver", "step": 3, "attempt": 1}])
+    log.record("rollout", 4, "generate failed", 1.23456, errors=["RayActorError: died"])
+    seen = []
+    log.subscribe(seen.append)  # subscribed after the first entry: still sees it
+    log.record("grader", 5, "ScoreBatch failed", 0.5)
+    assert [e.part for e in seen] == ["rollout", "grader"]
+    assert [e["part"] for e in log.all()] == ["driver", "rollout", "grader"]
+    assert log.all()[1] == {"part": "rollout", "step": 4, "what": "generate failed", "seconds": 1.235,
+                            "outcome": "recovered", "attempt": 2, "details": {"errors": ["RayActorError: died"]}}
+
+
+def test_parts_are_a_bounded_set():
+    with pytest.raises(ValueError, match="recovery part 'gpu' is not one of"):
+        RecoveryLog().record("gpu", 1, "x", 0.0)
+
+
+def test_budget_and_backoff():
+    b = Budget(2)
+    assert [b.take(), b.take(), b.take()] == [True, True, False] and b.used == 2
+    assert backoff_delays(3, 0.5) == [0.5, 1.0, 2.0]
+
+
+def test_resume_line_only_after_an_attempt_that_did_not_complete():
+    assert resume_what({"status": "completed"}, 3, 4) is None
+    assert resume_what(None, 0, 1) is None
+    line = resume_what({"status": "running"}, 2, 3)
+    assert line.startswith("previous attempt died") and line.endswith("resumed from checkpoint step 2, training again from step 3")
+    assert "(RuntimeError: boom)" not in resume_what({"status": "failed", "error": "boom"}, 0, 1)
+    assert resume_what({"status": "failed", "error": "boom\ntrace"}, 0, 1) == (
+        "previous attempt failed (boom); resumed from its start point, training again from step 1")
+
+
+def test_with_retries_reports_a_saved_call_with_its_errors():
+    calls, reports = [], []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError(f"replica gone #{len(calls)}\ntraceback")
+        return "ok"
+
+    assert with_retries(flaky, "generate (step 2)", 3, 0.0, lambda e, s: reports.append((e, s))) == "ok"
+    (errors, seconds), = reports
+    assert errors == ["ConnectionError: replica gone #1", "ConnectionError: replica gone #2"] and seconds >= 0
+    assert retried_what("generate (step 2)", errors).startswith("generate (step 2) failed 2 times (ConnectionError")
+    reports.clear()
+    assert with_retries(lambda: 1, "x", 3, 0.0, lambda e, s: reports.append(e)) == 1 and reports == []
+    with pytest.raises(ConnectionError):  # out of retries: the error, and no recovery reported
+        with_retries(lambda: (_ for _ in ()).throw(ConnectionError("down")), "x", 1, 0.0, lambda e, s: reports.append(e))
+    assert reports == []
