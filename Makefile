@@ -38,7 +38,7 @@ run: setup
 	$(VENV)/bin/counterpoint train --config configs/voice-leading.yaml
 
 test: setup prometheus
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=25 tests
 
 bench: setup
 	$(PY) bench/grader.py
