@@ -69,6 +69,7 @@ UPDATABLE_FIELDS = (
     "sampling",
     "placement",  # where each part ran (services/cluster.py placement_record)
     "recoveries",  # every recovery of every attempt (services/recovery.py RecoveryLog.all)
+    "grader_scaling",  # the grader app's replica range and scale events (graders/autoscale.py)
 )
 
 ExitStatus = Literal["completed", "interrupted", "failed"]

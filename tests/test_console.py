@@ -8,6 +8,7 @@ the log paths on the console).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -159,6 +160,10 @@ def test_smoke_run_console_is_short_and_the_logs_are_in_the_run_directory(tmp_pa
     for stage in ("Ray", "grader", "rollout replicas", "learner"):
         assert any(re.match(rf"  {stage} +\d+\.\d s$", line) for line in lines), stage
     assert lines[-1] == f"run directory: {run}"
+    # The driver watched the grader app (graders/autoscale.py): smoke's fixed 2 replicas, no event.
+    scaling = json.loads((run / "run.json").read_text())["grader_scaling"]
+    assert (scaling["min_replicas"], scaling["max_replicas"], scaling["running_max"]) == (2, 2, 2), scaling
+    assert scaling["scale_events"] == {"up": 0, "down": 0} and scaling["failed_reads"] == 0, scaling
     assert not any("(ServeReplica" in line or "(raylet)" in line or "vllm" in line.lower() for line in lines)
     logs = run / "logs"
     assert "Started a local Ray instance" in (logs / "driver.log").read_text()
