@@ -114,6 +114,14 @@ def _stop(proc: subprocess.Popen) -> None:
                 p.kill()
 
 
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a driver that is still running, and its children (a test that failed midway)."""
+    if proc.poll() is None:
+        with contextlib.suppress(psutil.Error):
+            for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+                p.kill()
+
+
 def _start_node(base: Path, name: str, args: list[str], prefix: list[str] = ()) -> subprocess.Popen:
     log = open(base / f"node-{name}.log", "w")
     return subprocess.Popen([*prefix, RAY, "start", "--block", "--disable-usage-stats", *args],
@@ -402,10 +410,7 @@ def test_rollout_replica_and_grader_replica_killed_mid_call_inside_a_run(cluster
         code = proc.wait(timeout=max(1.0, until - time.monotonic()))
         assert code == 0, log.read_text()[-6000:]
     finally:
-        if proc.poll() is None:
-            with contextlib.suppress(psutil.Error):
-                for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
-                    p.kill()
+        _kill_tree(proc)
 
     receipt = json.loads((run / "run.json").read_text())
     assert receipt["status"] == "completed"
@@ -473,10 +478,7 @@ def test_learner_worker_killed_mid_update_is_restored_in_the_run(cluster: Cluste
         code = proc.wait(timeout=max(1.0, until - time.monotonic()))
         assert code == 0, log.read_text()[-6000:]
     finally:
-        if proc.poll() is None:
-            with contextlib.suppress(psutil.Error):
-                for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
-                    p.kill()
+        _kill_tree(proc)
     receipt = json.loads((run / "run.json").read_text())
     assert receipt["status"] == "completed"
     (rec,) = [r for r in receipt["recoveries"] if r["part"] == "learner"]
