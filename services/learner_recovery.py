@@ -76,9 +76,10 @@ class RecoveringLearner:
         self.job.stop()
         self.job = self._make_job(self._checkpoint_of(source) if source else None)
         self.job.start()
-        replayed = [k.step for k in self.ledger.replay(self.trained)]
-        for kept in self.ledger.replay(self.trained):
+        kept_since = self.ledger.replay(self.trained)
+        for kept in kept_since:
             self.job.step(kept.batch)  # its adapter is discarded: that version is already live
+        replayed = [k.step for k in kept_since]
         self.recoveries.record(
             "learner", step, learner_what(getattr(err, "kind", "lost"), first_line(str(err)), source, replayed,
                                           f"step {step}"),

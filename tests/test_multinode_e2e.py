@@ -122,6 +122,15 @@ def _kill_tree(proc: subprocess.Popen) -> None:
                 p.kill()
 
 
+def _completed(proc: subprocess.Popen, until: float, log: Path, run: Path) -> dict:
+    """Wait for the driver to finish the run (exit 0); its receipt, status completed."""
+    code = proc.wait(timeout=max(1.0, until - time.monotonic()))
+    assert code == 0, log.read_text()[-6000:]
+    receipt = json.loads((run / "run.json").read_text())
+    assert receipt["status"] == "completed"
+    return receipt
+
+
 def _start_node(base: Path, name: str, args: list[str], prefix: list[str] = ()) -> subprocess.Popen:
     log = open(base / f"node-{name}.log", "w")
     return subprocess.Popen([*prefix, RAY, "start", "--block", "--disable-usage-stats", *args],
@@ -407,13 +416,10 @@ def test_rollout_replica_and_grader_replica_killed_mid_call_inside_a_run(cluster
 
         with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as resp:
             scraped = resp.read().decode()
-        code = proc.wait(timeout=max(1.0, until - time.monotonic()))
-        assert code == 0, log.read_text()[-6000:]
+        receipt = _completed(proc, until, log, run)
     finally:
         _kill_tree(proc)
 
-    receipt = json.loads((run / "run.json").read_text())
-    assert receipt["status"] == "completed"
     recs = receipt["recoveries"]
     rollout = [r for r in recs if r["part"] == "rollout"]
     assert [r["step"] for r in rollout] == [k], recs
@@ -475,12 +481,9 @@ def test_learner_worker_killed_mid_update_is_restored_in_the_run(cluster: Cluste
         assert _wait_busy(worker, within_s=120), "the learner worker never started on step 2"
         assert _trained(run) == [1]
         worker.kill()
-        code = proc.wait(timeout=max(1.0, until - time.monotonic()))
-        assert code == 0, log.read_text()[-6000:]
+        receipt = _completed(proc, until, log, run)
     finally:
         _kill_tree(proc)
-    receipt = json.loads((run / "run.json").read_text())
-    assert receipt["status"] == "completed"
     (rec,) = [r for r in receipt["recoveries"] if r["part"] == "learner"]
     assert rec["step"] == 2 and rec["details"]["restored_from_step"] == 1 and rec["outcome"] == "recovered", rec
     assert "restored from checkpoint step 1" in rec["what"], rec
