@@ -70,6 +70,7 @@ def profile_step(policy, batch, gpu: bool) -> dict:
     t = time.perf_counter()
     with profile(activities=acts) as prof:
         policy.step(batch)
+        policy.payload(policy.step_count + 1)  # the export, as the worker does after every step
         if gpu:
             torch.cuda.synchronize()
     wall = time.perf_counter() - t
@@ -78,7 +79,14 @@ def profile_step(policy, batch, gpu: bool) -> dict:
     busy = sum(getattr(e, attr, 0.0) for e in avgs if (not gpu) or getattr(e, "device_type", None) is not None)
     kernels = sum(e.count for e in avgs if getattr(e, attr, 0.0) > 0)
     top = sorted(avgs, key=lambda e: getattr(e, attr, 0.0), reverse=True)[:10]
+    # The learner's own labels (record_function "cp.*" in learner/policy.py and passes.py): the
+    # host's time inside each, which includes its waits on the device (a sync at the grad norm,
+    # the metrics, the export's copy), and the device time of the kernels each launched.
+    parts = {e.key: {"calls": e.count, "host_ms": e.cpu_time_total / 1e3,
+                     "device_ms": getattr(e, "device_time_total", 0.0) / 1e3}
+             for e in avgs if e.key.startswith("cp.")}
     return {"wall_s": wall, "device_busy_s": busy / 1e6 if gpu else None, "ops_with_time": kernels,
+            "parts": parts,
             "top": [{"name": e.key[:70], "ms": getattr(e, attr, 0.0) / 1e3, "calls": e.count} for e in top]}
 
 
@@ -98,18 +106,21 @@ def run_variant(name: str, args, data) -> tuple[dict, dict]:
     policy = PolicyLearner.for_run(cfg, device="cuda" if gpu else "cpu")
     load_s = time.perf_counter() - t
     init = {k: v.clone() for k, v in adapter_state_dict(policy.peft_model).items()}  # CPU tensors are views
-    steps, metrics = [], []
+    steps, exports, metrics = [], [], []
     for batch in data:
         t = time.perf_counter()
         m, phases = policy.step(batch)
+        e = time.perf_counter()
         policy.payload(adapter_version(policy.step_count))  # exported every step, as the worker does
         if gpu:
             torch.cuda.synchronize()
         steps.append(time.perf_counter() - t)
+        exports.append(time.perf_counter() - e)
         metrics.append(m)
     final = adapter_state_dict(policy.peft_model)
     row = {"variant": name, "load_s": load_s, "steps_s": steps,
            "update_s": statistics.median(steps[args.warmup:]) if len(steps) > args.warmup else None,
+           "export_s": statistics.median(exports[args.warmup:]) if len(exports) > args.warmup else None,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
            "loss": [m["loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics],
            "ppl_ratio": [m["ppl_ratio"] for m in metrics], "cuda_graphs": [m["learner_cuda_graphs"] for m in metrics],
@@ -160,16 +171,20 @@ def main() -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1))
-    print(f"{'variant':<14} {'update s':>9} {'steps s':<40} {'peak GiB':>8}")
+    print(f"{'variant':<14} {'update s':>9} {'export s':>9} {'steps s':<40} {'peak GiB':>8}")
     for r in rows:
         steps = ", ".join(f"{x:.3f}" for x in r.get("steps_s", []))
         upd = f"{r['update_s']:.3f}" if r.get("update_s") is not None else r.get("error", "-")[:60]
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
-        print(f"{r['variant']:<14} {upd:>9} {steps:<40} {peak:>8}")
+        exp = f"{r['export_s']:.3f}" if r.get("export_s") is not None else "-"
+        print(f"{r['variant']:<14} {upd:>9} {exp:>9} {steps:<40} {peak:>8}")
         if "profile" in r:
             p = r["profile"]
             busy = f"{p['device_busy_s']:.3f}" if p["device_busy_s"] is not None else "-"
             print(f"{'':<14} profiled step: wall {p['wall_s']:.3f} s, device busy {busy} s, {p['ops_with_time']} ops")
+            for name, part in sorted(p.get("parts", {}).items(), key=lambda kv: -kv[1]["host_ms"]):
+                print(f"{'':<16} {name:<18} x{part['calls']:<4} host {part['host_ms']:8.1f} ms"
+                      f"  device {part['device_ms']:8.1f} ms")
     print("adapter distance (relative to eager's movement):", json.dumps({k: f"{v:.2e}" for k, v in checks.items()}))
     return 0 if all("error" not in r for r in rows) else 1
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from config.learner import LearnerConfig
 from config.rollout import RolloutConfig
@@ -287,7 +288,8 @@ def update_actor(
     for _ in range(epochs):
         epoch_loss = None
         for i, mb in enumerate(mbs):
-            logp, ent = scorer(model, mb, temperature, "grad" if entropy_bonus else "detached", amp_dtype)
+            with record_function("cp.forward"):
+                logp, ent = scorer(model, mb, temperature, "grad" if entropy_bonus else "detached", amp_dtype)
             if old is None:
                 old_mb = logp.detach()
                 rollout_sums = merge_sums(rollout_sums, rollout_mismatch_sum_tensors(mb.rollout_logprobs, old_mb, mb.mask))
@@ -302,14 +304,18 @@ def update_actor(
                 ref_logprobs=ref[i] if ref is not None else None,
                 entropy=ent,
             )
-            out = policy_loss(inp, norm, params, entropy_bonus=entropy_bonus)
-            sync.backward(out.loss, i == len(mbs) - 1)
+            with record_function("cp.loss"):
+                out = policy_loss(inp, norm, params, entropy_bonus=entropy_bonus)
+            with record_function("cp.backward"):
+                sync.backward(out.loss, i == len(mbs) - 1)
             epoch_loss = out.loss.detach() if epoch_loss is None else epoch_loss + out.loss.detach()
             sums = merge_sums(sums, out.sum_tensors)
-        grad_norm = sync.step()
+        with record_function("cp.optimizer"):
+            grad_norm = sync.step()
         losses.append(epoch_loss)
-    floats = as_floats({**{f"p/{k}": v for k, v in sums.items()}, **{f"r/{k}": v for k, v in rollout_sums.items()},
-                        **{f"loss/{i}": v for i, v in enumerate(losses)}})
+    with record_function("cp.metrics"):
+        floats = as_floats({**{f"p/{k}": v for k, v in sums.items()}, **{f"r/{k}": v for k, v in rollout_sums.items()},
+                            **{f"loss/{i}": v for i, v in enumerate(losses)}})
     epoch_losses = [floats[f"loss/{i}"] for i in range(len(losses))]
     return UpdateResult(sums={k[2:]: v for k, v in floats.items() if k.startswith("p/")},
                         loss=sum(epoch_losses) / len(epoch_losses), grad_norm=grad_norm,

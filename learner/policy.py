@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from learner import checkpoint
 from learner.losses import LossNorm, ObjectiveParams, entropy_bonus_active
@@ -193,10 +194,11 @@ class PolicyLearner:
         cfg, temp = self.cfg, self.spec.temperature
         lo, hi = shard_bounds(len(batch), self.world_size, self.rank)
         shard = batch.rows(lo, hi)
-        mbs = make_micro_batches(shard, cfg.micro_batch_size, self.device, share_prefix=self.share_prefix,
-                                 token_budget=cfg.micro_batch_tokens,
-                                 pad_multiple=cfg.graph_pad_tokens if self.scorer is not None else 1,
-                                 causal_only=self.causal_only)
+        with record_function("cp.micro_batches"):  # labels for torch.profiler (bench/learner_gpu.py --profile)
+            mbs = make_micro_batches(shard, cfg.micro_batch_size, self.device, share_prefix=self.share_prefix,
+                                     token_budget=cfg.micro_batch_tokens,
+                                     pad_multiple=cfg.graph_pad_tokens if self.scorer is not None else 1,
+                                     causal_only=self.causal_only)
         norm = LossNorm(
             loss_type=cfg.loss_type,
             global_tokens=float(batch.num_response_tokens()),
@@ -274,7 +276,8 @@ class PolicyLearner:
     # ------------------------------------------------------------------ adapters, checkpoints
 
     def payload(self, version: int) -> AdapterPayload:
-        return adapter_payload(self.peft_model, version, dtype=self.payload_dtype)
+        with record_function("cp.export"):
+            return adapter_payload(self.peft_model, version, dtype=self.payload_dtype)
 
     def stats(self) -> dict[str, Any]:
         """How the update ran, for the receipt: graphs captured and replayed, or why not."""

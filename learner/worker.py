@@ -71,8 +71,9 @@ def step_answer(learner: PolicyLearner, batch: TrainBatch, export: Export) -> St
         return None
     t = time.perf_counter()
     adapter = export(learner.payload(adapter_version(learner.step_count)))
-    phases["update_actor"] += time.perf_counter() - t  # exporting the adapter is part of it
-    return StepResult(metrics=metrics, phases_s=phases, adapter=adapter)
+    exported = time.perf_counter() - t
+    phases["update_actor"] += exported  # exporting the adapter is part of it
+    return StepResult(metrics={**metrics, "learner_export_s": exported}, phases_s=phases, adapter=adapter)
 
 
 def save_answer(learner: PolicyLearner, cmd: Save, run_dir: Path) -> Saved | None:

@@ -49,7 +49,7 @@ def write_payload(payload: AdapterPayload, adapter_dir: Path | str) -> Path:
     validate_payload(payload)
     adapter_dir = Path(adapter_dir)
     adapter_dir.mkdir(parents=True, exist_ok=True)
-    (adapter_dir / WEIGHTS_FILE).write_bytes(payload.safetensors)
+    (adapter_dir / WEIGHTS_FILE).write_bytes(payload.view())
     (adapter_dir / CONFIG_FILE).write_text(json.dumps(canonical_config(payload.config), indent=1))
     return adapter_dir
 
@@ -58,7 +58,7 @@ def validate_payload(payload: AdapterPayload, max_rank: int | None = None) -> No
     """Fail early, naming the problem, instead of deep inside an engine."""
     if payload.version < 1:
         raise AdapterError(f"adapter version must be >= 1 (0 is the base model), got {payload.version}")
-    if not payload.safetensors:
+    if payload.nbytes() == 0:
         raise AdapterError(f"adapter v{payload.version} has empty safetensors bytes")
     cfg = payload.config
     if cfg.get("peft_type", "LORA") != "LORA":

@@ -232,8 +232,9 @@ def test_the_payload_can_travel_in_the_autocast_dtype():
     peft_model = lora(tiny_llama())
 
     def dtypes(payload) -> set[str]:
-        (n,) = struct.unpack("<Q", payload.safetensors[:8])
-        header = json.loads(payload.safetensors[8 : 8 + n])
+        data = payload.data()
+        (n,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + n])
         return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
 
     assert dtypes(adapter_payload(peft_model, 1)) == {"F32"}

@@ -64,7 +64,7 @@ def test_payload_matches_saved_adapter_and_config(tmp_path):
     save_adapter(model, tmp_path / "d")
     payload = adapter_payload(model, version=5)
     assert payload.version == 5
-    tensors = load(payload.safetensors)
+    tensors = load(payload.data())
     saved = load_file(tmp_path / "d" / WEIGHTS_FILE)
     assert set(tensors) == set(saved) and all(torch.equal(tensors[k], saved[k]) for k in saved)
     on_disk = json.loads((tmp_path / "d" / "adapter_config.json").read_text())
@@ -187,3 +187,25 @@ def test_safetensors_bytes_are_read_back_by_safetensors_itself(tmp_path):
             assert info["data_offsets"][0] % state[name].element_size() == 0, name
     ours = load_safetensors_bytes(data)
     assert all(torch.equal(ours[k], state[k]) for k in state)
+
+
+def test_the_blob_casts_on_the_tensors_device_and_matches_safetensors_of_the_cast_tensors():
+    """``safetensors_blob(dtype=...)`` casts each dtype's concatenation once where the tensors
+    live; the file is byte for byte what safetensors writes for the tensors cast one by one, and
+    it comes back as one contiguous uint8 array (what the payload carries through Ray)."""
+    import numpy as np
+    from safetensors.torch import save
+
+    from learner.lora import safetensors_blob
+
+    g = torch.Generator().manual_seed(1)
+    state = {f"m.{i}.lora_{ab}.weight": torch.randn(shape, generator=g)
+             for i, shape in enumerate([(4, 24), (24, 4), (4, 10)]) for ab in "AB"}
+    state["m.odd.lora_A.weight"] = torch.randn(3, 3, generator=g, dtype=torch.float64)  # a second source dtype
+    blob = safetensors_blob(state, metadata={"format": "pt"}, dtype=torch.bfloat16)
+    assert isinstance(blob, np.ndarray) and blob.dtype == np.uint8 and blob.ndim == 1 and blob.flags.c_contiguous
+    want = save({k: v.to(torch.bfloat16) for k, v in state.items()}, metadata={"format": "pt"})
+    back, ref = load(blob.tobytes()), load(want)
+    assert set(back) == set(ref) and all(torch.equal(back[k], ref[k]) for k in ref)
+    assert blob.nbytes == len(want)
+

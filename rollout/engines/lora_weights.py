@@ -38,17 +38,19 @@ def lora_scale(config: dict, r: int) -> float:
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
-def load_safetensors_bytes(data: bytes, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """A safetensors blob as tensors on ``device`` with ONE host-to-device copy of its data
-    section (views into it after), instead of a copy per tensor: the 4B r=32 adapter is 504
-    tensors, 252 MiB, and per-tensor copies of it took ~0.2 s on the H200 host."""
+def load_safetensors_bytes(data, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """A safetensors blob (bytes, or any buffer: a payload's ``view()``, an mmap) as tensors on
+    ``device`` with ONE host-to-device copy of its data section (views into it after), instead
+    of a copy per tensor: the 4B r=32 adapter is 504 tensors, and per-tensor copies of it took
+    ~0.2 s on the H200 host."""
     import json as _json
     import struct
 
-    if len(data) < 8:
+    data = memoryview(data).cast("B")
+    if data.nbytes < 8:
         raise AdapterError("adapter safetensors is shorter than its 8-byte header length")
     (n,) = struct.unpack("<Q", data[:8])
-    header = _json.loads(data[8 : 8 + n])
+    header = _json.loads(bytes(data[8 : 8 + n]))
     header.pop("__metadata__", None)
     with warnings.catch_warnings():  # read-only bytes: the tensor is copied before any write
         warnings.simplefilter("ignore", UserWarning)
@@ -79,7 +81,7 @@ def parse_adapter(payload: AdapterPayload, device: torch.device | str = "cpu") -
         raise AdapterError(f"adapter v{v}: bias={cfg.get('bias')!r} is not supported (only 'none')")
     if cfg.get("modules_to_save"):
         raise AdapterError(f"adapter v{v}: modules_to_save {cfg['modules_to_save']} is not supported")
-    state = load_safetensors_bytes(payload.safetensors, device)
+    state = load_safetensors_bytes(payload.view(), device)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
         name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key

@@ -43,6 +43,17 @@ class VllmSettings:
     lora: str  # "merged" | "unmerged"
 
 
+def merge_parts_medians(parts: list[tuple[float, float]]) -> dict:
+    """Medians of a merged engine's adapter loads, split into reading the adapter onto the
+    device and merging it into the weights (the first load, which also reads W0, left out)."""
+    rest = parts[1:] or parts
+    if not rest:
+        return {}
+    mid = len(rest) // 2
+    return {"adapter_read_s_median": round(sorted(r for r, _ in rest)[mid], 4),
+            "adapter_merge_s_median": round(sorted(m for _, m in rest)[mid], 4)}
+
+
 def vllm_settings(rollout_cfg: RolloutConfig, cuda: bool) -> VllmSettings:
     """The config's values, its None/'auto' resolved for a CUDA or a CPU host (the fields'
     descriptions in config/rollout.py say why each default is what it is)."""
@@ -124,6 +135,7 @@ class VllmEngine(Engine):
         self._adapter_dir: Path | None = None
         self._in_weights = 0  # merged: the version written into the weights (0 = the base model)
         self._load_s: list[float] = []
+        self._merge_parts_s: list[tuple[float, float]] = []  # merged: (read onto the device, merge)
         self._extra_bytes = 0
         log.info("vLLM engine: %s, started in %.1f s", asdict(self.settings), self._start_s)
         self.log_stop_tokens()
@@ -149,7 +161,8 @@ class VllmEngine(Engine):
         return {"settings": asdict(self.settings), "start_s": round(self._start_s, 1),
                 "adapter_loads": len(self._load_s),
                 "adapter_load_s_median": round(sorted(loads)[len(loads) // 2], 4) if loads else None,
-                "merged_extra_gib": round(self._extra_bytes / 2**30, 2) if self.settings.lora == "merged" else None}
+                "merged_extra_gib": round(self._extra_bytes / 2**30, 2) if self.settings.lora == "merged" else None,
+                **merge_parts_medians(self._merge_parts_s)}
 
     def load_adapter(self, payload: AdapterPayload) -> None:
         validate_payload(payload, max_rank=self.rollout_cfg.max_lora_rank)
@@ -167,8 +180,10 @@ class VllmEngine(Engine):
 
         path = write_shm(payload)
         try:
-            (self._extra_bytes,) = set(self.llm.collective_rpc(
-                "counterpoint_hold", args=(path, json.dumps(payload.config), payload.version)))
+            answers = self.llm.collective_rpc(
+                "counterpoint_hold", args=(path, json.dumps(payload.config), payload.version))
+            (self._extra_bytes,) = {extra for extra, _, _ in answers}
+            self._merge_parts_s.append(max((read, merge) for _, read, merge in answers))
         finally:
             os.unlink(path)
         self._version = self._in_weights = payload.version

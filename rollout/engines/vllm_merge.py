@@ -27,8 +27,10 @@ not reach the kernels. Tensor parallelism is not supported here (one GPU per rep
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -69,8 +71,15 @@ def write_shm(payload: AdapterPayload) -> str:
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     fd, path = tempfile.mkstemp(prefix=f"cp-adapter-v{payload.version}-", suffix=".safetensors", dir=shm)
     with os.fdopen(fd, "wb") as fh:
-        fh.write(payload.safetensors)
+        fh.write(payload.view())
     return path
+
+
+def read_shm(path: str | Path) -> mmap.mmap:
+    """The file mapped read-only: its pages are read where they lie (tmpfs under /dev/shm), with
+    no copy into the process before the one to the GPU. Unmapped when the last view goes."""
+    with open(path, "rb") as fh:
+        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
 
 
 class MergedLoraExtension:
@@ -86,15 +95,21 @@ class MergedLoraExtension:
             self._cp_merged = merged
         return merged
 
-    def counterpoint_hold(self, path: str, config_json: str, version: int) -> int:
+    def counterpoint_hold(self, path: str, config_json: str, version: int) -> tuple[int, float, float]:
         """Merge the adapter in ``path`` (safetensors) as ``version``; returns the bytes held
-        besides the model (W0 copies and the adapter)."""
-        payload = AdapterPayload(version=version, safetensors=Path(path).read_bytes(), config=json.loads(config_json))
+        besides the model (W0 copies and the adapter), and the seconds spent reading the adapter
+        onto the device and merging it into the weights (the engine's stats report both)."""
+        t = time.perf_counter()
+        payload = AdapterPayload(version=version, safetensors=read_shm(path), config=json.loads(config_json))
         merged = self._counterpoint_merged()
         device = next(self.model_runner.get_model().parameters()).device
-        merged.hold(parse_adapter(payload, device), version)
+        lora = parse_adapter(payload, device)
+        del payload  # the mapping: the tensors are on the device now
         torch.cuda.synchronize(device) if device.type == "cuda" else None
-        return merged.extra_bytes()
+        parsed = time.perf_counter()
+        merged.hold(lora, version)
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        return merged.extra_bytes(), parsed - t, time.perf_counter() - parsed
 
     def counterpoint_use(self, version: int) -> int:
         """Write W0 (version 0) or the held adapter back into the weights; returns the version."""
