@@ -71,4 +71,10 @@ i=1; for p in "$out"/split/bundle.tar.*; do mkdir -p "$out/p$i"; mv "$p" "$out/p
 rmdir "$out/split"
 cp "$work/bundle.sha256" "$out/p$n/"
 echo "$n" > "$out/p$n/PIECES"
+# The image has no pydantic, and the learner stage (call 1) imports config/ before the bundle is
+# whole: its wheels travel loose in the first piece and are installed at once.
+mkdir -p "$out/p1/early"
+for w in pydantic-2 pydantic_core- annotated_types- typing_inspection- typing_extensions-; do
+  cp "$work"/wheels/"$w"*.whl "$out/p1/early/"
+done
 du -sh "$out"/p*

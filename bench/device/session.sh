@@ -29,7 +29,10 @@ TOK=/tmp/cp-tok/tokenizer  # later calls need not carry it
 # ---- the piece this call carries; everything is installed once the last one is there
 PIECES=/root/cp-pieces
 mkdir -p "$PIECES"
-if [ "$K" != 0 ]; then cp .whl/gpu/p"$K"/* "$PIECES"/ && echo "piece $K in $(du -sh "$PIECES" | cut -f1)"; fi
+if [ -d .whl/gpu/p"$K"/early ]; then  # pydantic & co. for the stages before the install (pack.sh)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gpu/p"$K"/early/*.whl || exit 1
+fi
+if [ "$K" != 0 ]; then cp .whl/gpu/p"$K"/bundle.* .whl/gpu/p"$K"/PIECES "$PIECES"/ 2>/dev/null; echo "piece $K in $(du -sh "$PIECES" | cut -f1)"; fi
 if [ -f "$PIECES/PIECES" ] && [ ! -f /tmp/site/.cp-installed ] \
     && [ "$(ls "$PIECES"/bundle.tar.* | wc -l)" -eq "$(cat "$PIECES/PIECES")" ]; then
   t0=$(date +%s)
