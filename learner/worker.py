@@ -49,7 +49,7 @@ def left_in_store(payload) -> AdapterRef:
     this worker lives, i.e. for the whole run; whoever needs it after fetches it first."""
     import ray
 
-    return AdapterRef(version=payload.version, box=[ray.put(payload)])
+    return AdapterRef(version=payload.version, box=[ray.put(payload)], checksum=payload.checksum)
 
 
 def init_answer(learner: PolicyLearner, run_dir: Path, export: Export) -> InitInfo | None:

@@ -37,6 +37,7 @@ class AdapterPayload:
     version: int
     safetensors: Any  # bytes | numpy.ndarray (uint8, 1-D, contiguous)
     config: dict[str, Any] = field(default_factory=dict)
+    checksum: int | None = None  # blob_checksum(safetensors), where the maker computed it (the learner)
 
     def view(self) -> memoryview:
         """The safetensors bytes without a copy, for writers, hashers and parsers."""
@@ -61,6 +62,7 @@ class AdapterRef:
 
     version: int
     box: list
+    checksum: int | None = None  # the payload's, carried so the registry can tell a re-export apart
 
     def fetch(self) -> AdapterPayload:
         import ray
@@ -74,3 +76,19 @@ class AdapterRef:
     @property
     def config(self) -> dict[str, Any]:
         return self.fetch().config
+
+
+def blob_checksum(data) -> int:
+    """A checksum of a payload's safetensors bytes: over their little-endian 16-bit words, each
+    taken as its signed value + 32768 (v_i in [0, 65536)), the sum of v_i * ((i mod 65521) + 1),
+    exact. Position-weighted, so a changed, moved or swapped word changes it. It tells whether
+    two exports of "version v" are the same bytes (a learner restored in the run re-exports the
+    live version: services/learner_recovery.py). The learner computes it where the tensors are,
+    on the GPU in a few ms (learner/lora.py ``word_sum``), where a sha256 of 126 MiB would cost
+    the step ~0.1 s of host time. Not a defence against a forger: nothing here is written by
+    anyone but the run. This host-side form (numpy) is the reference."""
+    import numpy as np
+
+    words = np.frombuffer(memoryview(data).cast("B"), dtype="<i2").astype(np.int64) + 32768
+    weights = np.arange(words.size, dtype=np.int64) % 65521 + 1
+    return int((words * weights).sum())

@@ -59,11 +59,14 @@ class AdapterRegistry:
         async with self.changed:
             self.changed.notify_all()
 
-    async def publish(self, version: int, payload_box: list) -> int:
+    async def publish(self, version: int, payload_box: list, checksum: int | None = None) -> int:
         # The ref arrives boxed in a list so that Ray hands us the ref, not the bytes.
-        self.state.publish(version, payload_box[0])
+        self.state.publish(version, payload_box[0], checksum)
         await self._notify()
         return version
+
+    async def reexport(self, version: int, payload_box: list, checksum: int | None) -> str | None:
+        return self.state.reexport(version, payload_box[0], checksum)
 
     async def get(self, version: int) -> dict:
         """{"box": [ref]} or {"error": why} (an error string crosses actors more plainly)."""
@@ -135,7 +138,7 @@ def publish_adapter(payload: AdapterPayload, registry=None, name: str = REGISTRY
 
     validate_payload(payload)
     registry = registry or ray.get_actor(name, namespace=NAMESPACE)
-    return ray.get(registry.publish.remote(payload.version, [ray.put(payload)]))
+    return ray.get(registry.publish.remote(payload.version, [ray.put(payload)], payload.checksum))
 
 
 # --------------------------------------------------------------------------- replicas
@@ -349,8 +352,13 @@ class RolloutClient:
         store (AdapterRef) is registered by its ref: the bytes never come through here; the
         replicas validate what they load."""
         if isinstance(payload, AdapterRef):
-            return ray.get(self.registry.publish.remote(payload.version, payload.box))
+            return ray.get(self.registry.publish.remote(payload.version, payload.box, payload.checksum))
         return publish_adapter(payload, self.registry)
+
+    def reexport(self, ref: AdapterRef) -> str | None:
+        """Serve a kept version from ``ref`` (a restored learner's export of it): None when the
+        registry took it, else why not (its checksum differs, or the version is gone)."""
+        return ray.get(self.registry.reexport.remote(ref.version, ref.box, ref.checksum))
 
     def sync(self, version: int, timeout: float | None = None, expected: int | None = None) -> float:
         """Block until every live replica (at least `expected`) holds `version`; seconds taken."""

@@ -13,6 +13,10 @@ Pure state (no Ray import): the Ray actor in `rollout.deployment` is a thin asyn
 `keep` and `liveness_s` default to the rollout section's `adapters_kept` and
 `replica_liveness_s` (config/rollout.py, where they are declared).
 - `all_hold(v, expected)`: at least `expected` live replicas, every one of them holding v.
+- A kept version's payload may be re-exported (`reexport`): same version, same checksum
+  (model/adapter.py `blob_checksum`), a new ref. That is how a learner restored in the run
+  makes the live version fetchable again once the process that owned its object has died; a
+  payload with other bytes under the same version is refused, so a version names one adapter.
 """
 
 from __future__ import annotations
@@ -47,20 +51,33 @@ class RegistryState:
         self.liveness_s = liveness_s
         self.latest = 0
         self._payloads: dict[int, Any] = {}
+        self._checksums: dict[int, int | None] = {}
         self._replicas: dict[str, ReplicaInfo] = {}
         self._tokens_of_gone = 0  # tokens of replicas forgotten, so the total never decreases
 
     # ----------------------------------------------------------------- versions
 
-    def publish(self, version: int, payload_ref: Any) -> None:
+    def publish(self, version: int, payload_ref: Any, checksum: int | None = None) -> None:
         if version <= self.latest:
             raise ValueError(
                 f"adapter version {version} is not newer than the latest published v{self.latest}"
             )
-        self._payloads[version] = payload_ref
+        self._payloads[version], self._checksums[version] = payload_ref, checksum
         self.latest = version
         for old in sorted(self._payloads)[: -self.keep]:
-            del self._payloads[old]
+            del self._payloads[old], self._checksums[old]
+
+    def reexport(self, version: int, payload_ref: Any, checksum: int | None) -> str | None:
+        """Serve a kept version from a new ref; None when done, else why not (nothing changes)."""
+        if version not in self._payloads:
+            return f"adapter v{version} is not kept (registry keeps {sorted(self._payloads)})"
+        if checksum is None or self._checksums[version] is None:
+            return f"adapter v{version}: no checksum to compare (published {self._checksums[version]}, re-exported {checksum})"
+        if checksum != self._checksums[version]:
+            return (f"adapter v{version} re-exported with other bytes (checksum {checksum}, published "
+                    f"{self._checksums[version]}): the replay did not reproduce it")
+        self._payloads[version] = payload_ref
+        return None
 
     def get(self, version: int) -> Any:
         if version in self._payloads:

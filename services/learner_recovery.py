@@ -11,6 +11,14 @@ steps' adapters are never published: the next version published is the lost step
 than any a replica holds, so DESIGN.md's "versions only grow" contract stands and a replica
 cannot serve a rewound adapter. Each restore is one `recoveries` entry (part "learner").
 
+The live version's payload was an object the old rank 0 owned, so it died with it: a replica
+that starts (or restarts) before the next publish could not fetch it. After the replay the
+restored learner holds that very adapter, so its export is handed to ``reexport`` (the rollout
+client: the registry serves it from the new ref when its checksum is the published one). The
+entry's details say whether it was taken (``adapter_reexported``) or why not
+(``reexport_refused``: a replay that did not reproduce the bytes; requests for that version
+then fail until the next step publishes, as before).
+
 A worker that raised an error of its own (a bug, bad input) is not restored: it would fail again.
 """
 
@@ -28,11 +36,14 @@ log = logging.getLogger("counterpoint.train")
 
 class RecoveringLearner:
     def __init__(self, make_job: Callable[[Path | None], Any], checkpoint_of: Callable[[int], Path],
-                 max_restarts: int, recoveries: Any, trained: int = 0) -> None:
+                 max_restarts: int, recoveries: Any, trained: int = 0,
+                 reexport: Callable[[Any], str | None] | None = None) -> None:
         """``make_job(resume_from)`` builds a LearnerJob (not started); ``checkpoint_of(step)`` is
         the run directory's checkpoints/step_<step>; ``trained``: the step the first job starts at
-        (0, or the checkpoint a --resume starts from)."""
+        (0, or the checkpoint a --resume starts from); ``reexport(adapter)``: where a restored
+        learner's adapter goes (None when taken, else why not)."""
         self._make_job, self._checkpoint_of = make_job, checkpoint_of
+        self._reexport = reexport
         self.budget = Budget(max_restarts)
         self.recoveries = recoveries
         self.trained = trained
@@ -75,16 +86,27 @@ class RecoveringLearner:
                     self.budget.used, self.budget.limit)
         self.job.stop()
         self.job = self._make_job(self._checkpoint_of(source) if source else None)
-        self.job.start()
+        current = self.job.start().init_payload
         kept_since = self.ledger.replay(self.trained)
         for kept in kept_since:
-            self.job.step(kept.batch)  # its adapter is discarded: that version is already live
+            current = self.job.step(kept.batch).adapter  # not published again: that version is live
         replayed = [k.step for k in kept_since]
+        served = self._serve_again(current)
         self.recoveries.record(
             "learner", step, learner_what(getattr(err, "kind", "lost"), first_line(str(err)), source, replayed,
                                           f"step {step}"),
             time.monotonic() - t0, restored_from_step=source, replayed_steps=replayed,
-            restart=self.budget.used, max_restarts=self.budget.limit)
+            restart=self.budget.used, max_restarts=self.budget.limit, **served)
+
+    def _serve_again(self, adapter: Any) -> dict[str, Any]:
+        """The live version from the restored learner (see the module's note), for the entry."""
+        if self._reexport is None:
+            return {}
+        why = self._reexport(adapter)
+        if why is not None:
+            log.warning("the restored learner's adapter v%d is not served again: %s", adapter.version, why)
+            return {"adapter_reexported": False, "reexport_refused": why}
+        return {"adapter_reexported": True}
 
     def save_checkpoint(self, step: int, data_position: dict[str, Any] | None = None) -> Path:
         path = self.job.save_checkpoint(step, data_position)

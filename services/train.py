@@ -332,7 +332,8 @@ def train(opts: TrainOptions) -> RunDir:
         # newest checkpoint this run saved, or from where this attempt started.
         learner = RecoveringLearner(
             lambda resume_from: LearnerJob(cfg, run.root, init_adapter=init_adapter, resume_from=resume_from),
-            run.checkpoint_dir, cfg.learner.max_restarts, recoveries, trained=first_step - 1)
+            run.checkpoint_dir, cfg.learner.max_restarts, recoveries, trained=first_step - 1,
+            reexport=rollout.reexport)
         stack.callback(learner.stop)
         init = learner.start(ckpt)
         receipt.update(init_adapter_sha256=init.adapter_sha256, lr_rebase=init.lr_rebase_note,

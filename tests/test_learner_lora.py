@@ -16,6 +16,7 @@ from learner.lora import (
     load_base_model,
     save_adapter,
 )
+from model.adapter import blob_checksum
 from model.adapter_dir import WEIGHTS_FILE
 from config.rollout import ModelConfig
 
@@ -202,10 +203,49 @@ def test_the_blob_casts_on_the_tensors_device_and_matches_safetensors_of_the_cas
     state = {f"m.{i}.lora_{ab}.weight": torch.randn(shape, generator=g)
              for i, shape in enumerate([(4, 24), (24, 4), (4, 10)]) for ab in "AB"}
     state["m.odd.lora_A.weight"] = torch.randn(3, 3, generator=g, dtype=torch.float64)  # a second source dtype
-    blob = safetensors_blob(state, metadata={"format": "pt"}, dtype=torch.bfloat16)
+    blob, checksum = safetensors_blob(state, metadata={"format": "pt"}, dtype=torch.bfloat16)
     assert isinstance(blob, np.ndarray) and blob.dtype == np.uint8 and blob.ndim == 1 and blob.flags.c_contiguous
     want = save({k: v.to(torch.bfloat16) for k, v in state.items()}, metadata={"format": "pt"})
     back, ref = load(blob.tobytes()), load(want)
     assert set(back) == set(ref) and all(torch.equal(back[k], ref[k]) for k in ref)
     assert blob.nbytes == len(want)
+    assert checksum == blob_checksum(blob)  # the per-part sums where the tensors are = the host reference
+
+
+def test_the_checksum_tells_one_changed_or_moved_word_and_nothing_else():
+    import numpy as np
+
+    g = np.random.default_rng(0)
+    data = g.integers(0, 256, 4096, dtype=np.uint8)
+    same = blob_checksum(data)
+    assert blob_checksum(data.copy()) == same and blob_checksum(data.tobytes()) == same
+    flipped = data.copy()
+    flipped[1000] ^= 1
+    swapped = data.copy()
+    swapped[[10, 11, 12, 13]] = swapped[[12, 13, 10, 11]]  # two words trade places
+    assert blob_checksum(flipped) != same and blob_checksum(swapped) != same
+    # little-endian words 1 and 256, each + 32768, weighing 1 and 2; then all-zero words
+    assert blob_checksum(np.array([1, 0, 0, 1], np.uint8)) == (32768 + 1) * 1 + (32768 + 256) * 2
+    assert blob_checksum(np.zeros(8, np.uint8)) == 32768 * (1 + 2 + 3 + 4)
+
+
+@pytest.mark.parametrize("n, first", [(0, 5), (10, 0), (10, 65515), (65521 * 3 + 17, 0), (65521 * 2 + 5, 65520),
+                                      (200_000, 123_457)])
+def test_the_learners_word_sums_add_up_to_the_reference_checksum(n, first):
+    """word_sum's residue-class sums equal the plain formula on words placed at ``first``, across
+    the 65521-word period's boundaries (the learner sums each part of the blob where it lies)."""
+    import numpy as np
+
+    from learner.lora import word_sum
+
+    g = np.random.default_rng(n)
+    blob = g.integers(0, 256, 2 * (first + n), dtype=np.uint8)
+    words = torch.from_numpy(blob[2 * first :].copy()).view(torch.int16) if n else torch.zeros(0, dtype=torch.int16)
+    rest = blob_checksum(blob[: 2 * first]) if first else 0
+    assert int(word_sum(words, first)) + rest == blob_checksum(blob)
+
+
+def test_the_learners_payload_carries_the_checksum_of_its_bytes():
+    payload = adapter_payload(build(3), version=2)
+    assert payload.checksum == blob_checksum(payload.view())
 

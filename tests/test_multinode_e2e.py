@@ -486,6 +486,9 @@ def test_learner_worker_killed_mid_update_is_restored_in_the_run(cluster: Cluste
         _kill_tree(proc)
     (rec,) = [r for r in receipt["recoveries"] if r["part"] == "learner"]
     assert rec["step"] == 2 and rec["details"]["restored_from_step"] == 1 and rec["outcome"] == "recovered", rec
+    # The live v2 died with the old rank 0; the restored learner's export of it has the published
+    # checksum, so the registry serves it again (a replica starting now could fetch it).
+    assert rec["details"]["adapter_reexported"] is True, rec
     assert "restored from checkpoint step 1" in rec["what"], rec
     assert "learner lost at step 2" in log.read_text()
     steps = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())["trainer"]["steps"]

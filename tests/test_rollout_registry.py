@@ -24,6 +24,22 @@ def test_versions_only_move_forward_and_old_ones_are_dropped():
         state.publish(3, "again")
 
 
+def test_a_kept_version_is_re_exported_only_with_the_same_checksum():
+    """A restored learner's export of the live version replaces the dead owner's ref when its
+    bytes are the published ones (same checksum); other bytes, no checksum, or a version no
+    longer kept are refused and change nothing."""
+    state = RegistryState(keep=2)
+    state.publish(1, "ref1", checksum=11)
+    state.publish(2, "ref2", checksum=22)
+    state.publish(3, "ref3")  # an in-process payload that came without one
+    assert state.reexport(2, "ref2-again", 22) is None and state.get(2) == "ref2-again"
+    assert "other bytes" in state.reexport(2, "ref2-other", 23) and state.get(2) == "ref2-again"
+    assert "no checksum" in state.reexport(2, "ref2-none", None) and state.get(2) == "ref2-again"
+    assert "no checksum" in state.reexport(3, "ref3-again", 33) and state.get(3) == "ref3"
+    assert "v1 is not kept" in state.reexport(1, "ref1-again", 11)
+    assert state.latest == 3 and state.versions() == [2, 3]  # versions never move
+
+
 def test_all_hold_needs_expected_live_replicas_all_on_the_version():
     state = RegistryState(liveness_s=5.0)
     state.publish(1, "r")
