@@ -102,7 +102,10 @@ class RecoveringLearner:
         """The live version from the restored learner (see the module's note), for the entry."""
         if self._reexport is None:
             return {}
-        why = self._reexport(adapter)
+        try:
+            why = self._reexport(adapter)
+        except Exception as err:  # the registry unreachable, say: the restored run goes on without it
+            why = f"the registry did not answer ({type(err).__name__}: {first_line(str(err))})"
         if why is not None:
             log.warning("the restored learner's adapter v%d is not served again: %s", adapter.version, why)
             return {"adapter_reexported": False, "reexport_refused": why}

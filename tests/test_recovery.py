@@ -1,4 +1,5 @@
-"""services/recovery.py's pure parts, and the orchestrator's retry reporting. No Ray."""
+"""services/recovery.py's pure parts, the orchestrator's retry reporting, and what a learner restore records of
+serving its adapter again. No Ray."""
 
 from __future__ import annotations
 
@@ -59,3 +60,30 @@ def test_with_retries_reports_a_saved_call_with_its_errors():
     with pytest.raises(ConnectionError):  # out of retries: the error, and no recovery reported
         with_retries(lambda: (_ for _ in ()).throw(ConnectionError("down")), "x", 1, 0.0, lambda e, s: reports.append(e))
     assert reports == []
+
+
+def test_a_restored_learners_adapter_is_offered_again_and_the_answer_recorded():
+    """What a learner restore records of serving the live version again (services/
+    learner_recovery.py): taken, refused with the registry's reason, or the registry unreachable;
+    nothing when no rollout takes re-exports. The restore itself is tests/test_multinode_e2e.py's."""
+    from services.learner_recovery import RecoveringLearner
+    from model.adapter import AdapterRef
+
+    ref = AdapterRef(version=3, box=["ref"], checksum=7)
+
+    def learner(reexport):
+        return RecoveringLearner(lambda _: None, lambda step: None, 1, RecoveryLog(), reexport=reexport)
+
+    offered = []
+    assert learner(lambda r: offered.append(r))._serve_again(ref) == {"adapter_reexported": True}
+    assert offered == [ref]
+    assert learner(lambda r: "adapter v3 re-exported with other bytes")._serve_again(ref) == {
+        "adapter_reexported": False, "reexport_refused": "adapter v3 re-exported with other bytes"}
+
+    def unreachable(r):
+        raise ConnectionError("registry actor died\nmore")
+
+    assert learner(unreachable)._serve_again(ref) == {
+        "adapter_reexported": False,
+        "reexport_refused": "the registry did not answer (ConnectionError: registry actor died)"}
+    assert learner(None)._serve_again(ref) == {}
