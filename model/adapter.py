@@ -84,8 +84,8 @@ def blob_checksum(data) -> int:
     exact. Position-weighted, so a changed, moved or swapped word changes it. It tells whether
     two exports of "version v" are the same bytes (a learner restored in the run re-exports the
     live version: services/learner_recovery.py). The learner computes it where the tensors are,
-    on the GPU in a few ms (learner/lora.py ``word_sum``), where a sha256 of 126 MiB would cost
-    the step ~0.1 s of host time. Not a defence against a forger: nothing here is written by
+    on the GPU a column sum in a few kernels (learner/lora.py ``word_sum``; not yet timed there),
+    where a sha256 of 126 MiB would cost the step ~0.1 s of host time. Not a defence against a forger: nothing here is written by
     anyone but the run. This host-side form (numpy) is the reference."""
     import numpy as np
 
