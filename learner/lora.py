@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from model.adapter_dir import CONFIG_FILE, WEIGHTS_FILE, canonical_config
-from model.adapter import AdapterPayload
+from model.adapter import CHECKSUM_MOD, AdapterPayload
 
 
 
@@ -165,9 +165,6 @@ def safetensors_blob(state: dict[str, torch.Tensor], metadata: dict[str, str] | 
         out[pos : pos + nbytes].view(d).copy_(flat)
         pos += nbytes
     return out.numpy(), int(sum(int(x) for x in sums))
-
-
-CHECKSUM_MOD = 65521  # word i weighs (i mod 65521) + 1 (model/adapter.py blob_checksum)
 
 
 def word_sum(words: torch.Tensor, first: int) -> torch.Tensor:

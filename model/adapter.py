@@ -78,6 +78,9 @@ class AdapterRef:
         return self.fetch().config
 
 
+CHECKSUM_MOD = 65521  # word i of a blob weighs (i mod 65521) + 1 in blob_checksum
+
+
 def blob_checksum(data) -> int:
     """A checksum of a payload's safetensors bytes: over their little-endian 16-bit words, each
     taken as its signed value + 32768 (v_i in [0, 65536)), the sum of v_i * ((i mod 65521) + 1),
@@ -85,10 +88,10 @@ def blob_checksum(data) -> int:
     two exports of "version v" are the same bytes (a learner restored in the run re-exports the
     live version: services/learner_recovery.py). The learner computes it where the tensors are,
     on the GPU a column sum in a few kernels (learner/lora.py ``word_sum``; not yet timed there),
-    where a sha256 of 126 MiB would cost the step ~0.1 s of host time. Not a defence against a forger: nothing here is written by
-    anyone but the run. This host-side form (numpy) is the reference."""
+    where a sha256 of 126 MiB would cost the step ~0.1 s of host time. Not a defence against a
+    forger: nothing here is written by anyone but the run. This host-side form is the reference."""
     import numpy as np
 
     words = np.frombuffer(memoryview(data).cast("B"), dtype="<i2").astype(np.int64) + 32768
-    weights = np.arange(words.size, dtype=np.int64) % 65521 + 1
+    weights = np.arange(words.size, dtype=np.int64) % CHECKSUM_MOD + 1
     return int((words * weights).sum())

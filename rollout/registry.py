@@ -50,8 +50,7 @@ class RegistryState:
         self.keep = keep
         self.liveness_s = liveness_s
         self.latest = 0
-        self._payloads: dict[int, Any] = {}
-        self._checksums: dict[int, int | None] = {}
+        self._payloads: dict[int, tuple[Any, int | None]] = {}  # version -> (ref, checksum)
         self._replicas: dict[str, ReplicaInfo] = {}
         self._tokens_of_gone = 0  # tokens of replicas forgotten, so the total never decreases
 
@@ -62,26 +61,27 @@ class RegistryState:
             raise ValueError(
                 f"adapter version {version} is not newer than the latest published v{self.latest}"
             )
-        self._payloads[version], self._checksums[version] = payload_ref, checksum
+        self._payloads[version] = (payload_ref, checksum)
         self.latest = version
         for old in sorted(self._payloads)[: -self.keep]:
-            del self._payloads[old], self._checksums[old]
+            del self._payloads[old]
 
     def reexport(self, version: int, payload_ref: Any, checksum: int | None) -> str | None:
         """Serve a kept version from a new ref; None when done, else why not (nothing changes)."""
         if version not in self._payloads:
             return f"adapter v{version} is not kept (registry keeps {sorted(self._payloads)})"
-        if checksum is None or self._checksums[version] is None:
-            return f"adapter v{version}: no checksum to compare (published {self._checksums[version]}, re-exported {checksum})"
-        if checksum != self._checksums[version]:
+        published = self._payloads[version][1]
+        if checksum is None or published is None:
+            return f"adapter v{version}: no checksum to compare (published {published}, re-exported {checksum})"
+        if checksum != published:
             return (f"adapter v{version} re-exported with other bytes (checksum {checksum}, published "
-                    f"{self._checksums[version]}): the replay did not reproduce it")
-        self._payloads[version] = payload_ref
+                    f"{published}): the replay did not reproduce it")
+        self._payloads[version] = (payload_ref, checksum)
         return None
 
     def get(self, version: int) -> Any:
         if version in self._payloads:
-            return self._payloads[version]
+            return self._payloads[version][0]
         if version > self.latest:
             raise AdapterUnavailableError(
                 f"adapter v{version} has not been published (latest is v{self.latest})"
