@@ -12,6 +12,7 @@
 #   none                 only take the piece
 #   trl SHAPES [FLAGS]   TRL + vLLM colocate (bench/gpu_vs_trl.py trl --vllm)
 #   loop SHAPES          counterpoint's step loop in one process with the vLLM engine (no Ray)
+#   decode MODEL PROMPTS [--set k=v ...]   where generation time goes (bench/vllm_decode.py)
 #   train SHAPES MODES [--set k=v ...]   `counterpoint train` on Ray (bench/gpu_vs_trl.py train)
 set -uo pipefail
 K=$1; STAGE=$2; shift 2
@@ -96,8 +97,13 @@ PY
         | grep -E "^\[trl\]|Error" | cut -c 1-1500
     fi ;;
   loop)
-    bench counterpoint --engine vllm --shapes "$1" --out "$OUT/loop.json" 2>&1 | tee "$OUT/loop.log" \
-      | grep -E "^\[counterpoint\]|Error" | cut -c 1-1500 ;;
+    bench counterpoint --engine vllm --shapes "$1" --out "$OUT/loop-${1//[:,]/-}.json" 2>&1 \
+      | tee "$OUT/loop-${1//[:,]/-}.log" | grep -E "^\[counterpoint\]|Error" | cut -c 1-1500 ;;
+  decode)
+    M=$1; P=$2; shift 2; tag=$(printf '%s' "$*" | tr -c 'A-Za-z0-9_.=' '_' | cut -c 1-40)
+    python3 bench/vllm_decode.py --model "$MODELS/$M" --tokenizer "$TOK" --prompts "$P" \
+      --out "$OUT/decode-$M${tag:+-$tag}.json" "$@" 2>&1 | tee "$OUT/decode-$M${tag:+-$tag}.log" \
+      | grep -vE "INFO|WARNING|Loading|it/s\]|^$" | cut -c 1-400 ;;
   train)
     SHAPES=$1; MODES=$2; shift 2
     # shellcheck disable=SC2046

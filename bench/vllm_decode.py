@@ -1,0 +1,139 @@
+"""Where the rollout engine's generation time goes on a GPU (issue 21): counterpoint's vLLM engine
+against plain ``LLM.generate`` calls on the same engine, one sampling option changed at a time.
+
+The Ray runs spend most of a 4B step in generation (1.49 s for 8 x 384 tokens, ~3.9 ms a decode
+step, against ~1.9 ms for one read of the 8 GB of weights). This splits that figure:
+
+- ``ours``: ``VllmEngine.generate`` as the driver calls it (per-request seeds, the sampled
+  token's processed log-prob, our stop set, the samples built from vLLM's outputs);
+- ``raw``: the same requests straight to ``engine.llm.generate`` (what our wrapping costs);
+- ``raw_unseeded``: without per-request seeds (vLLM samples seeded rows one kernel each);
+- ``raw_nologprobs``: without the log-prob;
+- ``raw_bare``: neither;
+- ``raw_1tok``: max_tokens=1, the prefill and the fixed cost of a call; a decode step is
+  (raw - raw_1tok) / (tokens - 1).
+
+    python3 bench/vllm_decode.py --model /tmp/gpu-vs-trl/models/qwen3-4b --tokenizer /tmp/cp-tok/tokenizer \
+        --prompts 1,4 --reps 3 --out $OUT/decode-4b.json [--set rollout.vllm_multiprocessing=false]
+
+The engine takes bench/gpu_vs_trl.py's config of the shape (configs/gpu-bench.yaml's rollout
+settings); ``--set`` changes it. Prints a table; the JSON keeps every timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench.gpu_vs_trl import GROUP_SIZE, NEW_TOKENS, bench_config, prompt_texts  # noqa: E402
+
+WEIGHT_READ_TB_S = 4.3  # the H200's HBM3e, as issue 21 counts the floor
+
+
+def apply_sets(cfg, sets: list[str]):
+    """``--set section.key=value`` overrides, parsed and validated as the CLI's are."""
+    from config.run import apply_override, config_from_dict
+
+    tree = cfg.model_dump()
+    for item in sets:
+        apply_override(tree, item)
+    return config_from_dict(tree, source="bench/vllm_decode.py")
+
+
+def variants(engine, prompt_ids: list[list[int]], stop_ids: tuple[int, ...], seed: int) -> dict:
+    """name -> a call that generates the shape's batch one way."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def raw(seeded: bool = True, logprobs: bool = True, max_tokens: int = NEW_TOKENS):
+        params = [VllmSamplingParams(n=GROUP_SIZE, temperature=1.0, max_tokens=max_tokens,
+                                     seed=seed + i * GROUP_SIZE if seeded else None,
+                                     logprobs=0 if logprobs else None, stop_token_ids=list(stop_ids),
+                                     ignore_eos=True, detokenize=False)
+                  for i in range(len(prompt_ids))]
+        return lambda: engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
+                                           use_tqdm=False)
+
+    return {"raw": raw(), "raw_unseeded": raw(seeded=False), "raw_nologprobs": raw(logprobs=False),
+            "raw_bare": raw(seeded=False, logprobs=False), "raw_1tok": raw(max_tokens=1)}
+
+
+def tokens_of(out) -> int:
+    """Completion tokens of one call's result (samples or vLLM outputs)."""
+    if out and hasattr(out[0], "token_ids") and not hasattr(out[0], "outputs"):
+        return max(len(s.token_ids) for s in out)
+    return max(len(c.token_ids) for o in out for c in o.outputs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--tokenizer", type=Path, required=True)
+    ap.add_argument("--prompts", default="1,4", help="prompts per call, comma-separated (x8 completions each)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="rollout.key=value")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from rollout.engines import make_engine
+    from rollout.types import Prompt, SamplingParams
+
+    cfg = apply_sets(bench_config(args.model, 1, 1, "/tmp/cp-decode-runs", gpu=torch.cuda.is_available(),
+                                  engine="vllm"), args.sets)
+    t0 = time.perf_counter()
+    engine = make_engine(cfg.model, cfg.rollout, kind="vllm", seed=cfg.seed)
+    start_s = time.perf_counter() - t0
+    weights_gb = sum(p.stat().st_size for p in args.model.glob("*.safetensors")) / 1e9
+    floor_ms = weights_gb / WEIGHT_READ_TB_S  # GB / (TB/s) = ms
+    texts = prompt_texts(args.tokenizer, 64)
+    result = {"model": str(args.model), "settings": engine.stats()["settings"], "start_s": start_s,
+              "sets": args.sets, "weights_gb": weights_gb, "floor_ms_per_step": floor_ms, "rows": []}
+    print(f"engine {result['settings']} started in {start_s:.1f} s; weights {weights_gb:.2f} GB, "
+          f"one read {floor_ms:.2f} ms", flush=True)
+    for n_prompts in (int(x) for x in args.prompts.split(",")):
+        prompts = [Prompt(messages=({"role": "user", "content": t},)) for t in texts[:n_prompts]]
+        params = SamplingParams.from_rollout(cfg.rollout, n=GROUP_SIZE, max_tokens=NEW_TOKENS, seed=12345)
+        prompt_ids, stop_ids = engine.prepare(prompts, params, 0)
+        calls = {"ours": lambda: engine.generate(prompts, params, 0),
+                 **variants(engine, prompt_ids, stop_ids, 12345)}
+        for name, call in calls.items():
+            call()  # warm: the first call of a batch size may still compile or allocate
+            times, toks = [], 0
+            for _ in range(args.reps):
+                torch.cuda.synchronize() if torch.cuda.is_available() else None
+                t = time.perf_counter()
+                out = call()
+                times.append(time.perf_counter() - t)
+                toks = tokens_of(out)
+            result["rows"].append({"prompts": n_prompts, "sequences": n_prompts * GROUP_SIZE, "variant": name,
+                                   "s": statistics.median(times), "times_s": times, "tokens": toks})
+        one = next(r["s"] for r in result["rows"] if r["prompts"] == n_prompts and r["variant"] == "raw_1tok")
+        for r in result["rows"]:
+            if r["prompts"] == n_prompts and r["variant"] != "raw_1tok":
+                r["ms_per_step"] = 1e3 * (r["s"] - one) / max(r["tokens"] - 1, 1)
+        save(result, args.out)
+    print(f"{'shape':<7} {'variant':<15} {'s':>7} {'ms/step':>8} {'x floor':>8}")
+    for r in result["rows"]:
+        ms = r.get("ms_per_step")
+        print(f"{r['prompts']}x{GROUP_SIZE:<5} {r['variant']:<15} {r['s']:7.3f} "
+              f"{'' if ms is None else f'{ms:8.2f}'} {'' if ms is None else f'{ms / floor_ms:8.2f}'}")
+    return 0
+
+
+def save(result: dict, path: Path | None) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
