@@ -641,6 +641,27 @@ def merge(trl_res: dict[str, Any] | None, cp_res: dict[str, Any] | None, command
     return {"shapes": shapes, "command": command, "versions": vers}
 
 
+def ray_overhead(loop_res: dict[str, Any] | None, train_res: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """What Ray's path adds, per shape measured both ways: the one-process loop with the vLLM
+    engine (``counterpoint --engine vllm``) against `counterpoint train` in sync mode (the same
+    phases in the same order; one_step_off overlaps them, so it is not comparable phase by
+    phase). Rows of other engines are left out: their generation differs for other reasons."""
+    loops = {(r["model"], r["prompts"]): r for r in (loop_res or {}).get("shapes", [])
+             if r.get("engine") == "VllmEngine" and r.get("s_per_step")}
+    rows = []
+    for r in (train_res or {}).get("shapes", []):
+        key, loop = (r["model"], r["prompts"]), loops.get((r["model"], r["prompts"]))
+        if r.get("mode") != "sync" or not r.get("s_per_step") or loop is None:
+            continue
+        lp, tp = loop.get("phases_s", {}), r.get("phases_s", {})
+        rows.append({"model": key[0], "prompts": key[1], "loop_s": loop["s_per_step"], "train_s": r["s_per_step"],
+                     "added_s": r["s_per_step"] - loop["s_per_step"],
+                     "added_share": r["s_per_step"] / loop["s_per_step"] - 1,
+                     "phases_added_s": {ph: tp.get(ph, 0.0) - lp.get(ph, 0.0) for ph in PHASES
+                                        if ph in lp or ph in tp}})
+    return rows
+
+
 def validate_results(doc: dict[str, Any]) -> None:
     """The committed JSON has exactly the issue's schema; raises ValueError naming what is off."""
     if set(doc) != {"shapes", "command", "versions"}:
@@ -691,7 +712,7 @@ def _range(xs) -> str:
 
 def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[str, Any] | None,
              notes: str = "", trl_vllm_res: dict[str, Any] | None = None,
-             train_res: dict[str, Any] | None = None) -> str:
+             train_res: dict[str, Any] | None = None, loop_res: dict[str, Any] | None = None) -> str:
     """bench/results/gpu-vs-trl.md: the command, the headline (counterpoint train against TRL +
     vLLM), then each side's details; TRL's default generation and the one-process loop as
     secondary rows."""
@@ -736,6 +757,15 @@ def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[s
               f"{r.get('samples', 0) - r.get('samples_behind', 0)}/{r.get('samples', 0)} on, max behind "
               f"{r.get('max_behind', '–')} ({'OK' if r.get('versions_ok') else 'FAIL'}) | "
               f"{_range(r.get('learner_cuda_graphs'))} | {fmt(r.get('startup_s'), '.0f')} |")
+    overhead = ray_overhead(loop_res, train_res)
+    lines += _section("Ray against the one-process loop (vLLM engine both, sync mode, same session)",
+                      ["model", "completions", "loop s/step", "train s/step", "Ray adds", "share",
+                       *(f"{p} added" for p in ("gen", "score", "update_actor", "update_weights"))],
+                      [[o["model"], f"{o['prompts']}x{GROUP_SIZE}", fmt(o["loop_s"]), fmt(o["train_s"]),
+                        fmt(o["added_s"]), f"{o['added_share']:+.1%}",
+                        *(fmt(o["phases_added_s"].get(p), "+.3f") for p in ("gen", "score", "update_actor",
+                                                                              "update_weights"))]
+                       for o in overhead] or [["–"] * 10])
     tv_cells = []
     for key, t in tv_rows.items():
         ph = t.get("phases_s", {})
@@ -780,11 +810,11 @@ def combine(results: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def write_report(trl_res, cp_res, command: str, json_out: Path, md_out: Path, notes: str = "",
-                 trl_vllm_res=None, train_res=None) -> None:
+                 trl_vllm_res=None, train_res=None, loop_res=None) -> None:
     doc = merge(trl_res, cp_res, command, trl_vllm_res, train_res)
     validate_results(doc)
     json_out.write_text(json.dumps(doc, indent=1) + "\n")
-    md_out.write_text(markdown(doc, trl_res, cp_res, notes, trl_vllm_res, train_res))
+    md_out.write_text(markdown(doc, trl_res, cp_res, notes, trl_vllm_res, train_res, loop_res))
     print(f"wrote {json_out} and {md_out}", flush=True)
 
 
@@ -793,7 +823,8 @@ def report(args) -> None:
         return combine([json.loads(p.read_text()) for p in paths])
 
     write_report(load(args.trl), load(args.counterpoint), args.command, args.json_out, args.md_out,
-                 args.notes.read_text() if args.notes else "", load(args.trl_vllm), load(args.train))
+                 "\n\n".join(p.read_text().strip() for p in args.notes), load(args.trl_vllm), load(args.train),
+                 load(args.loop))
 
 
 # ---------------------------------------------------------------- one call, every GPU
@@ -978,7 +1009,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trl-vllm", type=Path, nargs="*", default=[], help="TRL + vLLM result file(s)")
     p.add_argument("--train", type=Path, nargs="*", default=[], help="`counterpoint train` result file(s)")
     p.add_argument("--command", required=True, help="the device command(s) that produced the inputs")
-    p.add_argument("--notes", type=Path, help="markdown appended to the report (findings, profile)")
+    p.add_argument("--loop", type=Path, nargs="*", default=[],
+                   help="the one-process loop with the vLLM engine, measured beside the --train runs")
+    p.add_argument("--notes", type=Path, nargs="*", default=[], help="markdown appended to the report, in order")
     p.add_argument("--json-out", type=Path, default=ROOT / "bench" / "results" / "gpu-vs-trl.json")
     p.add_argument("--md-out", type=Path, default=ROOT / "bench" / "results" / "gpu-vs-trl.md")
     args = ap.parse_args(argv)

@@ -72,6 +72,17 @@ def tokens_of(out) -> int:
     return max(len(c.token_ids) for o in out for c in o.outputs)
 
 
+def add_step_ms(rows: list[dict]) -> list[dict]:
+    """Each row's time per decode step: its call less the same shape's 1-token call (the prefill
+    and the fixed cost of a call), over the tokens after the first. Shapes without a 1-token
+    row get none."""
+    one = {r["prompts"]: r["s"] for r in rows if r["variant"] == "raw_1tok"}
+    for r in rows:
+        if r["variant"] != "raw_1tok" and r["prompts"] in one:
+            r["ms_per_step"] = 1e3 * (r["s"] - one[r["prompts"]]) / max(r["tokens"] - 1, 1)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, required=True)
@@ -116,10 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 toks = tokens_of(out)
             result["rows"].append({"prompts": n_prompts, "sequences": n_prompts * GROUP_SIZE, "variant": name,
                                    "s": statistics.median(times), "times_s": times, "tokens": toks})
-        one = next(r["s"] for r in result["rows"] if r["prompts"] == n_prompts and r["variant"] == "raw_1tok")
-        for r in result["rows"]:
-            if r["prompts"] == n_prompts and r["variant"] != "raw_1tok":
-                r["ms_per_step"] = 1e3 * (r["s"] - one) / max(r["tokens"] - 1, 1)
+        add_step_ms(result["rows"])
         save(result, args.out)
     print(f"{'shape':<7} {'variant':<15} {'s':>7} {'ms/step':>8} {'x floor':>8}")
     for r in result["rows"]:

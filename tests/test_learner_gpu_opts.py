@@ -241,6 +241,46 @@ def test_gpu_bench_config_and_results_follow_their_schemas(tmp_path):
     assert [(r["model"], r["prompts"]) for r in committed["shapes"]] == bench.RUNS
 
 
+def test_ray_overhead_compares_sync_runs_with_the_vllm_loop():
+    from bench import gpu_vs_trl as bench
+
+    loop = {"shapes": [
+        {"model": "qwen3-0.6b", "prompts": 4, "engine": "VllmEngine", "s_per_step": 3.2,
+         "phases_s": {"gen": 1.9, "score": 0.004, "update_actor": 1.14, "update_weights": 0.10}},
+        {"model": "qwen3-4b", "prompts": 1, "engine": "HfFastEngine", "s_per_step": 3.7, "phases_s": {"gen": 2.4}}]}
+    train = {"shapes": [
+        {"model": "qwen3-0.6b", "prompts": 4, "mode": "sync", "s_per_step": 3.5,
+         "phases_s": {"gen": 1.91, "score": 0.016, "update_actor": 1.44, "update_weights": 0.14}},
+        {"model": "qwen3-0.6b", "prompts": 4, "mode": "one_step_off", "s_per_step": 2.4, "phases_s": {"gen": 0.0}},
+        {"model": "qwen3-4b", "prompts": 1, "mode": "sync", "s_per_step": 2.2, "phases_s": {"gen": 1.5}}]}
+    # only a sync run beside a vLLM loop of its shape: another engine's loop differs in more than Ray
+    (row,) = bench.ray_overhead(loop, train)
+    assert (row["model"], row["prompts"]) == ("qwen3-0.6b", 4)
+    assert row["added_s"] == pytest.approx(0.3) and row["added_share"] == pytest.approx(0.3 / 3.2)
+    assert row["phases_added_s"]["update_actor"] == pytest.approx(0.30)
+    assert row["phases_added_s"]["gen"] == pytest.approx(0.01)
+    doc = bench.merge(None, None, "cmd", None, train)
+    md = bench.markdown(doc, None, None, train_res=train, loop_res=loop)
+    assert "| qwen3-0.6b | 4x8 | 3.20 | 3.50 | 0.30 | +9.4% | +0.010 | +0.012 | +0.300 | +0.040 |" in md
+    assert bench.ray_overhead(None, train) == [] and bench.ray_overhead(loop, None) == []
+
+
+def test_decode_bench_step_times_and_overrides():
+    from bench import vllm_decode
+    from config import ConfigError
+
+    rows = vllm_decode.add_step_ms([
+        {"prompts": 1, "variant": "raw", "s": 1.45, "tokens": 384},
+        {"prompts": 1, "variant": "raw_1tok", "s": 0.066, "tokens": 1},
+        {"prompts": 4, "variant": "raw", "s": 1.67, "tokens": 384}])  # no 1-token call for 4: no figure
+    assert rows[0]["ms_per_step"] == pytest.approx(1e3 * (1.45 - 0.066) / 383)
+    assert "ms_per_step" not in rows[1] and "ms_per_step" not in rows[2]
+    cfg = vllm_decode.bench_config("/m", 1, 1, "/r", engine="vllm")
+    assert vllm_decode.apply_sets(cfg, ["rollout.vllm_multiprocessing=false"]).rollout.vllm_multiprocessing is False
+    with pytest.raises(ConfigError, match="rollout"):
+        vllm_decode.apply_sets(cfg, ["rollout.no_such_knob=1"])
+
+
 def test_gpu_bench_flops_and_prompts():
     from bench import gpu_vs_trl as bench
 
