@@ -16,8 +16,10 @@ step, against ~1.9 ms for one read of the 8 GB of weights). This splits that fig
     python3 bench/vllm_decode.py --model /tmp/gpu-vs-trl/models/qwen3-4b --tokenizer /tmp/cp-tok/tokenizer \
         --prompts 1,4 --reps 3 --out $OUT/decode-4b.json [--set rollout.vllm_multiprocessing=false]
 
-The engine takes bench/gpu_vs_trl.py's config of the shape (configs/gpu-bench.yaml's rollout
-settings); ``--set`` changes it. Prints a table; the JSON keeps every timing.
+The engine takes bench/gpu_vs_trl.py's ``bench_config``: configs/gpu-bench.yaml's rollout
+settings (0.5 GPU, gpu_memory_utilization 0.35, max_num_seqs 64, merged LoRA and CUDA graphs by
+the CUDA defaults) except max_model_len 2048 for 1024; ``--set`` changes any of them. Prints a
+table; the JSON keeps every timing.
 """
 
 from __future__ import annotations
