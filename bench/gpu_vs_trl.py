@@ -90,6 +90,7 @@ SHAPE_KEYS = ("model", "prompts", "group_size", "tokens", "trl_s_per_step", "trl
               "counterpoint_s_per_step", "counterpoint_train_s_per_step", "counterpoint_train_modes", "phases_s",
               "peak_gib", "mfu")
 PHASES = ("gen", "score", "adv", "old_log_prob", "ref", "update_actor", "update_weights")
+SHOWN_PHASES = ("gen", "score", "update_actor", "update_weights")  # the report's columns: the rest are ~0 here
 
 
 # ---------------------------------------------------------------- shared inputs
@@ -736,7 +737,7 @@ def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[s
             f"{fmt(row['counterpoint_train_s_per_step'])} | "
             f"{fmt(_ratio(row['counterpoint_train_s_per_step'], row['trl_vllm_s_per_step']), '.3f')} | "
             f"{fmt(modes.get('sync'))} | {fmt(modes.get('one_step_off'))} | "
-            + " | ".join(fmt(ph.get(p)) for p in ("gen", "score", "update_actor", "update_weights"))
+            + " | ".join(fmt(ph.get(p)) for p in SHOWN_PHASES)
             + f" | {fmt(row['trl_s_per_step'])} | {fmt(row['counterpoint_s_per_step'])} | "
               f"{fmt(row['peak_gib'], '.1f')} | {fmt(row['mfu'], '.4f')} |")
     lines += ["", "## counterpoint train (Ray Serve vLLM replica + Ray Train learner + gRPC grader, one GPU)", "",
@@ -760,12 +761,11 @@ def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[s
     overhead = ray_overhead(loop_res, train_res)
     lines += _section("Ray against the one-process loop (vLLM engine both, sync mode, same session)",
                       ["model", "completions", "loop s/step", "train s/step", "Ray adds", "share",
-                       *(f"{p} added" for p in ("gen", "score", "update_actor", "update_weights"))],
+                       *(f"{p} added" for p in SHOWN_PHASES)],
                       [[o["model"], f"{o['prompts']}x{GROUP_SIZE}", fmt(o["loop_s"]), fmt(o["train_s"]),
                         fmt(o["added_s"]), f"{o['added_share']:+.1%}",
-                        *(fmt(o["phases_added_s"].get(p), "+.3f") for p in ("gen", "score", "update_actor",
-                                                                              "update_weights"))]
-                       for o in overhead] or [["–"] * 10])
+                        *(fmt(o["phases_added_s"].get(p), "+.3f") for p in SHOWN_PHASES)]
+                       for o in overhead] or [["–"] * (6 + len(SHOWN_PHASES))])
     tv_cells = []
     for key, t in tv_rows.items():
         ph = t.get("phases_s", {})

@@ -25,7 +25,6 @@ table; the JSON keeps every timing.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -34,19 +33,9 @@ from pathlib import Path
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from bench.gpu_vs_trl import GROUP_SIZE, NEW_TOKENS, bench_config, prompt_texts  # noqa: E402
+from bench.gpu_vs_trl import GROUP_SIZE, NEW_TOKENS, bench_config, prompt_texts, save  # noqa: E402
 
 WEIGHT_READ_TB_S = 4.3  # the H200's HBM3e, as issue 21 counts the floor
-
-
-def apply_sets(cfg, sets: list[str]):
-    """``--set section.key=value`` overrides, parsed and validated as the CLI's are."""
-    from config.run import apply_override, config_from_dict
-
-    tree = cfg.model_dump()
-    for item in sets:
-        apply_override(tree, item)
-    return config_from_dict(tree, source="bench/vllm_decode.py")
 
 
 def variants(engine, prompt_ids: list[list[int]], stop_ids: tuple[int, ...], seed: int) -> dict:
@@ -97,11 +86,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from config.run import config_with_overrides
     from rollout.engines import make_engine
     from rollout.types import Prompt, SamplingParams
 
-    cfg = apply_sets(bench_config(args.model, 1, 1, "/tmp/cp-decode-runs", gpu=torch.cuda.is_available(),
-                                  engine="vllm"), args.sets)
+    base = bench_config(args.model, 1, 1, "/tmp/cp-decode-runs", gpu=torch.cuda.is_available(), engine="vllm")
+    cfg = config_with_overrides(base.model_dump(), args.sets, source="bench/vllm_decode.py --set")
     t0 = time.perf_counter()
     engine = make_engine(cfg.model, cfg.rollout, kind="vllm", seed=cfg.seed)
     start_s = time.perf_counter() - t0
@@ -122,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
             call()  # warm: the first call of a batch size may still compile or allocate
             times, toks = [], 0
             for _ in range(args.reps):
-                torch.cuda.synchronize() if torch.cuda.is_available() else None
                 t = time.perf_counter()
                 out = call()
                 times.append(time.perf_counter() - t)
@@ -138,11 +127,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{'' if ms is None else f'{ms:8.2f}'} {'' if ms is None else f'{ms / floor_ms:8.2f}'}")
     return 0
 
-
-def save(result: dict, path: Path | None) -> None:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

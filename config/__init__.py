@@ -25,6 +25,7 @@ from config.run import (
     apply_override,
     config_changes,
     config_from_dict,
+    config_with_overrides,
     load_config,
     resolved,
     split_resume_changes,
@@ -34,5 +35,5 @@ from config.run import (
 __all__ = [
     "PATH_FIELDS", "RESUME_MAY_CHANGE", "RUN_LOCATION", "ConfigError", "EvalConfig", "GraderConfig",
     "LearnerConfig", "LoraConfig", "ModelConfig", "RolloutConfig", "RunConfig", "TrainerConfig", "apply_override",
-    "config_changes", "config_from_dict", "load_config", "resolved", "split_resume_changes", "with_absolute_paths",
+    "config_changes", "config_from_dict", "config_with_overrides", "load_config", "resolved", "split_resume_changes", "with_absolute_paths",
 ]

@@ -219,6 +219,14 @@ def config_from_dict(tree: dict[str, Any], source: str = "<dict>") -> RunConfig:
         raise ConfigError(f"invalid config {source}:\n" + "\n".join(f"  {line}" for line in lines)) from None
 
 
+def config_with_overrides(tree: dict[str, Any], overrides: list[str] | tuple[str, ...],
+                          source: str = "<dict>") -> RunConfig:
+    """``tree`` (changed in place) with each ``key=value`` override applied, then validated."""
+    for assignment in overrides:
+        apply_override(tree, assignment)
+    return config_from_dict(tree, source)
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read a YAML config (or start from defaults when path is None) and apply overrides."""
     tree: dict[str, Any] = {}
@@ -235,9 +243,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {source} must hold a mapping at top level")
         tree = loaded
-    for assignment in overrides:
-        apply_override(tree, assignment)
-    return with_absolute_paths(config_from_dict(tree, source))
+    return with_absolute_paths(config_with_overrides(tree, overrides, source))
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:

@@ -18,7 +18,7 @@ from records.rows import node_id, node_row
 from records.run_dir import RunDir
 from services.archive import recover, supersede_after
 from evals.heldout import heldout_section
-from config import RunConfig, apply_override, config_from_dict, resolved, with_absolute_paths
+from config import RunConfig, config_from_dict, config_with_overrides, resolved, with_absolute_paths
 from services.recovery import RecoveryLog, first_line, resume_what
 from services.orchestrator import RoundRecord, RunParts, StepRecord, run_steps
 from services.cluster import check_placement, placement_record
@@ -76,9 +76,7 @@ def resume_config(run_dir: Path, overrides: list[str], config: Path | None = Non
         source = f"{config} (+ --set)"
     else:
         tree = json.loads(json.dumps(recorded))
-        for assignment in overrides:
-            apply_override(tree, assignment)
-        given = resolved(with_absolute_paths(config_from_dict(tree, f"{receipt} (+ --set)")))
+        given = resolved(with_absolute_paths(config_with_overrides(tree, overrides, f"{receipt} (+ --set)")))
         source = "--set"
     changes = config_changes(recorded, given)
     applied, refused = split_resume_changes(changes)

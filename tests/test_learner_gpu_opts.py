@@ -275,10 +275,12 @@ def test_decode_bench_step_times_and_overrides():
         {"prompts": 4, "variant": "raw", "s": 1.67, "tokens": 384}])  # no 1-token call for 4: no figure
     assert rows[0]["ms_per_step"] == pytest.approx(1e3 * (1.45 - 0.066) / 383)
     assert "ms_per_step" not in rows[1] and "ms_per_step" not in rows[2]
+    from config.run import config_with_overrides
+
     cfg = vllm_decode.bench_config("/m", 1, 1, "/r", engine="vllm")
-    assert vllm_decode.apply_sets(cfg, ["rollout.vllm_multiprocessing=false"]).rollout.vllm_multiprocessing is False
+    assert config_with_overrides(cfg.model_dump(), ["rollout.vllm_multiprocessing=false"]).rollout.vllm_multiprocessing is False
     with pytest.raises(ConfigError, match="rollout"):
-        vllm_decode.apply_sets(cfg, ["rollout.no_such_knob=1"])
+        config_with_overrides(cfg.model_dump(), ["rollout.no_such_knob=1"])
 
 
 def test_gpu_bench_flops_and_prompts():
