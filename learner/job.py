@@ -171,10 +171,17 @@ class LearnerJob:
         self._coord = None
         self._thread: threading.Thread | None = None
         self._fit_error: BaseException | None = None
+        self._init: tuple[int, float] | None = None  # (Init's index in the log, when it was sent) until started()
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> InitInfo:
+        self.begin()
+        return self.started()
+
+    def begin(self) -> None:
+        """Start the workers and send them Init without waiting for its answer: the driver
+        starts the rollout meanwhile (services/train.py), and ``started()`` collects it."""
         lcfg = self.run_cfg.learner
         if self.init_adapter is not None and self.resume_from is not None:
             raise ValueError("give init_adapter or resume_from, not both (a checkpoint carries its adapter)")
@@ -225,7 +232,15 @@ class LearnerJob:
         )
         self._thread = threading.Thread(target=self._fit, args=(trainer,), name="learner-fit", daemon=True)
         self._thread.start()
-        info: InitInfo = self._call(Init(), lcfg.start_timeout_s)
+        self._init = (self._submit(Init()), time.monotonic())
+
+    def started(self) -> InitInfo:
+        """Init's answer, once the workers have the model (learner.start_timeout_s counts from
+        ``begin()``)."""
+        if self._init is None:
+            raise RuntimeError("LearnerJob.begin() was not called, or started() was already taken")
+        (index, since), self._init = self._init, None
+        info: InitInfo = self._answer(Init(), index, since, self.run_cfg.learner.start_timeout_s)
         self.step_count = info.step
         return info
 
@@ -236,6 +251,22 @@ class LearnerJob:
             self._fit_error = err
 
     def _call(self, command: Command, timeout_s: float) -> Any:
+        return self._answer(command, self._submit(command), time.monotonic(), timeout_s)
+
+    def _submit(self, command: Command) -> int:
+        from ray.exceptions import RayActorError
+
+        if self._coord is None:
+            raise RuntimeError("LearnerJob.start() was not called (or the job was stopped)")
+        try:
+            return ray.get(self._coord.submit.remote(command))
+        except RayActorError as err:
+            raise LearnerLost("coordinator_lost", f"the learner's coordinator died during "
+                              f"{type(command).__name__.lower()!r}: {err}") from None
+
+    def _answer(self, command: Command, index: int, since: float, timeout_s: float) -> Any:
+        """The answer to the command at ``index`` of the log, waited for until ``timeout_s`` after
+        ``since`` (time.monotonic()); the files it wrote are written into the run directory."""
         from ray.exceptions import RayActorError
 
         if self._coord is None:
@@ -243,8 +274,6 @@ class LearnerJob:
         what = type(command).__name__.lower()
         with_files = isinstance(command, (Init, Save))
         try:
-            index = ray.get(self._coord.submit.remote(command))
-            deadline = time.monotonic() + timeout_s
             while True:
                 done, result, boxes = ray.get(self._coord.get_result.remote(index, 1.0, with_files))
                 if done:
@@ -252,7 +281,7 @@ class LearnerJob:
                 if self._thread is not None and not self._thread.is_alive():
                     raise LearnerLost("train_run_ended", f"the learner's Ray Train run ended during {what!r}: "
                                       f"{self._fit_error!r}"[:2000])
-                if time.monotonic() > deadline:
+                if time.monotonic() > since + timeout_s:
                     raise LearnerLost("timeout", f"learner command {what!r} took more than {timeout_s:.0f} s")
         except RayActorError as err:
             raise LearnerLost("coordinator_lost", f"the learner's coordinator died during {what!r}: {err}") from None

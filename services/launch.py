@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
-from contextlib import ExitStack
-from typing import Any
+import logging
+from contextlib import ExitStack, suppress
+from typing import Any, Callable, TypeVar
 
 from config import RunConfig
 from config.runtime_env import apply_defaults
 from graders.ports import free_port
+
+T = TypeVar("T")
 
 
 def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
@@ -37,22 +40,58 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
 
     bind_local_cluster_to_loopback(ray)
     metrics_port = cfg.trainer.ray_metrics_port or free_port()
-    context = _init_keeping_sigterm(ray, num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False,
-                                    _metrics_export_port=metrics_port, **kwargs)
+    context = init_retrying_startup_timeout(lambda: _init_keeping_sigterm(
+        ray, num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False, _metrics_export_port=metrics_port, **kwargs),
+        ray.shutdown)
     session_logs = _link_session_logs(context, logs)
 
     def _shutdown() -> None:
         from ray import serve
 
+        global _cluster_started_here
         try:
-            serve.shutdown()
+            serve.shutdown()  # every app at once, each replica given its graceful shutdown
         finally:
             ray.shutdown()
+            _cluster_started_here = False
             if logs is not None and session_logs is not None:
                 logs.keep_ray_logs(session_logs)
 
+    global _cluster_started_here
+    _cluster_started_here = True
     stack.callback(_shutdown)
     return f"127.0.0.1:{metrics_port}"
+
+
+# Whether the live Ray cluster is the local one start_ray started (and shuts down with Serve).
+_cluster_started_here = False
+
+
+STARTUP_TIMEOUT = "timed out during startup"  # Ray's words when its raylet misses its fixed 30 s
+
+
+def init_retrying_startup_timeout(init: Callable[[], T], shutdown: Callable[[], None]) -> T:
+    """``init()`` (a local cluster's ray.init), once more if Ray says the node "timed out during
+    startup": on a loaded host the raylet can miss the 30 s Ray gives it to register with the
+    GCS (seen once in CI, on a 2-core box, in a run that was otherwise fine). The processes the
+    failed attempt started are killed first, or they would live on beside the second cluster."""
+    import psutil
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    try:
+        return init()
+    except Exception as err:
+        if STARTUP_TIMEOUT not in str(err):
+            raise
+        logging.getLogger("counterpoint").warning("Ray's local node %s; starting it again", STARTUP_TIMEOUT)
+    left = [p for p in me.children(recursive=True) if p.pid not in before]
+    for proc in left:
+        with suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(left, timeout=10)
+    shutdown()
+    return init()
 
 
 def _init_keeping_sigterm(ray, **kwargs):
@@ -96,6 +135,18 @@ def required_resources(cfg: RunConfig, with_learner: bool = True) -> dict[str, f
         cpu += cfg.learner.workers * cfg.learner.num_cpus_per_worker
         gpu += cfg.learner.workers * cfg.learner.gpus_per_worker if cfg.learner.use_gpu else 0
     return {"CPU": cpu, "GPU": gpu}
+
+
+def learner_starts_beside_rollout(cfg: RunConfig) -> bool:
+    """Whether the learner's workers may load the model while the rollout replicas start (a
+    train run's start-up then costs the longer of the two, not their sum). Not where Ray may put
+    a replica and a learner worker on one GPU, which happens only when both use GPUs and either
+    reserves a fraction of one (Ray gives whole-GPU reservations their own devices): vLLM sizes
+    its KV cache from what it measures of the card's memory while it profiles, which a learner
+    loading its model at the same moment would change from one run to the next."""
+    rollout_gpus = cfg.rollout.num_gpus
+    learner_gpus = cfg.learner.gpus_per_worker if cfg.learner.use_gpu else 0.0
+    return not (rollout_gpus > 0 and learner_gpus > 0 and (rollout_gpus < 1 or learner_gpus < 1))
 
 
 def check_resources(cfg: RunConfig, with_learner: bool = True) -> None:
@@ -150,7 +201,8 @@ def start_rollout(cfg: RunConfig, stack: ExitStack, seed: int | None = None):
     from rollout.deployment import deploy_rollout, stop_rollout
 
     client = deploy_rollout(cfg.model, cfg.rollout, kind=cfg.rollout.engine, seed=cfg.seed if seed is None else seed)
-    stack.callback(stop_rollout)
+    if not _cluster_started_here:  # a cluster started here deletes every app at once as it shuts down
+        stack.callback(stop_rollout)
     return client
 
 

@@ -51,8 +51,17 @@ class RecoveringLearner:
         self.job: Any = None
 
     def start(self, resume_from: Path | None = None) -> Any:
+        self.begin(resume_from)
+        return self.started()
+
+    def begin(self, resume_from: Path | None = None) -> None:
+        """The first job's workers start; ``started()`` waits for them (the driver starts the
+        rollout in between)."""
         self.job = self._make_job(resume_from)
-        return self.job.start()
+        self.job.begin()
+
+    def started(self) -> Any:
+        return self.job.started()
 
     def workers(self) -> list[dict]:
         return self.job.workers() if self.job is not None else []

@@ -22,7 +22,8 @@ from config import RunConfig, config_from_dict, config_with_overrides, resolved,
 from services.recovery import RecoveryLog, first_line, resume_what
 from services.orchestrator import RoundRecord, RunParts, StepRecord, run_steps
 from services.cluster import check_placement, placement_record
-from services.launch import check_resources, start_grader, start_ray, start_rollout, stop_token_report, watch_grader
+from services.launch import (check_resources, learner_starts_beside_rollout, start_grader, start_ray, start_rollout,
+                             stop_token_report, watch_grader)
 from services.runlock import RunInUse  # noqa: F401 (raised by resume_config; callers import it from here)
 
 log = logging.getLogger("counterpoint.train")
@@ -274,6 +275,7 @@ def heldout_eval(cfg: RunConfig, grader, rollout, version: int, out: Path) -> di
 
 def train(opts: TrainOptions) -> RunDir:
     """Run (or resume) a training run; returns its run directory."""
+    from model.base import resolve_model
     from services.metrics import TrainerMetrics
     from services.plot import plot_run
     from services.console import StageClock
@@ -307,6 +309,21 @@ def train(opts: TrainOptions) -> RunDir:
         check_placement(cfg)  # a part whose resources/labels no live node offers would wait forever
         stages.done("Ray")
         install_sigterm_handler()
+
+        from learner.job import LearnerJob
+        from services.learner_recovery import RecoveringLearner
+
+        # A learner whose workers die is restored in the run (learner.max_restarts): from the
+        # newest checkpoint this run saved, or from where this attempt started.
+        learner = RecoveringLearner(
+            lambda resume_from: LearnerJob(cfg, run.root, init_adapter=init_adapter, resume_from=resume_from),
+            run.checkpoint_dir, cfg.learner.max_restarts, recoveries, trained=first_step - 1,
+            reexport=lambda payload: rollout.reexport(payload))
+        stack.callback(learner.stop)
+        beside = learner_starts_beside_rollout(cfg)
+        if beside:  # its workers load the model while the grader and the replicas start
+            resolve_model(cfg.model)  # built or converted once, here, before either reads it
+            learner.begin(ckpt)
         grader = start_grader(cfg, stack)
         health = grader.health()
         if health.task != cfg.grader.task:  # an external grader serving another task than configured
@@ -319,21 +336,10 @@ def train(opts: TrainOptions) -> RunDir:
         cases = {c.id: c for c in grader.cases(limit=cfg.trainer.limit or 0, split="train")}
         sampler = sampler_from_config(list(cases), cfg.trainer, cfg.seed)
         receipt.update(prompt_sampling=sampler.plan())
-        rollout = start_rollout(cfg, stack)
         receipt.update(rollout_stop_tokens=stop_token_report(cfg))
+        rollout = start_rollout(cfg, stack)
         stages.done("rollout replicas")
-
-        from learner.job import LearnerJob
-        from services.learner_recovery import RecoveringLearner
-
-        # A learner whose workers die is restored in the run (learner.max_restarts): from the
-        # newest checkpoint this run saved, or from where this attempt started.
-        learner = RecoveringLearner(
-            lambda resume_from: LearnerJob(cfg, run.root, init_adapter=init_adapter, resume_from=resume_from),
-            run.checkpoint_dir, cfg.learner.max_restarts, recoveries, trained=first_step - 1,
-            reexport=rollout.reexport)
-        stack.callback(learner.stop)
-        init = learner.start(ckpt)
+        init = learner.started() if beside else learner.start(ckpt)
         receipt.update(init_adapter_sha256=init.adapter_sha256, lr_rebase=init.lr_rebase_note,
                        init_adapter=str(init_adapter) if init_adapter else "seeded (adapters/init)")
         adapter = init.init_payload

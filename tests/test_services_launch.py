@@ -1,0 +1,95 @@
+"""services/launch.py's rules that need no cluster: which train runs start the learner beside the
+rollout replicas, and the local Ray start tried again after Ray's start-up timeout."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from config import load_config
+from services.launch import STARTUP_TIMEOUT, init_retrying_startup_timeout, learner_starts_beside_rollout
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name, overrides, beside", [
+    ("smoke.yaml", [], True),  # CPU only: nothing to share
+    ("voice-leading.yaml", [], True),
+    ("gpu-bench.yaml", [], False),  # replica and learner share ONE GPU by halves: one after the other
+    ("gpu-bench-2gpu.yaml", [], True),  # each on a GPU of its own
+    # a replica on a GPU of its own, the learner on a fraction: Ray may put the learner on its GPU
+    ("gpu-bench-2gpu.yaml", ["learner.gpus_per_worker=0.4"], False),
+    ("gpu-bench-2gpu.yaml", ["rollout.num_gpus=0"], True),  # a CPU replica, a GPU learner
+    ("gpu-bench.yaml", ["learner.use_gpu=false", "learner.deepspeed=false"], True),  # only the replica on the GPU
+])
+def test_the_learner_starts_beside_the_rollout_unless_they_may_share_a_gpu(name, overrides, beside):
+    cfg = load_config(CONFIGS / name, overrides)
+    assert learner_starts_beside_rollout(cfg) is beside
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def test_a_local_start_that_timed_out_is_cleaned_up_and_tried_again():
+    started: list[subprocess.Popen] = []
+    shutdowns: list[int] = []
+
+    def init():
+        started.append(_sleeper())  # what Ray's head processes are to the driver: its children
+        if len(started) == 1:
+            raise Exception(f"The current node {STARTUP_TIMEOUT}. This could happen because ...")
+        return "context"
+
+    try:
+        assert init_retrying_startup_timeout(init, lambda: shutdowns.append(1)) == "context"
+        assert len(started) == 2 and shutdowns == [1]
+        started[0].wait(timeout=10)  # the failed attempt's process was killed (and reaped): gone long before 120 s
+        assert not psutil.pid_exists(started[0].pid)
+        assert started[1].poll() is None  # the second attempt's lives on
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_process_that_was_running_before_the_start_is_left_alone():
+    older = _sleeper()
+    calls = []
+
+    def init():
+        calls.append(1)
+        if len(calls) == 1:
+            raise Exception(f"The current node {STARTUP_TIMEOUT}.")
+        return "context"
+
+    try:
+        assert init_retrying_startup_timeout(init, lambda: None) == "context"
+        assert psutil.Process(older.pid).status() != psutil.STATUS_ZOMBIE and older.poll() is None
+    finally:
+        older.kill()
+        older.wait()
+
+
+def test_other_start_errors_are_not_retried():
+    calls = []
+
+    def init():
+        calls.append(1)
+        raise RuntimeError("address already in use")
+
+    with pytest.raises(RuntimeError, match="address already in use"):
+        init_retrying_startup_timeout(init, lambda: None)
+    assert calls == [1]
+
+
+def test_a_second_timeout_is_raised():
+    def init():
+        raise Exception(f"The current node {STARTUP_TIMEOUT}.")
+
+    with pytest.raises(Exception, match=STARTUP_TIMEOUT):
+        init_retrying_startup_timeout(init, lambda: None)
