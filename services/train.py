@@ -320,10 +320,6 @@ def train(opts: TrainOptions) -> RunDir:
             run.checkpoint_dir, cfg.learner.max_restarts, recoveries, trained=first_step - 1,
             reexport=lambda payload: rollout.reexport(payload))
         stack.callback(learner.stop)
-        beside = learner_starts_beside_rollout(cfg)
-        if beside:  # its workers load the model while the grader and the replicas start
-            resolve_model(cfg.model)  # built or converted once, here, before either reads it
-            learner.begin(ckpt)
         grader = start_grader(cfg, stack)
         health = grader.health()
         if health.task != cfg.grader.task:  # an external grader serving another task than configured
@@ -336,6 +332,10 @@ def train(opts: TrainOptions) -> RunDir:
         cases = {c.id: c for c in grader.cases(limit=cfg.trainer.limit or 0, split="train")}
         sampler = sampler_from_config(list(cases), cfg.trainer, cfg.seed)
         receipt.update(prompt_sampling=sampler.plan())
+        beside = learner_starts_beside_rollout(cfg)
+        if beside:  # its workers load the model while the replicas start
+            resolve_model(cfg.model)  # built or converted once, here, before either reads it
+            learner.begin(ckpt)
         receipt.update(rollout_stop_tokens=stop_token_report(cfg))
         rollout = start_rollout(cfg, stack)
         stages.done("rollout replicas")
