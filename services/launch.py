@@ -13,6 +13,9 @@ from graders.ports import free_port
 
 T = TypeVar("T")
 
+# Whether the live Ray cluster is the local one start_ray started (and shuts down with Serve).
+_cluster_started_here = False
+
 
 def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
     """Join cfg.trainer.ray_address or start a local cluster; a cluster started here is shut
@@ -61,10 +64,6 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
     _cluster_started_here = True
     stack.callback(_shutdown)
     return f"127.0.0.1:{metrics_port}"
-
-
-# Whether the live Ray cluster is the local one start_ray started (and shuts down with Serve).
-_cluster_started_here = False
 
 
 STARTUP_TIMEOUT = "timed out during startup"  # Ray's words when its raylet misses its fixed 30 s

@@ -93,3 +93,41 @@ def test_a_second_timeout_is_raised():
 
     with pytest.raises(Exception, match=STARTUP_TIMEOUT):
         init_retrying_startup_timeout(init, lambda: None)
+
+
+STALLED_RAYLET = '''
+import signal, threading, time
+import psutil, ray
+from services.launch import init_retrying_startup_timeout
+
+stopped = []
+def stall_the_first_raylet():
+    me = psutil.Process()
+    while True:
+        for proc in me.children(recursive=True):
+            try:
+                if proc.name() == "raylet":
+                    proc.send_signal(signal.SIGSTOP)
+                    stopped.append(proc.pid)
+                    return
+            except psutil.NoSuchProcess:
+                pass
+        time.sleep(0.005)
+
+threading.Thread(target=stall_the_first_raylet, daemon=True).start()
+init_retrying_startup_timeout(lambda: ray.init(num_cpus=1, include_dashboard=False), ray.shutdown)
+gone = not psutil.pid_exists(stopped[0]) or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE
+print("first raylet gone:", gone, "answer:", ray.get(ray.remote(lambda: 41 + 1).remote()))
+ray.shutdown()
+'''
+
+
+@pytest.mark.slow
+def test_a_real_raylet_that_cannot_register_is_killed_and_the_cluster_started_again():
+    """The first raylet is stopped (SIGSTOP) as soon as it exists, so it misses Ray's 30 s to
+    register, as CI's loaded box once made it: the retry kills it and the second cluster runs a task."""
+    done = subprocess.run([sys.executable, "-c", STALLED_RAYLET], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "Ray's local node timed out during startup; starting it again" in done.stderr, done.stderr[-3000:]
+    assert "first raylet gone: True answer: 42" in done.stdout, done.stdout + done.stderr[-3000:]
