@@ -166,3 +166,77 @@ def test_an_mlebench_prepared_task_gets_mlebench_verdict_and_metric(tmp_path):
     v = CodeExecTask(CodeExecConfig(tasks_dir=str(tmp_path / "tasks"), timeout_s=20.0, grace_s=0.5))
     r = v.score("spooky-author-identification", script)
     assert r.status == "invalid_submission" and "do not sum to 1 within 1e-06" in r.message
+
+
+EXTRA_COLUMN = {  # one column more than the task's, as scripts write them; header as pandas reads it
+    "pandas index": ("s.to_csv('submission.csv')", "Unnamed: 0"),
+    "note column": ("s.assign(note='hand-tuned').to_csv('submission.csv', index=False)", "note"),
+    "<target>.1 column": ("pd.concat([s, s[[T[0]]]], axis=1).to_csv('submission.csv', index=False)", ".1"),
+}
+PREDICT = {  # id + targets, valid under both rule sets (AUC scores in [0, 1], RMSLE >= 0)
+    "tabular-binary": "T = ['target']\ns = pd.DataFrame({'id': t['id'], 'target': t['f00'].fillna(0).rank(pct=True)})",
+    "positive-regression": "T = ['y1', 'y2']\ns = pd.DataFrame({'id': t['id'], 'y1': 10 * t['x0'].fillna(0).abs(), "
+                           "'y2': 5 * t['x1'].fillna(0).abs()})",
+}
+
+
+def _extra_column_script(tid: str, kind: str) -> str:
+    return f"import pandas as pd\nt = pd.read_csv('test.csv')\n{PREDICT[tid]}\n{EXTRA_COLUMN[kind][0]}"
+
+
+def test_one_extra_column_is_graded_as_grade_grades_it(verifier, tasks_dir, tmp_path):
+    """A submission with one column more than the task's (the index of a to_csv without
+    index=False, a note column, a duplicated target read back as `<target>.1`) is graded by
+    score() exactly as grade() grades the same file, under both rule sets (MLE-bench's grader
+    ignores extra columns for AUC and RMSLE): status ok and the same metrics. The width check
+    before pandas used to refuse it ("line 1 has 3 fields, expected 2")."""
+    import contextlib
+    import shutil
+
+    from graders.code_exec.grading import grade, parse_submission, read_csv_exact
+
+    mle_dir = tmp_path / "mle"  # the bundled tasks without their own rule set: the default mle-bench
+    for tid in PREDICT:
+        shutil.copytree(tasks_dir / tid, mle_dir / tid)
+        tj = mle_dir / tid / "task.json"
+        tj.write_text(json.dumps({k: v for k, v in json.loads(tj.read_text()).items() if k != "grading_rules"}))
+    mle = CodeExecTask(CodeExecConfig(tasks_dir=str(mle_dir), timeout_s=20.0, grace_s=0.5, max_concurrent=2))
+    assert set(mle.grading_rules.values()) == {"mle-bench"}
+    assert {verifier.grading_rules[tid] for tid in PREDICT} == {"counterpoint"}
+    items = [(tid, kind) for tid in PREDICT for kind in EXTRA_COLUMN]
+    completions = [(tid, _py(_extra_column_script(tid, kind))) for tid, kind in items]
+    got = {"counterpoint": verifier.score_many(completions), "mle-bench": mle.score_many(completions)}
+    for i, (tid, kind) in enumerate(items):
+        work = tmp_path / f"{tid}-{i}"
+        shutil.copytree(tasks_dir / tid / "public", work)
+        with contextlib.chdir(work):  # the same script, here: the same bytes the sandbox collected
+            exec(_extra_column_script(tid, kind), {})
+        sub = parse_submission((work / "submission.csv").read_bytes())
+        t = verifier.tasks[tid]
+        assert len(sub.columns) == 2 + len(t.target_columns), (tid, kind, list(sub.columns))
+        assert list(sub.columns)[0 if kind == "pandas index" else -1].endswith(EXTRA_COLUMN[kind][1])
+        answers = read_csv_exact(t.answers_path)
+        for rules, results in got.items():
+            r, want = results[i], grade(t, sub, answers, rules)
+            assert (r.status, r.message) == ("ok", None), (tid, kind, rules, r.message)
+            assert (r.test_metric, r.val_metric) == (want.test, want.val), (tid, kind, rules)
+            assert r.reward == reward_of(t.metric, want.val) and 0 < r.reward < 1
+
+
+def test_width_bound_is_the_columns_plus_slack():
+    """check_width lets through any line of up to columns + WIDTH_SLACK fields (grade() decides
+    what extra columns mean) and refuses the first line past it; quoted commas do not count."""
+    from graders.code_exec.grading import InvalidSubmission
+    from graders.code_exec.verifier import WIDTH_SLACK, check_width
+
+    def line(n, quoted=""):
+        return ",".join([quoted or "1"] * n).encode() + b"\n"
+
+    at_bound = 2 + WIDTH_SLACK
+    check_width(b"id,target\n" + line(3) + line(at_bound), 2)
+    check_width(line(at_bound) + line(at_bound - 1, '"a,b"'), 2)  # each quoted field is one
+    with pytest.raises(InvalidSubmission, match=rf"^line 3 has {at_bound + 1} fields, over the "
+                                                rf"{at_bound} read \(2 columns \+ {WIDTH_SLACK}\)$"):
+        check_width(b"id,target\n" + line(at_bound) + line(at_bound + 1) + line(9_999), 2)
+    with pytest.raises(InvalidSubmission, match=r"^line 1 has 1028 fields, over the 1027 read"):
+        check_width(line(at_bound + 2), 3)
