@@ -31,7 +31,7 @@ from model.adapter import AdapterPayload, AdapterRef
 from rollout.types import Prompt, Sample, SamplingParams
 from config import RunConfig
 from graders.spread import score_spread
-from services.recovery import first_line, retried_what
+from services.recovery import backoff_delays, first_line, retried_what
 from services.step_timer import PhaseTimer
 
 log = logging.getLogger("counterpoint.train")
@@ -138,6 +138,7 @@ def with_retries(call: Callable[[], Any], what: str, retries: int, backoff_s: fl
     answered after failing is reported to `retried` (its errors, seconds from the first failure)."""
     errors: list[str] = []
     first_failure = 0.0
+    delays = backoff_delays(retries, backoff_s)
     for attempt in range(retries + 1):
         try:
             out = call()
@@ -150,7 +151,7 @@ def with_retries(call: Callable[[], Any], what: str, retries: int, backoff_s: fl
             errors.append(first_line(err))
             if attempt == retries:
                 raise
-            delay = backoff_s * 2**attempt
+            delay = delays[attempt]
             log.warning("%s failed (%s: %s); retry %d/%d in %.1f s", what, type(err).__name__,
                         str(err).splitlines()[0][:200] if str(err) else "", attempt + 1, retries, delay)
             time.sleep(delay)

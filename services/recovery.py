@@ -110,7 +110,8 @@ class Budget:
 
 
 def backoff_delays(retries: int, first_s: float) -> list[float]:
-    """The wait before each retry: first_s, then doubling (the sections' retry_backoff_s)."""
+    """The wait before each retry: first_s, then doubling (the sections' retry_backoff_s); what
+    services/orchestrator.py's with_retries sleeps between attempts."""
     return [first_s * 2**k for k in range(retries)]
 
 

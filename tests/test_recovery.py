@@ -32,6 +32,27 @@ def test_budget_and_backoff():
     assert backoff_delays(3, 0.5) == [0.5, 1.0, 2.0]
 
 
+def test_with_retries_waits_the_backoff_delays(monkeypatch):
+    """The orchestrator's retries (generate, score) sleep backoff_delays between attempts: one
+    wait per failure, none after the call that answers or the last one that fails."""
+    slept: list[float] = []
+    monkeypatch.setattr("services.orchestrator.time.sleep", slept.append)
+    failures = iter([ConnectionError("a"), ConnectionError("b"), ConnectionError("c")])
+
+    def flaky():
+        err = next(failures, None)
+        if err is not None:
+            raise err
+        return "ok"
+
+    assert with_retries(flaky, "generate (step 1)", 4, 0.5) == "ok"
+    assert slept == backoff_delays(3, 0.5) == [0.5, 1.0, 2.0]
+    slept.clear()
+    with pytest.raises(ConnectionError, match="down"):
+        with_retries(lambda: (_ for _ in ()).throw(ConnectionError("down")), "x", 2, 0.25)
+    assert slept == backoff_delays(2, 0.25) == [0.25, 0.5]
+
+
 def test_resume_line_only_after_an_attempt_that_did_not_complete():
     assert resume_what({"status": "completed"}, 3, 4) is None
     assert resume_what(None, 0, 1) is None
