@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -70,7 +71,7 @@ def server(tiny_fixture):
 
 @pytest.fixture(scope="module")
 def default_server():
-    running = start_server(GraderCore(make_task(GraderConfig())), "127.0.0.1", 0)
+    running = start_server(GraderCore(make_task(GraderConfig())))  # the default bind: no host, no port
     yield running
     running.stop(None)
 
@@ -87,8 +88,78 @@ def _code(call, request) -> tuple[grpc.StatusCode, str]:
     return err.value.code(), err.value.details()
 
 
-def test_binds_loopback(server):
-    assert server.host == "127.0.0.1" and server.port > 0
+def _listening(port: int) -> list[str]:
+    """The local addresses of every listening TCP socket (IPv4 and IPv6) on `port`, from the
+    kernel's own table (/proc/net/tcp{,6}): where a server really bound, not what it says.
+    IPv4-mapped IPv6 addresses (grpcio binds `127.0.0.1` as `::ffff:127.0.0.1`) read as IPv4."""
+    import ipaddress
+
+    out = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        if not os.path.exists(table):
+            continue
+        for row in Path(table).read_text().splitlines()[1:]:
+            local, state = row.split()[1], row.split()[3]
+            addr, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(addr)  # host-order 32-bit words
+                ip = ipaddress.ip_address(socket.inet_ntop(family, b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))))
+                out.append(str(getattr(ip, "ipv4_mapped", None) or ip))
+    return sorted(out)
+
+
+def _other_ipv4() -> str | None:
+    """An IPv4 address of this machine that is not loopback (eth0's), or None."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))[20:24]
+            except OSError:
+                continue
+            if not socket.inet_ntoa(packed).startswith("127."):
+                return socket.inet_ntoa(packed)
+    return None
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+        return True
+    except ConnectionRefusedError:
+        return False
+
+
+def test_default_bind_is_loopback_only(default_server):
+    """start_server with no host binds 127.0.0.1 (the config's default) and nothing else: the
+    kernel lists one listening socket on the port, on loopback, and the machine's other address
+    refuses a connection to it."""
+    port = default_server.port
+    assert port > 0 and default_server.host == GraderConfig().host == "127.0.0.1"
+    assert _listening(port) == ["127.0.0.1"]
+    assert _reachable("127.0.0.1", port)
+    other = _other_ipv4()
+    if other is None:
+        pytest.skip("no non-loopback IPv4 address on this machine to try the port on")
+    assert not _reachable(other, port), f"the default bind answers on {other}"
+
+
+def test_an_explicit_host_is_the_one_bound():
+    """A host given (here the machine's non-loopback address) is where the server listens,
+    and only there: Health answers on it, loopback refuses the port."""
+    other = _other_ipv4()
+    if other is None:
+        pytest.skip("no non-loopback IPv4 address on this machine to bind")
+    running = start_server(GraderCore(make_task(GraderConfig(fixture=None))), other, 0)
+    try:
+        assert (running.host, _listening(running.port)) == (other, [other])
+        assert not _reachable("127.0.0.1", running.port)
+        with GraderClient(f"{other}:{running.port}", max_retries=0, timeout_s=10) as client:
+            assert client.health().task == "voice-leading"
+    finally:
+        running.stop(None)
 
 
 def test_health_reports_pool_and_counters(stub):
