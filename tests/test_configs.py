@@ -24,11 +24,151 @@ def test_every_shipped_config_parses(path: Path):
     assert RunConfig.model_validate(resolved(cfg)) == cfg
 
 
+# `seed`: four sections declare it, all 0, and 0 is also the reproducible default of every RNG
+# helper (a bootstrap, an engine, a task build): a seed=0 there names no one section's setting.
+GENERIC_NAMES = {"seed"}
+# Copies that predate this check, being moved into config/ now; the list only shrinks.
+# Do not add to it: read the default from the schema (``GraderConfig().host``) instead.
+KNOWN_COPIES = {
+    "evals/heldout.py": {"prefix_mode"},
+    "evals/records.py": {"split"},
+    "graders/code_exec/sandbox.py": {"workspace_files"},
+    "graders/metrics.py": {"host"},
+    "graders/ports.py": {"host"},
+    "graders/service.py": {"host"},
+    "search/diagnostics.py": {"select_on"},
+    "search/tree.py": {"select_on"},
+    "services/logprobs.py": {"micro_batch_size", "temperature"},
+    "services/metrics.py": {"host"},
+    "services/sampler.py": {"prompt_order"},
+}
+
+
+def _schema_defaults() -> dict[str, list]:
+    """Every config field's name -> the defaults the schema gives fields of that name (one per
+    section declaring it; a default_factory's value included, None left out: "not given")."""
+    import importlib
+    import pkgutil
+
+    import config
+    from pydantic import BaseModel
+
+    models = set()
+    for info in pkgutil.iter_modules(config.__path__):
+        mod = importlib.import_module(f"config.{info.name}")
+        models |= {o for o in vars(mod).values()
+                   if isinstance(o, type) and issubclass(o, BaseModel) and o.__module__ == mod.__name__}
+    out: dict[str, list] = {}
+    for model in models:
+        for name, field in model.model_fields.items():
+            if field.is_required():
+                continue
+            value = field.get_default(call_default_factory=True)
+            if value is not None:
+                out.setdefault(name, []).append(value)
+    return out
+
+
+def _same(value, default) -> bool:
+    """Equal as config values: a tuple is the list it holds; a bool equals only a bool."""
+    value, default = (list(v) if isinstance(v, (list, tuple)) else v for v in (value, default))
+    return (type(value) is bool) == (type(default) is bool) and value == default
+
+
+def literal_copies(source: str, defaults: dict[str, list]) -> list[tuple[int, str, object]]:
+    """(line, name, value) of every literal in `source` that restates a schema default: a
+    parameter default, a class attribute (dataclass field) or a `.get` / `getattr` fallback,
+    named like a config field and equal to that field's default."""
+    import ast
+
+    def literal(node):
+        try:
+            return ast.literal_eval(node)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return None
+
+    named: list[tuple[str, ast.AST]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            positional = a.posonlyargs + a.args
+            named += [(p.arg, d) for p, d in zip(positional[len(positional) - len(a.defaults):], a.defaults)]
+            named += [(p.arg, d) for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+        elif isinstance(node, ast.ClassDef):
+            for stmt in node.body:
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value:
+                    named.append((stmt.target.id, stmt.value))
+                elif isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+                    named.append((stmt.targets[0].id, stmt.value))
+        elif isinstance(node, ast.Call):
+            f, args = node.func, node.args
+            if isinstance(f, ast.Attribute) and f.attr in ("get", "pop", "setdefault") and len(args) == 2:
+                key, fallback = args
+            elif isinstance(f, ast.Name) and f.id == "getattr" and len(args) == 3:
+                key, fallback = args[1], args[2]
+            else:
+                continue
+            if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                named.append((key.value, fallback))
+    out = []
+    for name, node in named:
+        value = literal(node)
+        if name in defaults and name not in GENERIC_NAMES and value is not None \
+                and any(_same(value, d) for d in defaults[name]):
+            out.append((node.lineno, name, value))
+    return sorted(out)
+
+
+def _shipped_sources() -> list[Path]:
+    """The .py files of every package pyproject.toml ships, config/ excepted."""
+    import tomllib
+
+    repo = Path(__file__).resolve().parents[1]
+    found = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = sorted({pattern.rstrip("*") for pattern in found["include"]} - {"config"})
+    assert {"graders", "rollout", "learner", "services", "evals", "search"} <= set(packages), packages
+    return [p for pkg in packages for p in sorted((repo / pkg).rglob("*.py"))]
+
+
 def test_defaults_come_from_the_schema_only():
+    """No shipped module outside config/ restates a config default as a literal: a parameter,
+    a dataclass field or a .get()/getattr() fallback named like a config field and equal to its
+    schema default is a second copy, which drifts when the schema's changes (STYLE: defaults
+    declared in one place). Code reads the schema (``GraderConfig().max_retries``)."""
+    defaults = _schema_defaults()
+    assert defaults["max_retries"] and defaults["host"] == ["127.0.0.1"]  # the schema was read
+    repo = Path(__file__).resolve().parents[1]
+    copies = []
+    for path in _shipped_sources():
+        rel = path.relative_to(repo).as_posix()
+        for line, name, value in literal_copies(path.read_text(encoding="utf-8"), defaults):
+            if name not in KNOWN_COPIES.get(rel, set()):
+                copies.append(f"{rel}:{line}: {name}={value!r}")
+    assert not copies, "defaults restated outside config/:\n" + "\n".join(copies)
     cfg = load_config(None)
     assert cfg.model.name_or_path == "smollm2-135m-instruct"
     assert cfg.grader.checker == "reference"
     assert cfg.trainer.metrics_port == 9464
+
+
+@pytest.mark.parametrize("source", [
+    "def serve(core, host='127.0.0.1'):\n    pass",
+    "def serve(core, *, port=50051):\n    pass",
+    "from dataclasses import dataclass\n@dataclass\nclass Client:\n    max_retries: int = 4",
+    "class Client:\n    timeout_s = 60.0",
+    "def f(cfg):\n    return cfg.get('group_size', 8)",
+    "def f(cfg):\n    return getattr(cfg, 'max_retries', 3)",
+    "f = lambda core, host='127.0.0.1': core",
+])
+def test_a_restated_default_is_found(source):
+    """The scan behind test_defaults_come_from_the_schema_only sees each way of restating one."""
+    assert [name for _, name, _ in literal_copies(source, _schema_defaults())] != []
+
+
+def test_other_literals_are_not_copies():
+    source = ("def f(host=None, port=0, seed=0, retries=4, group_size='8', timeout_s=61.0, flag=True):\n"
+              "    return {}.get('host', '0.0.0.0')")
+    assert literal_copies(source, _schema_defaults()) == []
 
 
 def test_every_field_of_the_schema_says_what_it_is():
