@@ -161,18 +161,29 @@ def with_retries(call: Callable[[], Any], what: str, retries: int, backoff_s: fl
 def generate(parts: RunParts, step: int, version: int) -> Rollouts:
     t0 = time.perf_counter()
     case_ids, prompts = prompts_for_step(parts, step)
+    samples = generate_checked(parts, step, version, prompts, sampling_params(parts.cfg, step), f"step {step}")
+    groups = [i // parts.cfg.trainer.group_size for i in range(len(prompts))]
+    return Rollouts(step, case_ids, prompts, samples, groups, time.perf_counter() - t0)
+
+
+def generate_checked(parts: RunParts, step: int, version: int, prompts: list[Prompt], params: SamplingParams,
+                     call: str) -> list[Sample]:
+    """One generate call of a step, flat or tree (`call` names it: "step 3", "step 3, expansion
+    1"): retried (a replica may be dying and replaced) with each saved call recorded as a rollout
+    recovery; one sample per prompt in prompt order, every one sampled with adapter `version`,
+    or an error (never a partial or stale batch)."""
     rc = parts.cfg.rollout
-    samples = with_retries(lambda: parts.rollout.generate(prompts, sampling_params(parts.cfg, step), version),
-                           f"generate (step {step})", rc.max_retries, rc.retry_backoff_s,
-                           _recorder(parts, "rollout", step, f"generate (step {step}, adapter v{version})"))
+    what = f"generate ({call})"
+    samples = with_retries(lambda: parts.rollout.generate(prompts, params, version), what,
+                           rc.max_retries, rc.retry_backoff_s,
+                           _recorder(parts, "rollout", step, f"generate ({call}, adapter v{version})"))
     if len(samples) != len(prompts):
         raise RuntimeError(f"rollout returned {len(samples)} samples for {len(prompts)} prompts")
     samples = sorted(samples, key=lambda s: s.prompt_index)
     stale = [s.adapter_version for s in samples if s.adapter_version != version]
     if stale:
         raise RuntimeError(f"rollout answered with adapter versions {sorted(set(stale))}, asked for {version}")
-    groups = [i // parts.cfg.trainer.group_size for i in range(len(prompts))]
-    return Rollouts(step, case_ids, prompts, samples, groups, time.perf_counter() - t0)
+    return samples
 
 
 def _recorder(parts: RunParts, part: str, step: int, call: str) -> Callable[[list[str], float], None] | None:
@@ -201,16 +212,21 @@ def completion_text(prompt: Prompt, sample: Sample) -> str:
 
 def score(parts: RunParts, ro: Rollouts) -> list[Any]:
     items = [(cid, completion_text(p, s)) for cid, p, s in zip(ro.case_ids, ro.prompts, ro.samples)]
-    # Chunks sent concurrently spread over the grader replicas; each is retried inside the client,
-    # and a failed chunk raises rather than return a partial batch.
+    return score_checked(parts, ro.step, items, parts.cfg.grader.chunk_for(len(items)))
+
+
+def score_checked(parts: RunParts, step: int, items: list[tuple[str, str]], chunk: int) -> list[Any]:
+    """One ScoreBatch of a step, flat or tree, in chunks sent concurrently so they spread over
+    the grader replicas; each chunk is retried inside the client, a call it saved is recorded as
+    a grader recovery, and a failed chunk raises rather than return a partial batch."""
     events = getattr(parts.grader, "retry_events", None)
     seen = len(events) if events is not None else 0
-    replies = score_spread(parts.grader, items, parts.cfg.grader.chunk_for(len(items)))
+    replies = score_spread(parts.grader, items, chunk)
     if events is not None and len(events) > seen and parts.recoveries is not None:
         # the grader client retried some chunk of this batch (a replica died under it) and answered
         new = list(events[seen:])
         errors = [f"{rpc} {err}" for _, rpc, err in new]
-        parts.recoveries.record("grader", ro.step, retried_what(f"ScoreBatch (step {ro.step})", errors),
+        parts.recoveries.record("grader", step, retried_what(f"ScoreBatch (step {step})", errors),
                                 time.monotonic() - new[0][0], errors=errors)
     if len(replies) != len(items):
         raise RuntimeError(f"grader returned {len(replies)} scores for {len(items)} completions")

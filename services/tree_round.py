@@ -33,7 +33,6 @@ from typing import Any
 
 from graders.code_exec.build import BUILD_VERSION
 from graders.code_exec.task import cache_root
-from graders.spread import score_spread
 from records.exec_result import ExecResult
 from records.run_dir import RunDir
 from rollout.types import Prompt
@@ -41,7 +40,8 @@ from search.diagnostics import round_diagnostics
 from search.round import Round, grow_round
 from search.rows import round_rows
 from search.tree import Tree
-from services.orchestrator import RoundRecord, Rollouts, RunParts, StepRecord, sampling_params, with_retries
+from services.orchestrator import (RoundRecord, Rollouts, RunParts, StepRecord, generate_checked, sampling_params,
+                                   score_checked)
 
 log = logging.getLogger("counterpoint.train")
 
@@ -105,22 +105,14 @@ class TreeRounds:
             # A distinct seed per expansion: prompt i of call k samples with seed + k*n + i.
             params = replace(base, n=1, seed=None if base.seed is None else base.seed + 10_007 * calls[0],
                              stop=tuple(stop))
+            got = generate_checked(parts, step, version, [prompt] * n, params, f"step {step}, expansion {calls[0]}")
             calls[0] += 1
-            got = with_retries(lambda: parts.rollout.generate([prompt] * n, params, version),
-                               f"generate (step {step}, expansion {calls[0] - 1})",
-                               cfg.rollout.max_retries, cfg.rollout.retry_backoff_s)
-            got = sorted(got, key=lambda s: s.prompt_index)
-            stale = sorted({s.adapter_version for s in got if s.adapter_version != version})
-            if stale:
-                raise RuntimeError(f"rollout answered with adapter versions {stale}, asked for {version}")
             samples.extend(got)
             prompts.extend([prompt] * len(got))
             return got
 
         def execute(items: list[tuple[str, str]]) -> list[ExecResult]:
-            got = score_spread(parts.grader, items, cfg.grader.code_exec.max_concurrent)
-            if len(got) != len(items):
-                raise RuntimeError(f"grader returned {len(got)} scores for {len(items)} scripts")
+            got = score_checked(parts, step, items, cfg.grader.code_exec.max_concurrent)
             scores.extend(got)
             return [ExecResult.from_details(s.details) for s in got]
 
