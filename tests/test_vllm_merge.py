@@ -2,7 +2,8 @@
 the adapter written into a real transformers model through a checkpoint-named weight loader
 gives peft's outputs; version 0 gives the base model back exactly; a second adapter that skips a
 layer leaves that layer at W0; W0 is read once from a sharded checkpoint. And how the engine's
-settings resolve on a CUDA and a CPU host."""
+settings resolve on a CUDA and a CPU host; W0 kept on the host or on the device merges the
+same (tests/test_merge_host_w0.py has the per-layer merge's own tests)."""
 
 from __future__ import annotations
 
@@ -171,6 +172,34 @@ def test_the_extension_holds_a_payload_from_shared_memory_and_reports_its_parts(
     assert not torch.allclose(logits(model, ids), base)  # the adapter is in the weights now
     assert worker.counterpoint_use(0) == 0
     torch.testing.assert_close(logits(model, ids), base, rtol=0, atol=0)  # and W0 back exactly
+
+
+def test_the_worker_keeps_w0_where_the_environment_says_and_merges_the_same_either_way(tmp_path, monkeypatch):
+    """COUNTERPOINT_MERGED_W0: host (the default; one host buffer, pinned on CUDA) or device
+    (as before; on this CPU stand-in both are host memory); the weights written are the same
+    bits, and a third value is refused."""
+    from rollout.engines.vllm_merge import W0_ENV, w0_on
+
+    tiny_qwen3(tmp_path)
+    payload = make_lora_payload(tmp_path, version=3, r=4, b_std=0.05)
+    weights = {}
+    for place in ("host", "device", ""):
+        monkeypatch.setenv(W0_ENV, place)
+        model = Qwen3ForCausalLM.from_pretrained(tmp_path).eval()
+        worker = StandInWorker(model, tmp_path)
+        path = write_shm(payload)
+        try:
+            worker.counterpoint_hold(path, json.dumps(payload.config), 3)
+        finally:
+            import os
+
+            os.unlink(path)
+        weights[place] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for place in ("device", ""):
+        assert all(torch.equal(weights["host"][k], weights[place][k]) for k in weights["host"])
+    monkeypatch.setenv(W0_ENV, "gpu")
+    with pytest.raises(ValueError, match="use one of host, device"):
+        w0_on()
 
 
 def test_merge_parts_are_reported_as_medians_without_the_first_load():

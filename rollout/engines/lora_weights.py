@@ -4,12 +4,16 @@ transformers fast engine (rollout/engines/hf_fast.py) and vLLM's merged mode
 
 Merging: W = W0 + scale * B @ A, computed in float32 from W0 and rounded once to the weights'
 dtype; W0 is kept, so every merge starts from the base weights (never an unmerge of the
-previous adapter, whose rounding would accumulate step after step).
+previous adapter, whose rounding would accumulate step after step). ``MergedWeights`` keeps W0
+wherever ``read_base`` puts it (vLLM's merged mode: page-locked host memory by default) and
+builds the merged weights on the model's device one layer at a time (``stream_to_device``), so
+the merge holds one layer's tensors on the device, not the model's.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -121,17 +125,72 @@ def merged_weight(w0: torch.Tensor, lora: LoraTensors) -> torch.Tensor:
 WeightLoader = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
 
 
+def stream_to_device(items: Iterable[tuple[str, torch.Tensor]], device: torch.device | str,
+                     copy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``items`` with each tensor on ``device``, copied there only when it is asked for: a tensor
+    already there is passed on as it is. At most two copies are alive at once, the one the
+    caller holds and the next: on CUDA the next one is already on its way (a non-blocking copy
+    from page-locked memory on a side stream, which the caller's stream waits for), so the
+    transfer of layer i+1 overlaps the work on layer i. Nothing here keeps a tensor once it is
+    handed over, so the caller decides when it is freed. ``copy`` replaces the transfer (tests)."""
+    device = torch.device(device)
+    side = torch.cuda.Stream(device) if copy is None and device.type == "cuda" else None
+
+    def start(name: str, tensor: torch.Tensor):
+        if copy is not None:
+            return name, copy(tensor), None
+        if tensor.device == device:
+            return name, tensor, None
+        if side is None:
+            return name, tensor.to(device), None
+        with torch.cuda.stream(side):
+            moved = tensor.to(device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+        return name, moved, done
+
+    items = iter(items)
+    queue: deque = deque()
+    first = next(items, None)
+    if first is not None:
+        queue.append(start(*first))
+    while queue:
+        name, tensor, done = queue.popleft()
+        following = next(items, None)
+        if following is not None:
+            queue.append(start(*following))
+        if done is not None:
+            current = torch.cuda.current_stream(device)
+            current.wait_event(done)
+            tensor.record_stream(current)  # its memory is not reused before the caller's work on it ends
+        ready = [(name, tensor)]
+        del name, tensor, done
+        yield ready.pop()  # nothing here holds the tensor while the caller has it
+
+
 class MergedWeights:
     """An adapter written into a model through the model's own weight loader.
 
     ``load_weights`` takes (checkpoint name, tensor) pairs, as vLLM's ``model.load_weights`` does
     (it splits q/k/v and gate/up into its fused layers itself); ``read_base`` returns the named
-    tensors of the base checkpoint on the device, and is asked once per adapted layer. Names are
-    the checkpoint's, e.g. ``model.layers.0.self_attn.q_proj.weight``.
+    tensors of the base checkpoint (W0), wherever they are to be kept: on ``device`` (the
+    model's), or in host memory, page-locked for fast copies. It is asked once per adapted
+    layer. Names are the checkpoint's, e.g. ``model.layers.0.self_attn.q_proj.weight``.
+
+    Each write is one ``load_weights`` call over a lazy sequence of pairs: each layer's W0 is
+    copied to ``device`` as the loader reaches it, merged there in float32 (``merged_weight``),
+    cast, loaded and freed, so the merge holds about two layers' tensors on the device at a
+    time (the next layer's W0 arrives while this one merges). The arithmetic is the same as
+    merging every layer at once: the same float32 ops on the same W0 bits, then one cast.
     """
 
-    def __init__(self, load_weights: WeightLoader, read_base: Callable[[list[str]], dict[str, torch.Tensor]]):
+    def __init__(self, load_weights: WeightLoader, read_base: Callable[[list[str]], dict[str, torch.Tensor]],
+                 device: torch.device | str = "cpu", copy: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.load_weights, self.read_base = load_weights, read_base
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())  # as the tensors there name it
+        self.device, self.copy = device, copy
         self.base: dict[str, torch.Tensor] = {}  # W0 of every layer an adapter has touched
         self.lora: dict[str, LoraTensors] = {}
         self.held = 0  # the version held (its tensors in self.lora)
@@ -159,14 +218,30 @@ class MergedWeights:
         if version == 0:
             self.load_weights(self._base_pairs(list(self.lora)))
         elif version == self.held:
-            self.load_weights((f"{n}.weight", merged_weight(self.base[n], t)) for n, t in sorted(self.lora.items()))
+            self.load_weights(self._merged_pairs(list(self.lora)))
         else:
             raise AdapterError(f"merged weights hold adapter v{self.held}, not v{version}")
         self.in_weights = version
 
+    def _w0(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """W0 of ``names`` in name order, each on the device only while it is used."""
+        return stream_to_device(((n, self.base[n]) for n in sorted(names)), self.device, self.copy)
+
     def _base_pairs(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        return ((f"{n}.weight", self.base[n]) for n in sorted(names))
+        return ((f"{n}.weight", w0) for n, w0 in self._w0(names))
+
+    def _merged_pairs(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        for n, w0 in self._w0(names):
+            merged = merged_weight(w0, self.lora[n])
+            del w0  # this layer's W0 copy is free before the loader asks for the next layer
+            yield f"{n}.weight", merged
 
     def extra_bytes(self) -> int:
+        """Bytes held on the model's device besides the model: the adapter's matrices, and W0
+        where it is kept there (not the transient tensors of a merge)."""
         held = list(self.base.values()) + [x for t in self.lora.values() for x in (t.a, t.b)]
-        return sum(x.numel() * x.element_size() for x in held)
+        return sum(x.numel() * x.element_size() for x in held if x.device == self.device)
+
+    def host_bytes(self) -> int:
+        """Bytes of W0 kept off the model's device (host memory)."""
+        return sum(x.numel() * x.element_size() for x in self.base.values() if x.device != self.device)

