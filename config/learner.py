@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -17,6 +17,12 @@ AdvantageEstimator = Literal[
 ScaleRewards = Literal["group", "batch", "none"]
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
+
+# learner.logprob_chunk_tokens=auto on CUDA workers. Measured on an H200 (bf16 logits [8, 585,
+# 151936], forward + backward): 2.0-2.2 GiB peak with the logits' own gradient, against
+# 10.6-13.2 GiB for the plain path; 256 to 2048 tokens all cost ~10 ms more per 4.7k tokens
+# (the backward's recomputed log-softmax), so the smallest of them.
+CUDA_LOGPROB_CHUNK_TOKENS = 256
 
 
 class LoraConfig(BaseModel):
@@ -60,17 +66,38 @@ class LearnerConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward (when micro_batch_tokens is None).")
-    micro_batch_tokens: int | None = Field(
-        None, ge=1, description="Micro-batches by token budget instead of by count: consecutive rows "
+    micro_batch_size: int = Field(
+        8, ge=1, description="Sequences per forward/backward when micro_batch_tokens is None; with "
+        "micro_batch_tokens=auto on a CUDA worker, the most sequences per forward/backward."
+    )
+    micro_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+        "auto", description="Micro-batches by token budget instead of by count: consecutive rows "
         "while rows x longest row stays within this many tokens, a group kept whole where it fits, a "
         "longer row alone (learner/microbatch.py). Same loss and gradients as any other cut. None = "
-        "micro_batch_size sequences each."
+        "micro_batch_size sequences each. 'auto' = None on CPU workers; on CUDA workers "
+        "micro_batch_size sequences each, cut further where they would exceed the token budget that "
+        "the worker's memory allows (learner/memory_plan.py, from memory_budget_gib)."
     )
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute each layer's activations in the backward instead of keeping "
-        "them: less memory, ~1/3 more compute. Turn on only when the update does not fit in memory; "
-        "it runs without share_prompt_prefix (the prompt's KV cache cannot cross a checkpoint)."
+    gradient_checkpointing: Literal["auto"] | bool = Field(
+        "auto", description="Recompute each layer's activations in the backward instead of keeping "
+        "them: less memory, ~1/3 more compute. It runs without share_prompt_prefix (the prompt's KV "
+        "cache cannot cross a checkpoint). 'auto' = off on CPU workers; on CUDA workers on for a step "
+        "only when its micro-batches (one longest row, with micro_batch_tokens=auto) would not fit "
+        "the memory budget without it (learner/memory_plan.py)."
+    )
+    memory_budget_gib: float | None = Field(
+        None, gt=0, description="Device memory (GiB) one CUDA worker's update may use, for the 'auto' "
+        "values of gradient_checkpointing and micro_batch_tokens: weights, LoRA and its AdamW state "
+        "included. None = what the device has free when the worker has loaded the model (plus what "
+        "it holds itself), at most gpus_per_worker of the device's total (a replica sharing the GPU "
+        "may not have taken its share yet)."
+    )
+    logprob_chunk_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto", description="Log-probs and entropies computed over slices of about this many tokens "
+        "of the logits, each slice recomputed in the backward, so that no float32 copy of the whole "
+        "[rows, positions, vocabulary] logits exists (learner/passes.py token_logprobs): same values "
+        "and gradients, one more log-softmax pass. 0 = the plain path (several float32 copies of the "
+        f"logits). 'auto' = {CUDA_LOGPROB_CHUNK_TOKENS} on CUDA workers, 0 on CPU workers."
     )
     autocast: bool = Field(
         True, description="On CUDA with a bfloat16/float16 base, run the learner's forward under "

@@ -52,14 +52,16 @@ class ScoredTokens(torch.nn.Module):
     """``input_ids`` [B, L] -> (log-probs [B, W],) or (log-probs, entropies [B, W]) of the tokens
     at positions start + 1 .. L - 1 (W = L - 1 - start), without an attention mask."""
 
-    def __init__(self, lm: torch.nn.Module, start: int, temperature: float, entropy: str):
+    def __init__(self, lm: torch.nn.Module, start: int, temperature: float, entropy: str, logprob_chunk: int = 0):
         super().__init__()
         self.lm, self.start, self.temperature, self.entropy = lm, start, temperature, entropy
+        self.logprob_chunk = logprob_chunk
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         keep = input_ids.shape[1] - self.start
         logits = self.lm(input_ids=input_ids, logits_to_keep=keep, use_cache=False).logits
-        logp, ent = token_logprobs(logits, input_ids[:, self.start + 1 :], self.temperature, self.entropy)
+        logp, ent = token_logprobs(logits, input_ids[:, self.start + 1 :], self.temperature, self.entropy,
+                                   self.logprob_chunk)
         return (logp,) if ent is None else (logp, ent)
 
 
@@ -88,7 +90,7 @@ class GraphedScorer:
                  amp_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         fn = None
         if self.disabled is None and mb.causal_only and not mb.shared_prefix:
-            key = (tuple(mb.input_ids.shape), mb.start, float(temperature), entropy, amp_dtype)
+            key = (tuple(mb.input_ids.shape), mb.start, float(temperature), entropy, amp_dtype, mb.logprob_chunk)
             fn = self.graphs.get(key)
             if fn is None:
                 fn = self._capture(key, mb, temperature, entropy, amp_dtype)
@@ -110,7 +112,8 @@ class GraphedScorer:
                if amp_dtype is not None else contextlib.nullcontext())
         try:
             with amp:
-                fn = self.capture(ScoredTokens(self.peft_model, mb.start, temperature, entropy), mb.input_ids)
+                fn = self.capture(ScoredTokens(self.peft_model, mb.start, temperature, entropy, mb.logprob_chunk),
+                                  mb.input_ids)
         except Exception as err:  # noqa: BLE001 - any capture failure: say so once, run eagerly
             self.disabled = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
             log.warning("learner: capturing the update as a CUDA graph failed (%s); the update runs eagerly "

@@ -73,6 +73,24 @@ def count_bounds(n: int, size: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
 
 
+def capped_count_bounds(lengths: Sequence[int], size: int, budget: int,
+                        groups: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """``count_bounds`` (``size`` rows each), except that a micro-batch whose padded size
+    exceeds ``budget`` tokens is cut further by ``token_budget_bounds`` (groups whole where they
+    fit). With a budget that every count micro-batch fits, exactly ``count_bounds``: the cut of
+    ``learner.micro_batch_tokens=auto`` when the memory allows micro_batch_size rows."""
+    if groups and len(groups) != len(lengths):
+        raise ValueError(f"{len(groups)} group ids for {len(lengths)} rows")
+    out: list[tuple[int, int]] = []
+    for lo, hi in count_bounds(len(lengths), size):
+        if (hi - lo) * max(lengths[lo:hi]) <= budget:
+            out.append((lo, hi))
+            continue
+        sub = token_budget_bounds(lengths[lo:hi], budget, groups[lo:hi] if groups else ())
+        out.extend((lo + a, lo + b) for a, b in sub)
+    return out
+
+
 def computed_tokens(lengths: Sequence[int], shared_prefix: int) -> int:
     """Tokens one forward of a micro-batch actually runs (padding excluded): a shared prefix of
     c tokens once, then each row's remaining tokens."""

@@ -22,7 +22,7 @@ from torch.profiler import record_function
 from config.learner import LearnerConfig
 from config.rollout import RolloutConfig
 from learner.losses import LossInputs, LossNorm, ObjectiveParams, policy_loss
-from learner.microbatch import computed_tokens, count_bounds, token_budget_bounds
+from learner.microbatch import capped_count_bounds, computed_tokens, count_bounds, token_budget_bounds
 from learner.rollout_correction import as_floats, merge_sums, rollout_mismatch_sum_tensors
 from learner.shared_prefix import shared_prefix_len
 from learner.types import TrainBatch
@@ -43,6 +43,7 @@ class MicroBatch:
     shared_prefix: int = 0  # c <= s leading tokens every row has; computed once (0 = off)
     tokens: int = 0  # real (unpadded) tokens one forward runs, the shared prefix counted once
     causal_only: bool = False  # run without the attention mask (see make_micro_batches)
+    logprob_chunk: int = 0  # token_logprobs' chunk_tokens (learner.logprob_chunk_tokens; 0 = plain)
 
 
 def make_micro_batches(
@@ -54,6 +55,8 @@ def make_micro_batches(
     token_budget: int | None = None,
     pad_multiple: int = 1,
     causal_only: bool = False,
+    logprob_chunk: int = 0,
+    max_rows: int | None = None,
 ) -> list[MicroBatch]:
     """Consecutive rows in micro-batches of ``size``, or, with ``token_budget``, of at most that
     many padded tokens (learner/microbatch.py: groups kept whole where they fit). The
@@ -65,14 +68,18 @@ def make_micro_batches(
     learner/graphed.py); the extra positions are masked out of the loss. ``causal_only``: the
     forward gets no attention mask. Exact for right-padded rows: under the causal mask a real
     token only sees the tokens before it, all real; only pad positions' logits (never read)
-    differ. It lets attention run its plain causal kernel."""
+    differ. It lets attention run its plain causal kernel. ``logprob_chunk``: the micro-batches'
+    log-probs are computed in slices of that many tokens (``token_logprobs``). ``max_rows`` with
+    ``token_budget``: ``max_rows`` consecutive rows each, as by count, and only a micro-batch that
+    would exceed the budget cut further by it (learner/microbatch.py ``capped_count_bounds``)."""
     if pad_multiple < 1:
         raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
     if token_budget is None:
         bounds = count_bounds(len(batch), size)
     else:
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        bounds = token_budget_bounds(lengths, token_budget, batch.group_ids)
+        bounds = (token_budget_bounds(lengths, token_budget, batch.group_ids) if max_rows is None
+                  else capped_count_bounds(lengths, max_rows, token_budget, batch.group_ids))
     out = []
     for lo, hi in bounds:
         rows = range(lo, hi)
@@ -104,6 +111,7 @@ def make_micro_batches(
                 shared_prefix=shared,
                 tokens=computed_tokens([len(p) + len(r) for p, r in zip(prompts, resps)], shared),
                 causal_only=causal_only,
+                logprob_chunk=logprob_chunk,
             )
         )
     return out
@@ -116,18 +124,12 @@ def amp_context(amp_dtype: torch.dtype | None):
     return torch.autocast(device_type="cuda", dtype=amp_dtype)
 
 
-def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: str = "none"
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [B, W] of ``targets`` [B, W] under the logits [B, W + 1, V] of the positions
-    before them (the last position predicts nothing scored), and entropies [B, W]: ``entropy`` =
-    "none" (not computed), "detached" (for the metric only) or "grad" (the bonus is in the loss).
-
-    log_softmax(logits / T): one log-softmax over the [B, W, V] logits serves log-probs and
-    entropy, and T = 1 skips the division: each full pass over a 49k-152k vocabulary costs as
-    much as a transformer layer here.
-    """
-    logits = logits[:, :-1, :].float()
+def _scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+            entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The plain computation on logits [B, n, V] and targets [B, n]: log-probs [B, n] and
+    entropies [B, n] of log_softmax(logits / T), in float32. Every op works on one position's
+    row, so running it on slices of positions gives the same bits per position as on all."""
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -139,6 +141,74 @@ def token_logprobs(
     with torch.no_grad():
         detached = logp_all.detach()
         return logp, -(detached.exp() * detached).sum(-1)
+
+
+class _ChunkedScores(torch.autograd.Function):
+    """``_scores`` over slices of ``rows`` positions, keeping nothing of them for the backward:
+    the forward saves only the logits (already alive as the model's output) and the backward
+    recomputes each slice's graph and takes its gradient, writing it into the logits' gradient.
+    Peak extra memory is a few float32 copies of one slice, [B, rows, V], not of [B, W, V]."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature: float, entropy: str, rows: int):
+        b, w = targets.shape
+        logp = torch.empty((b, w), dtype=torch.float32, device=logits.device)
+        ent = torch.empty((b, w) if entropy != "none" else (0,), dtype=torch.float32, device=logits.device)
+        for lo in range(0, w, rows):
+            hi = min(lo + rows, w)
+            lp, en = _scores(logits[:, lo:hi], targets[:, lo:hi], temperature, entropy)
+            logp[:, lo:hi] = lp
+            if en is not None:
+                ent[:, lo:hi] = en
+        ctx.save_for_backward(logits, targets)
+        ctx.temperature, ctx.entropy, ctx.rows = temperature, entropy, rows
+        if entropy != "grad":
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        logits, targets = ctx.saved_tensors
+        w = targets.shape[1]
+        grad = torch.empty_like(logits)
+        grad[:, w:].zero_()  # the positions after the last scored one predict nothing scored
+        for lo in range(0, w, ctx.rows):
+            hi = min(lo + ctx.rows, w)
+            with torch.enable_grad():
+                x = logits[:, lo:hi].detach().requires_grad_(True)
+                lp, en = _scores(x, targets[:, lo:hi], ctx.temperature, ctx.entropy)
+                outs, grads = [lp], [g_logp[:, lo:hi]]
+                if ctx.entropy == "grad":
+                    outs.append(en)
+                    grads.append(g_ent[:, lo:hi])
+                (gx,) = torch.autograd.grad(outs, [x], grads)
+            grad[:, lo:hi] = gx
+        return grad, None, None, None, None
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: str = "none", chunk_tokens: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [B, W] of ``targets`` [B, W] under the logits [B, W + 1, V] of the positions
+    before them (the last position predicts nothing scored), and entropies [B, W]: ``entropy`` =
+    "none" (not computed), "detached" (for the metric only) or "grad" (the bonus is in the loss).
+
+    log_softmax(logits / T): one log-softmax over the [B, W, V] logits serves log-probs and
+    entropy, and T = 1 skips the division: each full pass over a 49k-152k vocabulary costs as
+    much as a transformer layer here.
+
+    ``chunk_tokens`` > 0 (learner.logprob_chunk_tokens): the same ops over slices of
+    max(1, chunk_tokens // B) positions (``_ChunkedScores``), so that no float32 copy of the
+    whole [B, W, V] logits exists, in the forward or the backward: at Qwen3's 152k vocabulary
+    each such copy is 0.6 MB per token (2.8 GB at 8 x 584 tokens), and the plain path holds
+    several. Same values and gradients, bit for bit on CPU (tests/test_learner_memory.py); the
+    backward recomputes one log-softmax pass. 0 = the plain path.
+    """
+    if chunk_tokens <= 0:
+        return _scores(logits[:, :-1, :], targets, temperature, entropy)
+    rows = max(1, chunk_tokens // max(1, targets.shape[0]))
+    logp, ent = _ChunkedScores.apply(logits, targets, temperature, entropy, rows)
+    return logp, (None if entropy == "none" else ent)
 
 
 def forward_logprobs(
@@ -153,7 +223,7 @@ def forward_logprobs(
             input_ids=mb.input_ids, attention_mask=None if mb.causal_only else mb.attention_mask,
             logits_to_keep=keep, shared_prefix=mb.shared_prefix,
         )
-    return token_logprobs(logits, mb.input_ids[:, mb.start + 1 :], temperature, entropy)
+    return token_logprobs(logits, mb.input_ids[:, mb.start + 1 :], temperature, entropy, mb.logprob_chunk)
 
 
 @torch.no_grad()

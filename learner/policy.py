@@ -11,6 +11,7 @@ the model section, the sampling temperature (both sides of ppl_ratio use it), th
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +21,12 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from config.learner import CUDA_LOGPROB_CHUNK_TOKENS
 from learner import checkpoint
 from learner.losses import LossNorm, ObjectiveParams, entropy_bonus_active
 from learner.graphed import Capture, GraphedScorer, cuda_capture
 from learner.lora import adapter_payload, attach_lora, disable_lora_input_casts, load_base_model, save_adapter
+from learner.memory_plan import ModelShape, memory_plan
 from learner.microbatch import mfu, model_flops
 from learner.optim import build_optimizer, build_scheduler, rebase_lr
 from learner.passes import GradSync, ddp_grad_sync, make_micro_batches, old_log_prob, ref_log_prob, update_actor
@@ -31,6 +34,16 @@ from learner.rollout_correction import finalize
 from learner.shared_prefix import SharedPrefixLM
 from learner.types import TrainBatch, shard_bounds
 from model.adapter import AdapterPayload
+
+log = logging.getLogger(__name__)
+GIB = 2**30
+
+
+def cuda_budget_bytes(device: torch.device, gpus_per_worker: float) -> int:
+    """The memory this worker's update may use (learner.memory_budget_gib=None): what the device
+    has free plus what this process already holds (its weights), at most gpus_per_worker of it."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(min(free + torch.cuda.memory_reserved(device), gpus_per_worker * total))
 
 
 def allreduce_sum(values: dict[str, float], device: torch.device) -> dict[str, float]:
@@ -126,11 +139,24 @@ class PolicyLearner:
         base = load_base_model(model_cfg, self.device)
         source = Path(resume_from) / "adapter" if resume_from is not None else init_adapter
         self.peft_model = attach_lora(base, cfg.lora, spec.seed, source).to(self.device)
-        if cfg.gradient_checkpointing:  # memory for compute; the shared prefix is then off
-            self.peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.checkpointing = False
+        self._set_checkpointing(cfg.gradient_checkpointing is True)  # memory for compute; no shared prefix then
         self.num_params = sum(p.numel() for p in self.peft_model.parameters())  # for MFU (6 N per token)
         base_dtype = next(base.parameters()).dtype
         on_cuda = self.device.type == "cuda"
+        self.logprob_chunk = (cfg.logprob_chunk_tokens if cfg.logprob_chunk_tokens != "auto"
+                              else CUDA_LOGPROB_CHUNK_TOKENS if on_cuda else 0)
+        # The memory plan (learner/memory_plan.py) behind the 'auto' values on CUDA; CPU workers
+        # run as configured (auto = no checkpointing, micro_batch_size rows).
+        self.memory_shape: ModelShape | None = None
+        self.memory_budget, self.last_plan = 0, None
+        if on_cuda and "auto" in (cfg.gradient_checkpointing, cfg.micro_batch_tokens):
+            trainable = sum(p.numel() for p in self.peft_model.parameters() if p.requires_grad)
+            self.lora_trainable = trainable
+            self.memory_shape = ModelShape.from_hf_config(
+                base.config, params=self.num_params - trainable, dtype_bytes=base_dtype.itemsize)
+            self.memory_budget = (int(cfg.memory_budget_gib * GIB) if cfg.memory_budget_gib is not None
+                                  else cuda_budget_bytes(self.device, cfg.gpus_per_worker))
         self.amp_dtype = (base_dtype if cfg.autocast and on_cuda
                           and base_dtype in (torch.bfloat16, torch.float16) else None)
         if self.amp_dtype is not None:
@@ -141,9 +167,9 @@ class PolicyLearner:
         self.optimizer = build_optimizer(self.peft_model.parameters(), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, spec.total_steps)
         self.share_prefix = ((not on_cuda) if cfg.share_prompt_prefix is None else cfg.share_prompt_prefix) \
-            and not cfg.gradient_checkpointing
+            and cfg.gradient_checkpointing is not True
         graphs = (cfg.cuda_graphs and (on_cuda or graph_capture is not None) and world_size == 1
-                  and not cfg.deepspeed and not cfg.gradient_checkpointing and cfg.lora.dropout == 0
+                  and not cfg.deepspeed and cfg.gradient_checkpointing is not True and cfg.lora.dropout == 0
                   and not self.share_prefix)
         # Right-padded rows need no attention mask (learner/passes.py): on CUDA that is the plain
         # causal attention kernel; CPU keeps the mask, and with it its measured numerics.
@@ -168,6 +194,40 @@ class PolicyLearner:
     def for_run(cls, run_cfg, **kwargs: Any) -> "PolicyLearner":
         """The policy of a whole run config (tests, benches, the Ray worker)."""
         return cls(run_cfg.learner, run_cfg.model, PolicySpec.for_run(run_cfg), **kwargs)
+
+    def _set_checkpointing(self, on: bool) -> None:
+        if on != self.checkpointing:
+            if on:
+                self.peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.peft_model.gradient_checkpointing_disable()
+            self.checkpointing = on
+
+    def plan(self, batch: TrainBatch, rows: int) -> tuple[bool, int | None, int | None]:
+        """(gradient checkpointing, micro-batch token budget, most rows per micro-batch) for this
+        worker's ``rows`` of the step's global ``batch``: as configured, with the 'auto' values
+        resolved (CPU: off and by count; CUDA: by learner/memory_plan.py for the batch's longest
+        row, the same on every worker)."""
+        cfg = self.cfg
+        tokens = None if cfg.micro_batch_tokens == "auto" else cfg.micro_batch_tokens
+        if self.memory_shape is None:
+            return cfg.gradient_checkpointing is True, tokens, None
+        longest = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+        if cfg.micro_batch_tokens == "auto":
+            need = longest  # the plan chooses the budget: one row must fit
+        else:
+            need = max(tokens, longest) if tokens is not None else min(cfg.micro_batch_size, rows) * longest
+        plan = memory_plan(self.memory_shape, cfg.lora.r, self.lora_trainable, self.memory_budget, need,
+                           self.logprob_chunk,
+                           None if cfg.gradient_checkpointing == "auto" else cfg.gradient_checkpointing)
+        if not plan.fits and (self.last_plan is None or self.last_plan.fits):
+            log.warning("learner: by its memory plan one micro-batch of %d tokens does not fit %.1f GiB even "
+                        "with gradient checkpointing (%s); the update may run out of memory", need,
+                        self.memory_budget / GIB, plan.as_dict())
+        self.last_plan = plan
+        if cfg.micro_batch_tokens == "auto":
+            return plan.gradient_checkpointing, plan.micro_batch_tokens, cfg.micro_batch_size
+        return plan.gradient_checkpointing, tokens, None
 
     @property
     def _deepspeed_engine(self):
@@ -194,11 +254,15 @@ class PolicyLearner:
         cfg, temp = self.cfg, self.spec.temperature
         lo, hi = shard_bounds(len(batch), self.world_size, self.rank)
         shard = batch.rows(lo, hi)
+        checkpointing, token_budget, max_rows = self.plan(batch, len(shard))
+        self._set_checkpointing(checkpointing)
+        scorer = None if checkpointing else self.scorer  # a checkpointed step runs eagerly
         with record_function("cp.micro_batches"):  # labels for torch.profiler (bench/learner_gpu.py --profile)
-            mbs = make_micro_batches(shard, cfg.micro_batch_size, self.device, share_prefix=self.share_prefix,
-                                     token_budget=cfg.micro_batch_tokens,
-                                     pad_multiple=cfg.graph_pad_tokens if self.scorer is not None else 1,
-                                     causal_only=self.causal_only)
+            mbs = make_micro_batches(shard, cfg.micro_batch_size, self.device,
+                                     share_prefix=self.share_prefix and not checkpointing,
+                                     token_budget=token_budget, max_rows=max_rows,
+                                     pad_multiple=cfg.graph_pad_tokens if scorer is not None else 1,
+                                     causal_only=self.causal_only, logprob_chunk=self.logprob_chunk)
         norm = LossNorm(
             loss_type=cfg.loss_type,
             global_tokens=float(batch.num_response_tokens()),
@@ -235,7 +299,7 @@ class PolicyLearner:
         res = update_actor(
             self.model, mbs, self.grad_sync, norm, ObjectiveParams.from_config(cfg),
             temperature=temp, epochs=cfg.epochs_per_step, old=old, ref=ref, entropy_bonus=bonus,
-            amp_dtype=self.amp_dtype, scorer=self.scorer,
+            amp_dtype=self.amp_dtype, scorer=scorer,
         )
         self.scheduler.step()
         self.step_count += 1
@@ -252,7 +316,7 @@ class PolicyLearner:
             grad_norm=res.grad_norm,
             learning_rate=lr,
             entropy_bonus_active=float(bonus),
-            learner_cuda_graphs=float(self.scorer is not None and self.scorer.disabled is None),
+            learner_cuda_graphs=float(scorer is not None and scorer.disabled is None),
             learner_graph_capture_s=self.scorer.capture_s if self.scorer is not None else 0.0,
             response_tokens=float(batch.num_response_tokens()),
             total_tokens=float(batch.num_total_tokens()),
@@ -283,7 +347,9 @@ class PolicyLearner:
         """How the update ran, for the receipt: graphs captured and replayed, or why not."""
         return {"cuda_graphs": self.scorer.stats() if self.scorer is not None else None,
                 "share_prompt_prefix": self.share_prefix, "autocast": str(self.amp_dtype),
-                "payload_dtype": str(self.payload_dtype or "float32")}
+                "payload_dtype": str(self.payload_dtype or "float32"),
+                "gradient_checkpointing": self.checkpointing, "logprob_chunk_tokens": self.logprob_chunk,
+                "memory_plan": self.last_plan.as_dict() if self.last_plan is not None else None}
 
     def save_init_adapter(self, out_dir: Path) -> str:
         return save_adapter(self.peft_model, out_dir)

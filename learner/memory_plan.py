@@ -1,0 +1,146 @@
+"""How much of the update fits in a device's memory: gradient checkpointing and the micro-batch
+token budget, chosen from a memory budget (``learner.gradient_checkpointing=auto``,
+``learner.micro_batch_tokens=auto`` on CUDA workers; CPU workers keep their configured path).
+
+The problem: a micro-batch of a fixed number of rows either wastes a large GPU or does not fit a
+small one, and checkpointing (recompute each decoder layer in the backward, ~1/3 more compute) is
+only worth its cost where the update would not fit without it. The plan: estimate what the
+update keeps on the device, as a fixed part plus a part per token of a micro-batch (its padded
+size, rows x longest row, as learner/microbatch.py counts it), and divide.
+
+The estimate, in bytes (b = bytes per element of the base dtype, 2 for bf16; h hidden, I the
+MLP's intermediate size, q / kv the query and key-value widths, r the LoRA rank, L layers, V the
+vocabulary):
+- fixed: the base weights (params x b); the LoRA matrices with their gradients and AdamW's two
+  moments (trainable x 16, all float32); the log-prob slices' float32 copies
+  (``LOGPROB_SLICE_COPIES`` x chunk x V x 4, learner/passes.py ``token_logprobs``); and a
+  reserve, ``RESERVE`` of the budget, for CUDA workspaces and the allocator's fragmentation.
+- per token, what one decoder layer keeps for the backward (``layer_activation_bytes``):
+  b x (3h + 2q + 2kv + q + 7r + 4I) (the LoRA A inputs, attention's q, k, v and output, o_proj's
+  input, the LoRA B inputs, the SwiGLU MLP's gate, up, activation and product) + 4 x (2h + q + kv)
+  (the float32 copies inside the RMSNorms, Qwen3's q/k norms counted for every model).
+  Without checkpointing: L such layers plus one more (the gradients in flight in the backward).
+  With checkpointing: each layer's input (L x b x h) plus two layers (the one recomputed, its
+  gradients).
+- per token, the logits: b x V and their gradient b x V; the plain log-prob path (chunk 0) adds
+  ``PLAIN_LOGPROB_COPIES`` float32 copies of the logits (4 x V each).
+Both per-token parts count every token of the micro-batch, although the learner computes logits
+only from the shortest prompt on (``logits_to_keep``): an overestimate, on the safe side.
+Not counted: CUDA graphs' memory pools (learner.cuda_graphs, off by default), peft's float32
+input casts of a bf16 model without autocast, DeepSpeed's buffers.
+
+The choice: no checkpointing whenever one longest row fits without it (the token budget is then
+what fits without it); otherwise checkpointing, and the budget of that mode. ``fits`` says
+whether one longest row fits at all; a row longer than the budget runs alone anyway
+(learner/microbatch.py), so a plan that does not fit is reported, not refused.
+
+The constants were measured on an H200 at Qwen3-4B shapes (bf16, LoRA r=32 on all linear
+layers; tests/test_learner_memory.py states the numbers): the estimate per token is 1.1x the
+measured one without checkpointing and 1.6x with it. Checked end to end there (PolicyLearner,
+1x8 rows of 584 tokens): a 24 GiB budget gave 3 rows per micro-batch without checkpointing and a
+peak of 19.0 GiB allocated; 14 GiB gave checkpointing, 5 rows and a peak of 10.6 GiB.
+Pure Python: no torch, no Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+RESERVE = 0.10  # of the budget: CUDA workspaces, the caching allocator's fragmentation
+LOGPROB_SLICE_COPIES = 6  # float32 copies of one [chunk, V] slice alive in the chunked backward (4.5-5.5 measured)
+PLAIN_LOGPROB_COPIES = 5  # float32 copies of the [tokens, V] logits alive in the plain path
+LORA_BYTES_PER_PARAM = 16  # float32 weight, gradient, AdamW exp_avg and exp_avg_sq
+
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a decoder-only transformer (a Llama/Qwen-style config)."""
+
+    params: int  # base parameters, embeddings included
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    q_dim: int  # heads x head_dim
+    kv_dim: int  # key-value heads x head_dim
+    dtype_bytes: int  # of the base weights (and, under autocast, of the activations)
+
+    @classmethod
+    def from_hf_config(cls, config: Any, params: int, dtype_bytes: int) -> "ModelShape":
+        """From a transformers config (attributes read; nothing imported)."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(params=params, hidden=config.hidden_size, intermediate=config.intermediate_size,
+                   layers=config.num_hidden_layers, vocab=config.vocab_size, q_dim=heads * head_dim,
+                   kv_dim=kv_heads * head_dim, dtype_bytes=dtype_bytes)
+
+
+def lora_params(shape: ModelShape, rank: int, targets: Sequence[str] | str = "all-linear") -> int:
+    """Trainable parameters of LoRA rank ``rank`` on ``targets`` (module names, or 'all-linear':
+    the seven linear layers of every decoder layer): r x (in + out) per adapted linear."""
+    h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
+    sizes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    names = LINEAR_NAMES if targets == "all-linear" else [t for t in targets if t in sizes]
+    return shape.layers * sum(rank * sum(sizes[n]) for n in names)
+
+
+def layer_activation_bytes(shape: ModelShape, rank: int) -> int:
+    """What one decoder layer keeps for the backward, per token (see the module docstring)."""
+    h, q, kv, i, b = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.dtype_bytes
+    return b * (3 * h + 2 * q + 2 * kv + q + 7 * rank + 4 * i) + 4 * (2 * h + q + kv)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    gradient_checkpointing: bool
+    micro_batch_tokens: int  # padded tokens (rows x longest row) per micro-batch; >= 1
+    fits: bool  # one longest row fits the budget in the chosen mode
+    budget_bytes: int
+    fixed_bytes: int
+    per_token_bytes: int  # of the chosen mode
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def per_token_bytes(shape: ModelShape, rank: int, checkpointing: bool, logprob_chunk_tokens: int) -> int:
+    act = layer_activation_bytes(shape, rank)
+    layers = shape.layers * shape.dtype_bytes * shape.hidden + 2 * act if checkpointing else (shape.layers + 1) * act
+    logits = 2 * shape.dtype_bytes * shape.vocab
+    if logprob_chunk_tokens <= 0:
+        logits += PLAIN_LOGPROB_COPIES * 4 * shape.vocab
+    return layers + logits
+
+
+def fixed_bytes(shape: ModelShape, trainable: int, budget_bytes: int, logprob_chunk_tokens: int) -> int:
+    slices = LOGPROB_SLICE_COPIES * max(0, logprob_chunk_tokens) * shape.vocab * 4
+    return (shape.params * shape.dtype_bytes + trainable * LORA_BYTES_PER_PARAM + slices
+            + int(RESERVE * budget_bytes))
+
+
+def memory_plan(shape: ModelShape, rank: int, trainable: int, budget_bytes: int, longest: int,
+                logprob_chunk_tokens: int, checkpointing: bool | None = None) -> MemoryPlan:
+    """Checkpointing and the micro-batch token budget for a device of ``budget_bytes`` that holds
+    the model ``shape`` with ``trainable`` LoRA parameters of rank ``rank``, for rows of at most
+    ``longest`` tokens. ``checkpointing``: given (learner.gradient_checkpointing true/false), only
+    the token budget is planned; None (auto) chooses it too."""
+    if budget_bytes <= 0 or longest < 1:
+        raise ValueError(f"memory_plan needs a positive budget and row length, got {budget_bytes} and {longest}")
+    fixed = fixed_bytes(shape, trainable, budget_bytes, logprob_chunk_tokens)
+
+    def tokens(ckpt: bool) -> tuple[int, int]:
+        per = per_token_bytes(shape, rank, ckpt, logprob_chunk_tokens)
+        return max(0, (budget_bytes - fixed) // per), per
+
+    ckpt = checkpointing
+    if ckpt is None:
+        ckpt = tokens(False)[0] < longest
+    n, per = tokens(ckpt)
+    return MemoryPlan(gradient_checkpointing=ckpt, micro_batch_tokens=max(1, n), fits=n >= longest,
+                      budget_bytes=budget_bytes, fixed_bytes=fixed, per_token_bytes=per)
