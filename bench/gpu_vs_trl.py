@@ -356,6 +356,40 @@ def counterpoint(args) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- TRL
+PHASE_LOG_ENV = "CP_PHASE_LOG"  # bench/memory.py names a file here to learn which phase a run is in
+
+
+class PhaseMarks:
+    """Which phase TRL's run is in, for bench/memory.py: each change appends "<unix time>
+    <phase>" to the file named by CP_PHASE_LOG (nothing without it). Phases nest (sync inside
+    generate inside score); leaving one returns to the one around it."""
+
+    def __init__(self, path: str | None):
+        self.path, self.stack = path, []
+
+    def _write(self, phase: str) -> None:
+        if self.path:
+            with open(self.path, "a") as fh:
+                fh.write(f"{time.time():.3f} {phase}\n")
+
+    def enter(self, phase: str) -> None:
+        """``phase`` from now on, whatever ran before."""
+        self.stack = [phase]
+        self._write(phase)
+
+    def wrap(self, phase: str, fn):
+        """``fn`` with ``phase`` marked while it runs."""
+        def wrapper(*a, **k):
+            self.stack.append(phase)
+            self._write(phase)
+            try:
+                return fn(*a, **k)
+            finally:
+                self.stack.pop()
+                self._write(self.stack[-1] if self.stack else "update")
+        return wrapper
+
+
 def trl(args) -> dict[str, Any]:
     import torch
     from datasets import Dataset
@@ -385,6 +419,7 @@ def trl(args) -> dict[str, Any]:
         def on_step_begin(self, *a, **k):
             if gpu:
                 torch.cuda.synchronize()
+            marks.enter("update")
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args_, state, control, **k):
@@ -412,6 +447,7 @@ def trl(args) -> dict[str, Any]:
             out.append(sum(ch in "aeiou" for ch in letters) / len(letters) if letters else 0.0)
         return out
 
+    marks = PhaseMarks(os.environ.get(PHASE_LOG_ENV))
     for model, prompts in runs_of(args):
         row: dict[str, Any] = {"model": model, "prompts": prompts, "group_size": GROUP_SIZE}
         if time.monotonic() > args.deadline:
@@ -419,6 +455,7 @@ def trl(args) -> dict[str, Any]:
             result["shapes"].append(row)
             save(result, args.out)
             continue
+        marks.enter("start")
         try:
             model_dir = build_model(model, args.tokenizer, args.models / model, device)
             steps = args.steps if prompts == 1 else args.trl_steps_4x8
@@ -435,6 +472,8 @@ def trl(args) -> dict[str, Any]:
             if args.vllm:
                 extra.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_gpu_util,
                              vllm_max_model_length=2048, generation_kwargs={"min_tokens": args.new_tokens})
+                if args.vllm_sleep:
+                    extra["vllm_enable_sleep_mode"] = True
             else:
                 extra["generation_kwargs"] = {"min_new_tokens": args.new_tokens}
             conf = GRPOConfig(
@@ -451,9 +490,18 @@ def trl(args) -> dict[str, Any]:
             trainer.add_callback(timer)
             trainer._generate_single_turn = timed(trainer._generate_single_turn, gen_s)
             trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, gen_score_s)
+            if marks.path:  # bench/memory.py: generation, its weight sync, and scoring with the old log-probs
+                trainer._generate_single_turn = marks.wrap("generate", trainer._generate_single_turn)
+                trainer._generate_and_score_completions = marks.wrap("score", trainer._generate_and_score_completions)
+                sync_owner = getattr(trainer, "vllm_generation", None)
+                if sync_owner is not None and hasattr(sync_owner, "sync_weights"):
+                    sync_owner.sync_weights = marks.wrap("sync", sync_owner.sync_weights)
+                elif hasattr(trainer, "_move_model_to_vllm"):
+                    trainer._move_model_to_vllm = marks.wrap("sync", trainer._move_model_to_vllm)
             if gpu:
                 torch.cuda.reset_peak_memory_stats()
             trainer.train()
+            marks.enter("end")
             params = sum(p.numel() for p in trainer.model.parameters())
             prompt_len = statistics.mean(
                 len(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
@@ -978,6 +1026,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "trl":
             p.add_argument("--vllm", action="store_true", help="generation by vLLM colocated in the trainer's process")
             p.add_argument("--vllm-gpu-util", type=float, default=0.3, help="TRL's vllm_gpu_memory_utilization")
+            p.add_argument("--vllm-sleep", action="store_true",
+                           help="TRL's vllm_enable_sleep_mode: vLLM's weights and KV cache leave the GPU while it trains")
             p.add_argument("--accumulate", action="store_true",
                            help="one group per micro-step, gradient accumulation over the step's groups")
             ckpt = p.add_mutually_exclusive_group()

@@ -14,6 +14,11 @@
 #   loop SHAPES          counterpoint's step loop in one process with the vLLM engine (no Ray)
 #   decode MODEL PROMPTS [--set k=v ...]   where generation time goes (bench/vllm_decode.py)
 #   train SHAPES MODES [--set k=v ...]   `counterpoint train` on Ray (bench/gpu_vs_trl.py train)
+#   memory SHAPES [--set k=v ...] [--trl-arg=FLAG ...] [--systems ...]   GPU memory per process and
+#                        phase, TRL + vLLM colocate (0.09, checkpointing) then counterpoint train
+#                        (0.09, checkpointing, then the --sets) back to back (bench/memory.py); 4B 1x8
+#                        fits one call, 4x8 another. COUNTERPOINT_MERGED_W0=device in the
+#                        environment keeps merged LoRA's W0 on the GPU as before
 set -uo pipefail
 K=$1; STAGE=$2; shift 2
 OUT=${OUT:-/tmp/cp-out}; mkdir -p "$OUT"
@@ -122,6 +127,11 @@ for row in json.loads(Path(sys.argv[1]).read_text())["shapes"]:
         print(f"--- {name} exit {row['exit_code']}:", *text[-40:], sep="\n")
 PY
     ;;
+  memory)
+    S=$1; shift
+    python3 bench/memory.py run --shapes "$S" --out-dir "$OUT" --tokenizer "$TOK" --models "$MODELS" --runs "$RUNS" \
+      --samples "$@" 2>&1 | tee "$OUT/memory-${S//[:,]/-}.log" | grep -E "^\[memory\]|Error" | cut -c 1-1500
+    ls "$OUT"/memory.json >/dev/null || exit 1 ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=memory.used --format=csv,noheader

@@ -128,11 +128,12 @@ WeightLoader = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
 def stream_to_device(items: Iterable[tuple[str, torch.Tensor]], device: torch.device | str,
                      copy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``items`` with each tensor on ``device``, copied there only when it is asked for: a tensor
-    already there is passed on as it is. At most two copies are alive at once, the one the
-    caller holds and the next: on CUDA the next one is already on its way (a non-blocking copy
-    from page-locked memory on a side stream, which the caller's stream waits for), so the
-    transfer of layer i+1 overlaps the work on layer i. Nothing here keeps a tensor once it is
-    handed over, so the caller decides when it is freed. ``copy`` replaces the transfer (tests)."""
+    already there is passed on as it is. Besides what the caller still holds, at most two
+    copies exist: the one handed over and the next. On CUDA the next is already on its way (a
+    non-blocking copy from page-locked memory on a side stream, which the caller's stream waits
+    for), so the transfer of layer i+1 overlaps the work on layer i. Nothing here keeps a tensor
+    once it is handed over, so the caller decides when it is freed. ``copy`` replaces the
+    transfer (tests)."""
     device = torch.device(device)
     side = torch.cuda.Stream(device) if copy is None and device.type == "cuda" else None
 
