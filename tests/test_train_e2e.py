@@ -584,17 +584,36 @@ def test_sigterm_during_start_up_is_an_interruption_with_the_resume_command(tmp_
     budget = Budget(240)
     run_dir = tmp_path / "runs" / "early"
     run_dir.parent.mkdir()
+    ray_link = run_dir / "logs" / "ray"  # start_ray links Ray's session logs once ray.init returns
     proc = start_train(run_dir)
+
+    def ray_stage_printed() -> bool:  # StageClock's "Ray" line: printed after start_ray returned
+        return any(line.startswith("  Ray ") for line in (run_dir.parent / "early.first.log").read_text().splitlines())
+
+    def gcs_started() -> bool:  # ray.init has begun: the first process of its local node is up
+        for child in descendants(proc):
+            try:
+                if child.name() == "gcs_server":
+                    return True
+            except psutil.Error:
+                continue
+        return False
+
     try:
         wait_for(lambda: "starting" in (run_dir.parent / "early.first.log").read_text(), budget, proc,
                  "the start-up stages", poll=0.05)
-        time.sleep(1.0)  # inside ray.init
+        wait_for(gcs_started, budget, proc, "ray.init to start Ray's GCS", poll=0.05)
+        assert not ray_link.is_symlink() and not ray_stage_printed(), "ray.init returned before the signal"
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             kill_run(proc)
     console = (run_dir.parent / "early.first.log").read_text()
+    # The signal landed inside ray.init: sent once its node had started, and ray.init never
+    # returned (no session-log link, no "Ray" stage line).
+    assert not ray_link.is_symlink() and not ray_link.exists(), console[-3000:]
+    assert not ray_stage_printed(), console[-3000:]
     assert code == 143, console[-3000:]
     assert f"terminated (SIGTERM); resume with: counterpoint train --resume {run_dir}" in console, console[-3000:]
     receipt = json.loads((run_dir / "run.json").read_text())
