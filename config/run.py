@@ -136,6 +136,16 @@ class RunConfig(BaseModel):
     search: SearchConfig = Field(
         default_factory=SearchConfig, description="Tree search (used when trainer.rollout_mode is 'tree')."
     )
+    gpu_memory_gib: float | None = Field(
+        None, gt=0, description="The GPU memory (GiB) the whole run may take on the ONE GPU its rollout "
+        "replica and learner worker share (a budget below the card's size leaves the rest to others: "
+        "22 on a 24 GB card). Split before any service starts (services/memory_budget.py, from the "
+        "model's config.json, the LoRA shape and the step's sequences) into rollout.gpu_memory_gib (vLLM) "
+        "and learner.memory_budget_gib (its memory plan), which the receipt's config records; a budget "
+        "that cannot hold both is refused in one line. Needs rollout.num_gpus > 0, learner.use_gpu, one "
+        "replica and one worker whose GPU fractions fit one GPU, and the vLLM engine. None = each side "
+        "sized on its own (rollout.gpu_memory_utilization, the learner's free memory)."
+    )
 
     @model_validator(mode="after")
     def _tree_mode_fits(self) -> "RunConfig":
@@ -153,6 +163,25 @@ class RunConfig(BaseModel):
             if self.eval.before_and_after and t.prefix_mode != "none":
                 raise ValueError("eval.before_and_after in tree mode samples drafts (with search.scaffold's "
                                  "head when on): trainer.prefix_mode must be 'none'")
+        return self
+
+    @model_validator(mode="after")
+    def _memory_budget_is_one_gpu(self) -> "RunConfig":
+        if self.gpu_memory_gib is None:
+            return self
+        r, learner = self.rollout, self.learner
+        why = (
+            "rollout.num_gpus=0 (a CPU-only rollout)" if r.num_gpus == 0
+            else "learner.use_gpu=false (a CPU learner)" if not learner.use_gpu
+            else "rollout.engine=hf (only the vLLM engine takes a memory amount)" if r.engine == "hf"
+            else f"rollout.replicas={r.replicas} and learner.workers={learner.workers} (one of each shares the GPU)"
+            if r.replicas != 1 or learner.workers != 1
+            else f"rollout.num_gpus={r.num_gpus:g} and learner.gpus_per_worker={learner.gpus_per_worker:g} add up "
+                 "to more than one GPU, so Ray places them on different GPUs"
+            if r.num_gpus + learner.gpus_per_worker > 1 else None)
+        if why is not None:
+            raise ValueError(f"gpu_memory_gib={self.gpu_memory_gib:g} splits ONE GPU between the rollout replica "
+                             f"and the learner, but {why}")
         return self
 
     @model_validator(mode="after")

@@ -105,7 +105,7 @@ def train_command(
     if address is not None:
         overrides.append(f"trainer.ray_address={address}")
     from services import runlock
-    from services.preflight import PreflightError, check_adapter_dir, preflight
+    from services.preflight import PreflightError, apply_memory_budget, check_adapter_dir, preflight
     from services.train import RunInUse
 
     try:
@@ -119,6 +119,8 @@ def train_command(
                 raise typer.BadParameter("give --config (or --resume RUN_DIR)")
             cfg, resume_changes = load_config(config, overrides), None
             run_dir = new_run_dir(cfg, check_lock=not dry_run)
+        # gpu_memory_gib -> rollout.gpu_memory_gib and learner.memory_budget_gib (dry runs too)
+        cfg, memory_split = apply_memory_budget(cfg)
         if init_adapter is not None:
             init_adapter = init_adapter.resolve()
             check_adapter_dir(init_adapter, "--init-adapter")
@@ -139,6 +141,8 @@ def train_command(
         from services.receipt import dry_run_preview
 
         shown = {"run_dir": str(run_dir), "config": resolved(cfg), "receipt": dry_run_preview(cfg)}
+        if memory_split is not None:
+            shown["memory_split"] = memory_split.as_dict()
         if resume_changes is not None:
             shown["resume_changes"] = resume_changes
         typer.echo(json.dumps(shown, indent=2, default=str))

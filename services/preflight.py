@@ -7,11 +7,15 @@ worker's NCCL set-up) is not guessed at here.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from pathlib import Path
 
 from config import RunConfig
 from graders.ports import port_taken
+
+log = logging.getLogger("counterpoint.preflight")
 
 
 class PreflightError(ValueError):
@@ -70,6 +74,38 @@ def check_ports(cfg: RunConfig) -> None:
                              "(another run?); pick another with --metrics-port or 0 for a free one")
     if t.ray_metrics_port and not t.ray_address and port_taken("127.0.0.1", t.ray_metrics_port):
         raise PreflightError(f"trainer.ray_metrics_port={t.ray_metrics_port}: the port is in use")
+
+
+def apply_memory_budget(cfg: RunConfig):
+    """``(cfg, split)``: the run's gpu_memory_gib split between vLLM and the learner
+    (services/memory_budget.py) and written into rollout.gpu_memory_gib and
+    learner.memory_budget_gib, so the services use it and the receipt's config records it;
+    ``(cfg, None)`` unchanged without a budget. Refused in one line (PreflightError) when the
+    budget cannot hold the run, or when either field is given otherwise than the split sets it (a
+    resumed run's recorded values are the split's)."""
+    if cfg.gpu_memory_gib is None:
+        return cfg, None
+    from model.base import resolve_model
+    from services.memory_budget import BudgetTooSmall, split_for_run
+
+    check_model(cfg)
+    model_config = json.loads((resolve_model(cfg.model) / "config.json").read_text())
+    # rollout/engines/vllm_merge.py W0_ENV: merged LoRA's W0 kept on the GPU instead of the host
+    w0_on_device = os.environ.get("COUNTERPOINT_MERGED_W0") == "device"
+    try:
+        split = split_for_run(cfg, model_config, w0_on_device)
+    except BudgetTooSmall as err:
+        raise PreflightError(str(err)) from None
+    for name, given, value in (("rollout.gpu_memory_gib", cfg.rollout.gpu_memory_gib, split.rollout_gib),
+                               ("learner.memory_budget_gib", cfg.learner.memory_budget_gib, split.learner_gib)):
+        if given is not None and given != value:
+            raise PreflightError(f"{name}={given:g} is given with gpu_memory_gib={cfg.gpu_memory_gib:g}, which sets "
+                                 f"it ({value:g} here): leave it unset")
+    log.info("memory budget: %s", split.summary())
+    return cfg.model_copy(update={
+        "rollout": cfg.rollout.model_copy(update={"gpu_memory_gib": split.rollout_gib}),
+        "learner": cfg.learner.model_copy(update={"memory_budget_gib": split.learner_gib}),
+    }), split
 
 
 def check_adapter_dir(path: Path, option: str) -> None:

@@ -68,7 +68,10 @@ def resume_config(run_dir: Path, overrides: list[str], config: Path | None = Non
                     data.get("environment", {}).get("platform", {}).get("hostname"))
     recorded = data["config"]
     if config is not None:
-        given = resolved(load_config(config, overrides))
+        from services.preflight import apply_memory_budget
+
+        # split as the run's recorded config was (gpu_memory_gib), or it would differ from the file's
+        given = resolved(apply_memory_budget(load_config(config, overrides))[0])
         set_keys = {a.partition("=")[0].strip() for a in overrides}
         for key in RUN_LOCATION:
             if key not in set_keys:  # the file's (or default) name and runs_dir: --resume says where

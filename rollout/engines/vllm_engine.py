@@ -54,6 +54,15 @@ def merge_parts_medians(parts: list[tuple[float, float]]) -> dict:
             "adapter_merge_s_median": round(sorted(m for _, m in rest)[mid], 4)}
 
 
+def gpu_memory_fraction(gib: float, total_bytes: int) -> float:
+    """vLLM's gpu_memory_utilization for an amount (rollout.gpu_memory_gib): vLLM takes
+    ceil(fraction x the device's total) bytes for its weights, activations and KV cache."""
+    fraction = gib * 2**30 / total_bytes
+    if not 0 < fraction <= 1:
+        raise ValueError(f"rollout.gpu_memory_gib={gib:g} is more than this GPU's {total_bytes / 2**30:.2f} GiB")
+    return fraction
+
+
 def vllm_settings(rollout_cfg: RolloutConfig, cuda: bool) -> VllmSettings:
     """The config's values, its None/'auto' resolved for a CUDA or a CPU host (the fields'
     descriptions in config/rollout.py say why each default is what it is)."""
@@ -115,6 +124,12 @@ class VllmEngine(Engine):
             kwargs["block_size"] = rollout_cfg.block_size
         if rollout_cfg.num_gpus > 0:
             kwargs["gpu_memory_utilization"] = rollout_cfg.gpu_memory_utilization
+            if rollout_cfg.gpu_memory_gib is not None and self.settings.cuda:
+                # The device's total, the number vLLM multiplies (cudaMemGetInfo's total). The device
+                # properties give the same bytes without a CUDA context: mem_get_info would leave one
+                # (~0.4 GiB) in this process for the whole run, beside the engine core's own.
+                total = torch.cuda.get_device_properties(0).total_memory
+                kwargs["gpu_memory_utilization"] = gpu_memory_fraction(rollout_cfg.gpu_memory_gib, total)
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
