@@ -14,11 +14,14 @@ round continues; the round diagnostics are in metrics.jsonl.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from cliharness import cli
+from cliharness import CLI, REPO, cli
+from promharness import free_port
 from search.tree import Tree
 
 pytestmark = pytest.mark.slow
@@ -137,3 +140,83 @@ def test_tree_rounds_train_end_to_end(tmp_path: Path):
     assert {n.id for n in tree3.nodes.values()} >= all_ids  # the earlier rounds' nodes are in it
     assert rows3[0]["parent_id"] in all_ids  # its first expansion debugs a node of an earlier round
     assert read_jsonl(run / "metrics.jsonl")[-1]["search_tree_nodes"] == 3 * N
+
+
+# ---------------------------------------------------------------- the shipped tree default
+DEFAULT_STEPS = 2
+DEFAULT_NODES = 16  # configs/mle-tree.yaml search.nodes_per_round
+MIN_VALID_FIRST_ROUND = 4  # a quarter of the first round; the seed-0 run measured 8 of 16
+
+
+def test_the_shipped_tree_default_learns_and_its_rollout_retries_are_recorded(tmp_path: Path):
+    """configs/mle-tree.yaml as shipped (the embedded model, its prompts, scaffold and sampling;
+    2 steps, no held-out eval) must earn a learning signal: valid scripts in its first round,
+    groups whose rewards differ, a non-zero policy gradient. At 944aaf8 every one of its 128
+    training scripts crashed and this test fails there (0 of 16 valid in round 1: issue 37).
+
+    The same run carries the tree path's recovery record: the rollout replica is SIGKILLed while
+    it generates step 2's siblings, and the retried call must be in run.json's `recoveries` and
+    on /metrics as counterpoint_recoveries_total{part="rollout"}, as a flat run's are (the tree
+    path once called a copy of the flat generate that had lost the recorder)."""
+    from test_train_e2e import Budget, kill_while_busy, log_of, scrape, trained_steps, wait_for
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    run = runs / "tree-default"
+    port = free_port()
+    budget = Budget()
+    with open(runs / "tree-default.first.log", "w") as log:  # log_of reads the console from here
+        proc = subprocess.Popen(
+            CLI + ["train", "--config", "configs/mle-tree.yaml", "--run-name", run.name, "--metrics-port", str(port),
+                   "--set", f"trainer.runs_dir={runs}", "--set", f"trainer.steps={DEFAULT_STEPS}",
+                   "--set", "eval.before_and_after=false"],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True)
+    try:
+        wait_for(lambda: trained_steps(run) == [1], budget, proc, "step 1 trained")
+        pid, busy = kill_while_busy(proc, "counterpoint-rollout", within_s=120)
+        assert busy, f"the rollout replica never generated step 2 after step 1:\n{log_of(run)}"
+        # The series exists from the start at 0 for every part; the retried generate makes it 1.
+        wait_for(lambda: _rollout_recoveries(scrape, port) >= 1, budget, proc, "the rollout recovery on /metrics")
+        assert _rollout_recoveries(scrape, port) == 1
+        assert proc.wait(timeout=budget.left()) == 0, log_of(run)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    receipt = json.loads((run / "run.json").read_text())
+    assert receipt["status"] == "completed", log_of(run)
+    assert receipt["config"]["model"]["name_or_path"] == "smollm2-135m-instruct"
+    assert receipt["config"]["trainer"]["rollout_mode"] == "tree" and receipt["config"]["search"]["scaffold"]
+
+    # The learning signal of the first round (sampled with the init adapter, before any update).
+    rows = read_jsonl(next((run / "round_1").glob("code-exec__*[0-9].jsonl")))
+    assert len(rows) == DEFAULT_NODES
+    valid = [r for r in rows if r["status"] == "ok"]
+    assert len(valid) >= MIN_VALID_FIRST_ROUND, (
+        f"{len(valid)} of {len(rows)} first-round scripts valid: the tree default earns no learning signal; "
+        f"statuses {[r['status'] for r in rows]}, blocks {[r['raw_completion'] for r in rows]}")
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert metrics[0]["frac_reward_zero_std"] < 1.0, metrics[0]
+    assert all(m["grad_norm"] > 0 for m in metrics), metrics
+    spread = [g for g in {r["sibling_group"] for r in rows}
+              if len({r["reward"] for r in rows if r["sibling_group"] == g}) > 1]
+    assert spread, rows
+
+    # The recovery: step 2's generate retried after the kill, recorded as the flat path records it.
+    rollout = [e for e in receipt["recoveries"] if e["part"] == "rollout"]
+    assert rollout and rollout[0]["step"] == 2, receipt["recoveries"]
+    assert rollout[0]["what"].startswith("generate (step 2, expansion "), rollout[0]
+    assert all(r["adapter_version"] == 2 for r in read_jsonl(next((run / "round_2").glob("code-exec__*[0-9].jsonl"))))
+
+
+def _rollout_recoveries(scrape, port: int) -> float:
+    """counterpoint_recoveries_total{part="rollout"} on the driver's /metrics (0 while unreadable)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = scrape(port)
+    except OSError:
+        return 0.0
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "counterpoint_recoveries_total" and s.labels.get("part") == "rollout")
