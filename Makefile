@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed-stamp
 # exported here.
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run test prometheus bench stubs clean
+.PHONY: setup run test test-fast prometheus bench stubs clean
 
 $(STAMP): pyproject.toml requirements/cpu.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ run: setup
 
 test: setup prometheus
 	$(PY) -m pytest -q -ra --durations=25 tests
+
+# For iteration: the tests that start no Ray, vLLM, model or child process (markers `slow` and
+# `subprocess`, tests/conftest.py), about a minute here. CP_TEST_NO_SPAWN=1 makes any process a
+# test starts an error, so an unmarked one shows up. `make test` still runs everything.
+test-fast: setup
+	CP_TEST_NO_SPAWN=1 $(PY) -m pytest -q -m "not slow and not subprocess" tests
 
 bench: setup
 	$(PY) bench/grader.py

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -25,3 +26,189 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
     return SHARED
+
+
+# ---------------------------------------------------------------------------------- test kinds
+# Markers (registered in pyproject.toml): `slow` starts Ray, vLLM or a model; `subprocess` starts
+# a child process: a `counterpoint` CLI run, a Python helper, a sandboxed script (`unshare`), a
+# server, promtool or nvidia-smi. (The receipt's own `uname -p` / `git` look-ups do not count:
+# they take milliseconds and run in whichever test first records an environment.) `make test`
+# runs every test whatever its markers; `make test-fast` runs `not slow and not subprocess`.
+#
+# A file of one kind says so in its own `pytestmark`. In a file of mixed kinds, the tests that
+# start a process are named here, by function (every parametrization of it), and marked at
+# collection. The list was taken from a run of every non-slow test with process creation
+# forbidden by an audit hook (subprocess.Popen, os.fork, os.posix_spawn, os.system, os.exec and
+# _posixsubprocess.fork_exec, which multiprocessing uses): exactly these tests tried to start one.
+# It cannot go stale silently: a name that is not a test function of its module is a collection
+# error, and under `make test-fast` (CP_TEST_NO_SPAWN=1) the same audit hook fails any test that
+# starts a process, so a new unmarked one is caught the first time it runs there.
+SUBPROCESS_TESTS = {
+    "test_alerts.py": {
+        "test_promtool_rule_unit_tests_pass",
+        "test_unit_tests_catch_a_broken_alert",
+        "test_unit_tests_catch_a_broken_recording_rule",
+    },
+    "test_code_exec_sandbox.py": {
+        "test_bare_level_still_limits_and_times_out",
+        "test_below_min_isolation_refuses_to_start",
+        "test_child_escaping_the_process_group_dies_with_the_run",
+        "test_cpu_limit_is_a_timeout",
+        "test_environment_scrubbed_and_limits_applied",
+        "test_fork_bomb_contained",
+        "test_huge_stdout_is_cut_and_killed",
+        "test_infinite_loop_times_out",
+        "test_isolation_detected_and_reported",
+        "test_memory_bomb_is_a_memory_error",
+        "test_no_network_outside_or_to_a_local_listener",
+        "test_private_answers_unreachable_by_any_path",
+        "test_script_deleting_its_own_workspace",
+        "test_sleep_past_timeout_ignoring_sigint",
+        "test_slots_queue_then_resource_exhausted",
+        "test_symlinked_or_special_submission_is_not_followed",
+        "test_the_leak_check_sees_a_planted_child",
+        "test_workspace_quota_is_enospc_for_bytes_and_for_files",
+        "test_writes_outside_the_workspace_never_reach_the_host",
+    },
+    "test_code_exec_service.py": {
+        "test_below_min_isolation_refuses_to_start",
+        "test_cases_carry_prompt_and_task_metadata",
+        "test_cli_list_and_score",
+        "test_health_says_which_grading_rules_grade",
+        "test_registered_and_health_reports_isolation",
+        "test_resource_exhausted_past_the_limit",
+        "test_statuses_and_sentinel_over_grpc",
+        "test_task_files_larger_than_the_workspace_refuse_to_start",
+        "test_whatever_a_script_leaves_is_that_scripts_status_alone",
+    },
+    "test_code_exec_verifier.py": {
+        "test_a_users_mlebench_style_task_dir_works_unchanged",
+        "test_an_mlebench_prepared_task_gets_mlebench_verdict_and_metric",
+        "test_cases_carry_description_preview_and_metadata",
+        "test_constant_submission_without_reading_train_is_ok",
+        "test_failed_statuses_get_the_sentinel",
+        "test_ladder_orders_constant_below_gbm_and_is_written",
+        "test_one_extra_column_is_graded_as_grade_grades_it",
+        "test_reward_split_test_and_score_many_order",
+        "test_submission_linked_to_the_answers_is_invalid",
+        "test_unknown_task_is_a_key_error",
+    },
+    "test_configs.py": {"test_train_dry_run_refuses_top_p_before_anything_starts"},
+    "test_console.py": {"test_run_logs_send_people_lines_to_the_terminal_and_the_rest_to_driver_log"},
+    "test_deploy_manifests.py": {"test_an_install_the_way_the_image_installs_imports_every_package_and_runs"},
+    "test_eval_cli.py": {"test_module_entry_point_runs"},
+    "test_grader_hardening.py": {
+        "test_checker_strict_through_the_service",
+        "test_cli_proxy_ingress_refuses_a_port_held_on_any_interface",
+        "test_cli_refuses_a_held_port_in_one_line",
+        "test_cli_refuses_an_unset_token_env",
+        "test_grpc_core_log_of_a_grader_is_rate_limited",
+    },
+    "test_grader_service.py": {
+        "test_cli_serve_prints_address_and_serves",
+        "test_require_pool_refuses_before_serving",
+        "test_serve_refuses_another_schema",
+    },
+    "test_memory_bench.py": {"test_a_sampled_run_sees_its_child_leaves_out_what_was_there_and_stops_one_past_its_time"},
+    "test_memory_budget.py": {
+        "test_dry_run_shows_the_split_and_refuses_a_small_budget",
+        "test_the_split_needs_neither_torch_nor_ray",
+    },
+    "test_observability.py": {  # the Prometheus server (tests/promharness.py) is a child process
+        "test_assert_all_queries_names_every_failing_expr",
+        "test_drifting_ppl_ratio_trips_the_alert",
+        "test_every_alert_and_recording_rule_series_returns_data",
+        "test_every_dashboard_query_returns_data",
+        "test_every_rule_loads_and_evaluates",
+        "test_grader_scaling_panel_shows_replicas_and_both_directions",
+        "test_healthy_run_trips_no_band_alert",
+        "test_promtool_check_config",
+        "test_promtool_check_rules",
+        "test_ray_prefixed_grader_series_are_relabelled",
+        "test_recoveries_panel_shows_each_part_that_recovered",
+    },
+    "test_records_run_dir.py": {"test_sigkill_during_appends_leaves_a_recoverable_file"},
+    "test_search_round.py": {  # the round's scripts run in the code-exec sandbox
+        "test_collaborators_breaking_the_contract_fail_the_round",
+        "test_diagnostics_of_the_real_round",
+        "test_driver_adapters_give_the_same_round_as_the_verifier",
+        "test_parents_debug_depth_and_n_children",
+        "test_round_continued_from_a_saved_tree_is_the_same_round",
+        "test_round_grows_every_mode_and_status",
+        "test_rows_fit_the_archive",
+        "test_summary_chooses_on_validation_and_reports_test",
+    },
+    "test_search_scaffold.py": {"test_bundled_tasks_ship_scaffolds_whose_scripts_run"},
+    "test_services_launch.py": {
+        "test_a_local_start_that_timed_out_is_cleaned_up_and_tried_again",
+        "test_a_process_that_was_running_before_the_start_is_left_alone",
+    },
+    "test_services_preflight.py": {
+        "test_a_run_directory_has_one_live_driver_and_a_dead_ones_lock_is_released",
+        "test_bad_input_fails_in_one_line_before_ray_starts",
+        "test_liveness_tells_a_dead_driver_from_a_live_one",
+        "test_resume_refuses_a_config_that_differs_and_applies_only_what_may_change",
+        "test_resume_refuses_a_run_that_is_still_alive",
+    },
+    "test_services_receipt.py": {
+        "test_sigterm_in_a_subprocess_is_recorded_as_interrupted",
+        "test_sigterm_inside_a_blocking_ray_get_is_still_an_interruption",
+    },
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    checked = set()
+    for item in items:
+        names = SUBPROCESS_TESTS.get(item.path.name)
+        if names is None:
+            continue
+        if item.path.name not in checked:  # every listed name is a test function of its module
+            checked.add(item.path.name)
+            missing = sorted(n for n in names if not callable(getattr(item.module, n, None)))
+            if missing:
+                raise pytest.UsageError(f"tests/conftest.py SUBPROCESS_TESTS names no test in {item.path.name}: "
+                                        f"{', '.join(missing)}")
+        if getattr(item, "originalname", item.name) in names:
+            item.add_marker(pytest.mark.subprocess)
+
+
+# Under `make test-fast` nothing may start a process: a test that tries fails at once, naming what
+# it started, so a test that needs the `subprocess` marker cannot slip into the fast set unmarked.
+_SPAWN_EVENTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.posix_spawnp", "os.system",
+                 "os.exec", "os.spawn", "pty.spawn"}
+_SPAWN_ALLOWED = {"uname", "git"}  # the receipt's environment look-ups (see above)
+
+
+class SpawnInFastTests(RuntimeError):
+    """A test run by `make test-fast` started a process: mark it `subprocess` (or `slow`)."""
+
+
+def _spawned(what: object) -> None:
+    raise SpawnInFastTests(f"{what}: this test starts a process; mark it `subprocess` "
+                           f"(tests/conftest.py SUBPROCESS_TESTS or the module's pytestmark)")
+
+
+def _forbid_spawning() -> None:
+    import _posixsubprocess
+
+    def hook(event: str, args: tuple) -> None:
+        if event in _SPAWN_EVENTS:
+            exe = args[0] if event == "subprocess.Popen" and args else None
+            if exe is None or Path(os.fsdecode(exe)).name not in _SPAWN_ALLOWED:
+                _spawned(f"{event} {exe or ''}".strip())
+
+    fork_exec = _posixsubprocess.fork_exec
+
+    def guarded_fork_exec(args, *rest, **kw):  # multiprocessing's spawn/forkserver start here, unaudited
+        exe = Path(os.fsdecode(args[0])).name if args else ""
+        if exe not in _SPAWN_ALLOWED:
+            _spawned(f"fork_exec {exe}")
+        return fork_exec(args, *rest, **kw)
+
+    sys.addaudithook(hook)
+    _posixsubprocess.fork_exec = guarded_fork_exec
+
+
+if os.environ.get("CP_TEST_NO_SPAWN") == "1":
+    _forbid_spawning()

@@ -13,7 +13,7 @@ import pytest
 from cliharness import cli
 from evals.records import NO_OPENING, read_eval
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 
 def test_eval_prior_shape_and_compare_on_smoke(tmp_path: Path):

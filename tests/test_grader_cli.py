@@ -11,6 +11,8 @@ import pytest
 
 from graders.voice_leading import score
 
+pytestmark = pytest.mark.subprocess  # every test runs `counterpoint grader ...`
+
 REPO = Path(__file__).resolve().parents[1]
 CADENCE = {"key": "C major", "chords": [
     {"measure": 1, "chordSymbol": "C"}, {"measure": 2, "chordSymbol": "F"},

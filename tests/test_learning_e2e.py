@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from cliharness import cli
 from grader_testtask import CHARS, case_of_row, char_share, char_share_grader, train_args
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 STEPS = 8
 K = 2  # steps averaged at each end

@@ -42,7 +42,7 @@ import yaml
 
 from cliharness import CLI, REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 RAY = str(Path(sys.executable).with_name("ray"))
 ROLES = {  # node -> (CPUs, custom resources): each part's section asks for its node's resource

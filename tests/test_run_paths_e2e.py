@@ -23,7 +23,7 @@ import pytest
 
 from cliharness import CLI, REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 RUN = "paths"
 
 

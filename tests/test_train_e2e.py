@@ -55,7 +55,7 @@ DESIGN_NAMES = [
 ]
 GRADER_NAMES = ["counterpoint_grader_requests_total", "counterpoint_grader_latency_seconds_bucket"]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 # pytest's global timeout (pyproject.toml) is 900 s per test: every wait of a test draws on one
 # budget inside it, leaving a minute to tear down what the test started.

@@ -32,7 +32,7 @@ import torch
 from cliharness import cli
 from grader_testtask import char_share_grader, case_of_row, prefixes_of, train_args
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 STEPS, G, P = 4, 4, 2
 SEED = 7  # configs/smoke.yaml
