@@ -1,11 +1,17 @@
-"""End to end on configs/smoke.yaml with the real services: `counterpoint replicate --grid`, 2 cells
-× 2 seeds of one step each (every arm a real train + eval subprocess, plus one base-model eval per
-seed; one arm made to fail), checked from the files it leaves: the receipt, grid.json, grid.png and
-the table; and bad grid input refused in one line before any arm runs."""
+"""End to end on configs/smoke.yaml with the real services: one `counterpoint replicate --grid
+--pin-init` run, 2 cells × 2 seeds of two steps each (every arm a real train + eval subprocess, plus
+one base-model eval per seed; the second arm of the second cell made to fail), shared by two tests:
+the grid's files (the receipt, grid.json, grid.png and the table) and the pinned init (each cell's
+second arm starts from its first arm's saved init adapter; the failed arm is reported); and bad grid
+input refused in one line before any arm runs.
+
+The two runs this replaces (a --grid run, ~5-8 min, and a --pin-init run over seeds 7,8,9, ~3 min)
+were the suite's largest repeated set-up; --pin-init pins per cell, so one grid run exercises both."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,9 +20,10 @@ from cliharness import cli
 from evals.grid import read_grid_json, t_interval
 from evals.records import read_eval
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 CELLS = {"c1_lr-1e-3": "learner.lr=1e-3", "c2_lr-1e-4": "learner.lr=1e-4"}
+STEPS = 2
 
 
 def pass_rate(path: Path) -> float:
@@ -24,15 +31,24 @@ def pass_rate(path: Path) -> float:
     return 100 * sum(i.pass_count for i in ev.items) / sum(i.generations for i in ev.items)
 
 
-def test_replicate_grid_on_smoke(tmp_path: Path):
-    out = tmp_path / "grid"
-    # Arm c2 seed 2 cannot create its run directory (a file is in the way): a real failure that
-    # must be reported while every other arm completes and is aggregated.
+@pytest.fixture(scope="module")
+def grid_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The one replicate run both tests below read: (its --out, the finished command)."""
+    out = tmp_path_factory.mktemp("replicate") / "grid"
+    # Arm c2 seed 2 cannot create its run directory (a file is in the way): a real failure, late in
+    # the list and of a pinned arm, that must be reported while every other arm completes and is
+    # aggregated.
     (out / "runs").mkdir(parents=True)
     (out / "runs" / "c2_lr-1e-4__seed2").write_text("not a directory")
     done = cli("replicate", "--config", "configs/smoke.yaml", "--seeds", "1,2", "--out", str(out),
-               "--grid", "learner.lr=1e-3,1e-4", "--set", "trainer.steps=1", "--set", "eval.limit=4",
+               "--grid", "learner.lr=1e-3,1e-4", "--pin-init", "--set", f"trainer.steps={STEPS}",
+               "--set", "eval.limit=4", "--set", "eval.before_and_after=false",
                "--generations", "2", "--max-new-tokens", "8", timeout=870)  # inside pytest's 900 s
+    return out, done
+
+
+def test_replicate_grid_on_smoke(grid_run):
+    out, done = grid_run
     log = done.stdout[-4000:] + done.stderr[-3000:]
     assert done.returncode == 1, log  # one arm failed: the command says so
     assert "1 of 4 arms failed (arms c2_lr-1e-4__seed2)" in done.stderr, log
@@ -40,7 +56,7 @@ def test_replicate_grid_on_smoke(tmp_path: Path):
 
     receipt = json.loads((out / "replicate.json").read_text())
     assert receipt["kind"] == "replicate" and receipt["status"] == "completed"
-    assert receipt["seeds"] == {"seeds": [1, 2]}
+    assert receipt["seeds"] == {"seeds": [1, 2]} and receipt["notes"]["pin_init"] is True
     grid = receipt["notes"]["grid"]
     assert grid["options"] == ["learner.lr=1e-3,1e-4"] and grid["before"] is True
     assert [(c["cell"], c["overrides"], c["rollout_mode"]) for c in grid["cells"]] == [
@@ -48,7 +64,7 @@ def test_replicate_grid_on_smoke(tmp_path: Path):
     arms = receipt["artifacts"]["arms"]
     assert [(a["cell"], a["seed"], a["status"]) for a in arms] == [
         (c, s, "failed" if (c, s) == ("c2_lr-1e-4", 2) else "completed") for c in CELLS for s in (1, 2)], arms
-    assert "c2_lr-1e-4__seed2.log" in arms[3]["error"]
+    assert "exited" in arms[3]["error"] and "c2_lr-1e-4__seed2.log" in arms[3]["error"]
     befores = receipt["artifacts"]["before_evals"]
     assert [(b["seed"], b["status"]) for b in befores] == [(1, "completed"), (2, "completed")]  # shared by cells
     assert receipt["artifacts"]["grid_json"] == str(out / "grid.json")
@@ -58,9 +74,9 @@ def test_replicate_grid_on_smoke(tmp_path: Path):
         run_dir = Path(a["run_dir"])
         assert run_dir == out / "runs" / f"{a['cell']}__seed{a['seed']}"
         run = json.loads((run_dir / "run.json").read_text())
-        assert run["status"] == "completed" and run["steps_trained"] == [1]
+        assert run["status"] == "completed" and run["steps_trained"] == list(range(1, STEPS + 1))
         assert run["config"]["learner"]["lr"] == float(CELLS[a["cell"]].split("=")[1])
-        assert run["config"]["seed"] == a["seed"] and run["config"]["trainer"]["steps"] == 1
+        assert run["config"]["seed"] == a["seed"] and run["config"]["trainer"]["steps"] == STEPS
         assert a["before_file"] == str(out / f"eval_before_c1_lr-1e-3__seed{a['seed']}.jsonl")
         after = read_eval(a["eval_file"])
         assert after.header.run == str(run_dir) and after.header.generation.seed == a["seed"]
@@ -97,6 +113,45 @@ def test_replicate_grid_on_smoke(tmp_path: Path):
     assert "held-out pass rate after - before (points)" in table
     assert "(n=1, no interval)" in table  # the cell with one completed seed
     assert f"grid: {out / 'grid.json'}, {out / 'grid.png'}" in table.replace("\n", "")
+
+
+def test_replicate_pins_the_init_and_survives_a_failed_arm(grid_run):
+    """--pin-init, per cell: each cell's first arm saves adapters/init and its later arms start
+    from those bytes with their own seed; the failed (pinned) arm is reported, the others complete."""
+    out, done = grid_run
+    log = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 1, log  # one arm failed: the command says so
+    assert "1 of 4 arms failed (arms c2_lr-1e-4__seed2)" in done.stderr, log
+
+    receipt = json.loads((out / "replicate.json").read_text())
+    assert receipt["kind"] == "replicate" and receipt["status"] == "completed"
+    arms = {(a["cell"], a["seed"]): a for a in receipt["artifacts"]["arms"]}
+    c1, c2 = CELLS
+    assert [arms[k]["status"] for k in ((c1, 1), (c1, 2), (c2, 1), (c2, 2))] == [
+        "completed", "completed", "completed", "failed"], arms
+    assert "exited" in arms[c2, 2]["error"] and f"{c2}__seed2.log" in arms[c2, 2]["error"]
+    pinned = {c: out / "runs" / f"{c}__seed1" / "adapters" / "init" for c in CELLS}  # one init per cell
+    for c in CELLS:
+        assert arms[c, 1]["init_adapter"] == f"{pinned[c]} (saved by this arm)"
+        assert arms[c, 2]["init_adapter"] == str(pinned[c])  # c2's, though that arm then failed
+
+    runs = {s: json.loads((out / "runs" / f"{c1}__seed{s}" / "run.json").read_text()) for s in (1, 2)}
+    assert runs[1]["init_adapter"] == "seeded (adapters/init)"
+    assert runs[2]["init_adapter"] == str(pinned[c1])
+    # Same init bytes, different seeds: the pinned arm started from the first arm's artifact.
+    assert runs[2]["init_adapter_sha256"] == runs[1]["init_adapter_sha256"]
+    assert runs[1]["seeds"]["seed"] == 1 and runs[2]["seeds"]["seed"] == 2
+    run_c2 = json.loads((out / "runs" / f"{c2}__seed1" / "run.json").read_text())
+    assert run_c2["init_adapter"] == "seeded (adapters/init)" and run_c2["seeds"]["seed"] == 1
+    for s in (1, 2):
+        assert runs[s]["status"] == "completed" and runs[s]["steps_trained"] == list(range(1, STEPS + 1))
+        ev = read_eval(out / f"eval_{c1}__seed{s}.jsonl")
+        assert ev.header.generation.generations == 2 and len(ev.items) == ev.header.prompt_set.n_items > 0
+        assert all(len(item.completions) == 2 for item in ev.items)
+    # Both arms were evaluated on the same prompts with the same settings: compare accepts them.
+    done = cli("compare", str(out / f"eval_{c1}__seed1.jsonl"), str(out / f"eval_{c1}__seed2.jsonl"), "--seed", "1")
+    assert done.returncode == 0, done.stderr
+    assert "95% interval" in done.stdout
 
 
 @pytest.mark.parametrize("args, message", [
