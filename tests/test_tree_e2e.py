@@ -24,7 +24,7 @@ from cliharness import CLI, REPO, cli
 from promharness import free_port
 from search.tree import Tree
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 STEPS, N, E = 2, 4, 2
 SENTINEL = -0.5
