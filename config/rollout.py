@@ -95,9 +95,9 @@ class RolloutConfig(BaseModel):
     vllm_lora: Literal["auto", "merged", "unmerged"] = Field(
         "auto", description="How vLLM applies the adapter. 'unmerged': vLLM's LoRA kernels (enable_lora): "
         "every decode step adds scale*B(Ax) for each adapted layer. 'merged': the replica writes "
-        "W0 + scale*B@A into its weights through vLLM's own load_weights and keeps a copy of the "
-        "adapted layers' W0 on the GPU (about the model's size again), so decoding runs at the base "
-        "model's speed (rollout/engines/vllm_merge.py; CUDA only, one GPU per replica). 'auto' = "
+        "W0 + scale*B@A into its weights through vLLM's own load_weights, layer by layer from a copy "
+        "of the adapted layers' W0 in page-locked host memory (COUNTERPOINT_MERGED_W0=device keeps "
+        "it on the GPU: about the model's size again), so decoding runs at the base model's speed (rollout/engines/vllm_merge.py; CUDA only, one GPU per replica). 'auto' = "
         "merged on CUDA, unmerged on CPU hosts. H200, 4B 1x8x384: 1.48 s of generation merged "
         "(bench/results/gpu-vs-trl.md) against 2.15 s unmerged (measured before, in one process)."
     )
