@@ -262,10 +262,13 @@ class RolloutReplica:
             "stats": self.engine.stats(),
         }
 
-    def __del__(self) -> None:
+    def __del__(self) -> None:  # Serve calls it at a replica's graceful shutdown
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
 
 
 def placement_options(rollout_cfg: RolloutConfig) -> dict:

@@ -8,6 +8,7 @@ same (tests/test_merge_host_w0.py has the per-layer merge's own tests)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -244,3 +245,25 @@ def test_the_worker_extension_is_mixed_into_vllms_worker_and_answers_by_name():
             llm.collective_rpc("counterpoint_use", args=(3,))
     finally:
         del llm
+
+
+@pytest.mark.subprocess  # a child process whose pid is then free
+def test_adapter_directories_of_dead_engines_are_swept_and_live_ones_kept(tmp_path):
+    """An engine's unmerged adapters live under <tmp>/cp-vllm-adapters-<pid>-*; a replica killed
+    with SIGKILL never removes its own, so the next engine removes those of dead processes, and
+    only those (a live engine's, or a name it cannot read, stay)."""
+    import subprocess
+    import sys
+
+    from rollout.engines.vllm_engine import ADAPTER_ROOT_PREFIX, sweep_adapter_roots
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # its pid is now free: a dead engine's
+    dead = tmp_path / f"{ADAPTER_ROOT_PREFIX}{child.pid}-abc"
+    live = tmp_path / f"{ADAPTER_ROOT_PREFIX}{os.getpid()}-def"
+    odd = tmp_path / f"{ADAPTER_ROOT_PREFIX}notapid"
+    other = tmp_path / "something-else"
+    for d in (dead, live, odd, other):
+        (d / "v3-x").mkdir(parents=True)
+    assert sweep_adapter_roots(tmp_path) == [dead]
+    assert not dead.exists() and live.exists() and odd.exists() and other.exists()

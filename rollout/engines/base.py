@@ -76,6 +76,9 @@ class Engine(ABC):
     def loaded_version(self) -> int:
         """The adapter version held (0 = none)."""
 
+    def close(self) -> None:
+        """Release what the engine keeps outside its process's memory (files); idempotent."""
+
     def stats(self) -> dict:
         """Engine counters for the receipt, e.g. a compiled engine's compile/capture seconds per
         batch bucket, kept apart from the step times they fall into. {} when it keeps none."""

@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -78,6 +79,33 @@ def vllm_settings(rollout_cfg: RolloutConfig, cuda: bool) -> VllmSettings:
         multiprocessing=cuda if rollout_cfg.vllm_multiprocessing is None else rollout_cfg.vllm_multiprocessing,
         lora=lora,
     )
+
+
+ADAPTER_ROOT_PREFIX = "cp-vllm-adapters-"
+
+
+def sweep_adapter_roots(tmp: Path) -> list[Path]:
+    """Remove the adapter directories (``<tmp>/cp-vllm-adapters-<pid>-*``) of engines whose
+    process is gone: a replica killed with SIGKILL never runs its own clean-up. Returns what
+    it removed."""
+    removed = []
+    for root in tmp.glob(f"{ADAPTER_ROOT_PREFIX}*"):
+        pid = root.name[len(ADAPTER_ROOT_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        shutil.rmtree(root, ignore_errors=True)
+        removed.append(root)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 class VllmEngine(Engine):
@@ -148,12 +176,20 @@ class VllmEngine(Engine):
         self._version = 0
         self._lora = None  # unmerged: the LoRARequest of the held version
         self._adapter_dir: Path | None = None
+        # Unmerged adapters are handed to vLLM as directories: all of them under one directory
+        # of this process, removed when the engine goes (or, after a kill, by the next engine).
+        sweep_adapter_roots(Path(tempfile.gettempdir()))
+        self._adapter_root = Path(tempfile.mkdtemp(prefix=f"{ADAPTER_ROOT_PREFIX}{os.getpid()}-"))
+        self._remove_adapter_root = weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)
         self._in_weights = 0  # merged: the version written into the weights (0 = the base model)
         self._load_s: list[float] = []
         self._merge_parts_s: list[tuple[float, float]] = []  # merged: (read onto the device, merge)
         self._extra_bytes = 0
         log.info("vLLM engine: %s, started in %.1f s", asdict(self.settings), self._start_s)
         self.log_stop_tokens()
+
+    def close(self) -> None:
+        self._remove_adapter_root()
 
     @staticmethod
     def _install_grouped_lora_ops() -> None:
@@ -214,7 +250,7 @@ class VllmEngine(Engine):
     def _add_lora(self, payload: AdapterPayload) -> None:
         from vllm.lora.request import LoRARequest
 
-        new_dir = write_payload(payload, tempfile.mkdtemp(prefix=f"cp-vllm-adapter-v{payload.version}-"))
+        new_dir = write_payload(payload, tempfile.mkdtemp(prefix=f"v{payload.version}-", dir=self._adapter_root))
         request = LoRARequest(f"v{payload.version}", next(self._ids), str(new_dir))
         engine = self.llm.llm_engine
         try:
