@@ -34,6 +34,7 @@ from learner.rollout_correction import finalize
 from learner.shared_prefix import SharedPrefixLM
 from learner.types import TrainBatch, shard_bounds
 from model.adapter import AdapterPayload
+from model.shared_base import BaseExport, Fence, ServedCorrection, ShareRefused, shared_model
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -130,15 +131,22 @@ class PolicyLearner:
         init_adapter: Path | None = None,
         resume_from: Path | None = None,
         graph_capture: Capture | None = None,
+        shared_base: BaseExport | None = None,
+        share_required: bool = False,
     ):
         """``graph_capture`` replaces CUDA graph capture (learner/graphed.py): tests pass a CPU
-        stand-in with the same aliasing of gradients, so the graphed path runs without a GPU."""
+        stand-in with the same aliasing of gradients, so the graphed path runs without a GPU.
+        ``shared_base``: a rollout replica's weights to map instead of loading a copy
+        (model/shared_base.py); where they cannot be mapped the learner loads its own copy and
+        says why (``base_weights``), or fails with that reason when ``share_required``."""
         self.cfg, self.model_cfg, self.spec = cfg, model_cfg, spec
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.init_is_identity = init_adapter is None and resume_from is None
-        base = load_base_model(model_cfg, self.device)
+        base, fence = self._base(model_cfg, shared_base, share_required)
         source = Path(resume_from) / "adapter" if resume_from is not None else init_adapter
         self.peft_model = attach_lora(base, cfg.lora, spec.seed, source).to(self.device)
+        # What the replica's merged adapter adds to the shared weights, taken off again
+        self.served = ServedCorrection(self.peft_model, fence, self.device) if fence is not None else None
         self.checkpointing = False
         self._set_checkpointing(cfg.gradient_checkpointing is True)  # memory for compute; no shared prefix then
         self.num_params = sum(p.numel() for p in self.peft_model.parameters())  # for MFU (6 N per token)
@@ -157,6 +165,8 @@ class PolicyLearner:
                 base.config, params=self.num_params - trainable, dtype_bytes=base_dtype.itemsize)
             self.memory_budget = (int(cfg.memory_budget_gib * GIB) if cfg.memory_budget_gib is not None
                                   else cuda_budget_bytes(self.device, cfg.gpus_per_worker))
+            if self.base_weights["mode"] == "shared":  # the plan counts the weights; the replica holds them
+                self.memory_budget += self.memory_shape.params * self.memory_shape.dtype_bytes
         self.amp_dtype = (base_dtype if cfg.autocast and on_cuda
                           and base_dtype in (torch.bfloat16, torch.float16) else None)
         if self.amp_dtype is not None:
@@ -189,6 +199,25 @@ class PolicyLearner:
             self.step_count = int(state["step"])
             self.data_position = state.get("data_position")
             self.resumed_sha256 = state.get("adapter_sha256")
+
+    def _base(self, model_cfg, shared_base: BaseExport | None, share_required: bool):
+        """(the frozen base model, the owner's fence or None): mapped from ``shared_base`` where
+        it lines up, else loaded; ``self.base_weights`` says which and why."""
+        self.base_weights: dict[str, Any] = {"mode": "own", "reason": "no replica's weights were offered"}
+        if shared_base is not None:
+            from model.base import resolve_model, torch_dtype
+
+            try:
+                base = shared_model(resolve_model(model_cfg), torch_dtype(model_cfg.dtype), shared_base, self.device)
+            except ShareRefused as err:
+                if share_required:
+                    raise
+                log.warning("learner: loading its own copy of the base model: %s", err)
+                self.base_weights = {"mode": "own", "reason": str(err)}
+            else:
+                self.base_weights = {"mode": "shared", "owner": shared_base.describe()}
+                return base, Fence.open(shared_base.fence) if shared_base.fence is not None else None
+        return load_base_model(model_cfg, self.device), None
 
     @classmethod
     def for_run(cls, run_cfg, **kwargs: Any) -> "PolicyLearner":
@@ -254,6 +283,7 @@ class PolicyLearner:
         cfg, temp = self.cfg, self.spec.temperature
         lo, hi = shard_bounds(len(batch), self.world_size, self.rank)
         shard = batch.rows(lo, hi)
+        fence_before = self._fence_read()
         checkpointing, token_budget, max_rows = self.plan(batch, len(shard))
         self._set_checkpointing(checkpointing)
         scorer = None if checkpointing else self.scorer  # a checkpointed step runs eagerly
@@ -308,6 +338,7 @@ class PolicyLearner:
                                   "loss": {"loss": res.loss}, "work": work}, self.device)
         phases["update_actor"] = time.perf_counter() - t
 
+        self._fence_check(fence_before)
         policy, rollout = finalize(reduced["policy"]), finalize(reduced["rollout"])
         metrics = {k: v for k, v in policy.items() if k not in ("tokens", "sequences")}
         metrics.update({k: rollout[k] for k in ("ppl_ratio", "rollout_kl", "rollout_k3_kl", "rollout_abs_diff")})
@@ -329,6 +360,22 @@ class PolicyLearner:
         )
         return metrics, phases
 
+    def _fence_read(self) -> tuple[int, int] | None:
+        """Where the shared weights' fence stands as a step starts (None: not shared, or never
+        rewritten); maps the replica's served adapter when it has announced a new one."""
+        if self.served is None:
+            return None
+        before = self.served.fence.read()
+        if self.served.refresh() and self.scorer is not None:
+            self.scorer.graphs.clear()  # captured before the served adapter's tensors were mapped
+        return before
+
+    def _fence_check(self, before: tuple[int, int] | None) -> None:
+        if before is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # every kernel that read the weights has run
+            self.served.fence.check(before, f"learner step {self.step_count}")
+
     def _work(self, mbs, forward_passes: int) -> dict[str, float]:
         """This worker's tokens run by the step's passes and their model FLOPs
         (learner/microbatch.py: 6 N per trained token, 2 N per forward-only token)."""
@@ -347,7 +394,7 @@ class PolicyLearner:
         """How the update ran, for the receipt: graphs captured and replayed, or why not."""
         return {"cuda_graphs": self.scorer.stats() if self.scorer is not None else None,
                 "share_prompt_prefix": self.share_prefix, "autocast": str(self.amp_dtype),
-                "payload_dtype": str(self.payload_dtype or "float32"),
+                "payload_dtype": str(self.payload_dtype or "float32"), "base_weights": self.base_weights,
                 "gradient_checkpointing": self.checkpointing, "logprob_chunk_tokens": self.logprob_chunk,
                 "memory_plan": self.last_plan.as_dict() if self.last_plan is not None else None}
 

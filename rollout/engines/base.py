@@ -76,6 +76,14 @@ class Engine(ABC):
     def loaded_version(self) -> int:
         """The adapter version held (0 = none)."""
 
+    def export_base(self):
+        """Handles to the engine's base weights for a learner on the same device
+        (model/shared_base.py BaseExport); ShareRefused where the engine cannot lend them."""
+        from model.shared_base import ShareRefused
+
+        raise ShareRefused(f"the {self.kind} engine cannot lend its base weights (the vllm engine on a GPU "
+                           "and the hf engine can)")
+
     def close(self) -> None:
         """Release what the engine keeps outside its process's memory (files); idempotent."""
 

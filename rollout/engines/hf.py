@@ -72,6 +72,18 @@ class HFEngine(Engine):
             shutil.rmtree(self._adapter_dir, ignore_errors=True)
         self._adapter_dir, self._version = new_dir, payload.version
 
+    def export_base(self):
+        """Handles to the base weights for a learner beside this engine (model/shared_base.py).
+        They never change: adapters are peft layers on top, not merged, so no fence is needed."""
+        from peft import PeftModel
+
+        from model.shared_base import export_base
+
+        base = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+        named = [(name.replace(".base_layer.", "."), p) for name, p in base.named_parameters()
+                 if ".lora_" not in name]
+        return export_base("hf", named, {}, None)
+
     # ----------------------------------------------------------------- data plane
 
     @torch.no_grad()

