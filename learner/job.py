@@ -158,10 +158,13 @@ def _on_this_node() -> Any:
 class LearnerJob:
     """The learner as the orchestrator sees it: start, step, save_checkpoint, stop."""
 
-    def __init__(self, run_cfg, run_dir: Path, init_adapter: Path | None = None, resume_from: Path | None = None):
+    def __init__(self, run_cfg, run_dir: Path, init_adapter: Path | None = None, resume_from: Path | None = None,
+                 shared_base=None, share_required: bool = False):
         """StepResult.adapter and InitInfo.init_payload come back as AdapterRefs: the payload
         stays in the object store, owned by the rank-0 worker (learner/worker.py), fetchable
-        until ``stop()``."""
+        until ``stop()``. ``shared_base``: a rollout replica's weights for the worker to map
+        (model/shared_base.py BaseExport), which it must (``share_required``) or may."""
+        self.shared_base, self.share_required = shared_base, share_required
         self.run_cfg = run_cfg
         # The driver's run directory: what the workers write arrives here as bytes (_call).
         self.run_dir = Path(run_dir).resolve()
@@ -213,6 +216,8 @@ class LearnerJob:
                 # Bytes, not paths: the workers' nodes need not see the driver's disk.
                 "init_adapter": _bundle_ref(self.init_adapter),
                 "resume_from": _bundle_ref(self.resume_from),
+                "shared_base": self.shared_base,
+                "share_required": self.share_required,
             },
             torch_config=TorchConfig(backend="nccl" if lcfg.use_gpu else "gloo"),
             scaling_config=ScalingConfig(

@@ -34,7 +34,7 @@ from learner.rollout_correction import finalize
 from learner.shared_prefix import SharedPrefixLM
 from learner.types import TrainBatch, shard_bounds
 from model.adapter import AdapterPayload
-from model.shared_base import BaseExport, Fence, ServedCorrection, ShareRefused, shared_model
+from model.shared_base import BaseExport, Fence, ServedCorrection, ShareRefused, check_owner, shared_model
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -204,6 +204,7 @@ class PolicyLearner:
         """(the frozen base model, the owner's fence or None): mapped from ``shared_base`` where
         it lines up, else loaded; ``self.base_weights`` says which and why."""
         self.base_weights: dict[str, Any] = {"mode": "own", "reason": "no replica's weights were offered"}
+        self.base_owner_pid: int | None = None
         if shared_base is not None:
             from model.base import resolve_model, torch_dtype
 
@@ -216,6 +217,7 @@ class PolicyLearner:
                 self.base_weights = {"mode": "own", "reason": str(err)}
             else:
                 self.base_weights = {"mode": "shared", "owner": shared_base.describe()}
+                self.base_owner_pid = shared_base.owner_pid
                 return base, Fence.open(shared_base.fence) if shared_base.fence is not None else None
         return load_base_model(model_cfg, self.device), None
 
@@ -363,6 +365,8 @@ class PolicyLearner:
     def _fence_read(self) -> tuple[int, int] | None:
         """Where the shared weights' fence stands as a step starts (None: not shared, or never
         rewritten); maps the replica's served adapter when it has announced a new one."""
+        if self.base_owner_pid is not None:
+            check_owner(self.base_owner_pid)
         if self.served is None:
             return None
         before = self.served.fence.read()

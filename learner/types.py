@@ -100,6 +100,7 @@ class InitInfo:
     lr_rebase_note: str | None = None
     data_position: dict[str, Any] | None = None
     init_is_identity: bool = True
+    base_weights: dict[str, Any] | None = None  # PolicyLearner.base_weights: "shared" or "own", and why
 
 
 @dataclass

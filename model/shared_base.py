@@ -64,6 +64,21 @@ class FenceMoved(RuntimeError):
     """The owner rewrote the shared weights while the learner was using them."""
 
 
+class OwnerGone(RuntimeError):
+    """The process that owned the shared weights has exited: what the learner maps is no longer
+    the model (a restored learner maps the replica that replaced it)."""
+
+
+def check_owner(pid: int) -> None:
+    """OwnerGone when process ``pid`` (on this host: it shares the learner's device) has exited."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        raise OwnerGone(f"the replica that owned the shared base weights (pid {pid}) is gone") from None
+    except PermissionError:  # alive, another user's
+        pass
+
+
 # ------------------------------------------------------------------------------ tensor handles
 
 

@@ -251,6 +251,12 @@ class RolloutReplica:
     async def loaded_version(self) -> int:
         return self.engine.loaded_version()
 
+    async def export_base(self):
+        """Handles to the engine's base weights for a learner on the same device (model/
+        shared_base.py), taken on the engine thread: never while the engine writes its weights."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, self.engine.export_base)
+
     async def info(self) -> dict:
         return {
             "replica_id": self.replica_id,
@@ -381,6 +387,16 @@ class RolloutClient:
     def replicas(self) -> dict[str, int]:
         """replica id -> the adapter version it holds, for every live replica (recovery records)."""
         return dict(self.snapshot()["replicas"])
+
+    def export_base(self):
+        """The one replica's base weights for the learner to map (model/shared_base.py
+        BaseExport): fresh handles per call, one learner each. ShareRefused where the engine
+        cannot lend them."""
+        if self.rollout_cfg.replicas != 1:
+            from model.shared_base import ShareRefused
+
+            raise ShareRefused(f"rollout.replicas={self.rollout_cfg.replicas}: one replica lends its weights to one learner")
+        return self.handle.export_base.remote().result(timeout_s=self.rollout_cfg.request_timeout_s)
 
     def info(self) -> dict:
         """One replica's engine kind, held version, stop-token report and engine stats (for the receipt)."""

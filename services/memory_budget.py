@@ -128,7 +128,7 @@ class MemorySplit:
     rollout_outside_gib: float  # the replica's CUDA graphs and merged-LoRA buffers, outside vLLM's budget
     contexts_gib: float  # both processes' CUDA contexts
     minimum_gib: float  # the smallest budget that holds the run, rounded up to 0.1
-    weights_gib: float  # one copy of the base weights (each side holds one)
+    weights_gib: float  # one copy of the base weights (each side holds one, unless the learner maps the replica's)
     kv_cache_gib: float
     kv_sequences: int  # whole sequences of sequence_tokens the KV cache holds
     step_sequences: int
@@ -176,9 +176,11 @@ def _ceil2(gib: float) -> float:
 
 
 def split_memory(budget_gib: float, model: str, shape: ModelShape, replica: ReplicaNeeds,
-                 learner: LearnerNeeds) -> MemorySplit:
+                 learner: LearnerNeeds, shared_weights: bool = False) -> MemorySplit:
     """The split of ``budget_gib`` (module docstring); ``BudgetTooSmall`` (one line naming
-    gpu_memory_gib, the budget and what the run needs) when it cannot hold both sides."""
+    gpu_memory_gib, the budget and what the run needs) when it cannot hold both sides.
+    ``shared_weights``: the learner maps the replica's weights (share_base_weights), so its
+    budget holds no copy of them (learner/policy.py adds them back for its plan)."""
     budget = int(budget_gib * GIB)
     b = shape.dtype_bytes
     weights = shape.params * b
@@ -200,13 +202,14 @@ def split_memory(budget_gib: float, model: str, shape: ModelShape, replica: Repl
     kv_token = 2 * shape.layers * shape.kv_dim * b
     kv_one = replica.sequence_tokens * kv_token
     kv_step = max(1, replica.sequences) * kv_one
-    learner_min = learner_minimum_bytes(shape, learner, trainable)
+    learner_min = learner_minimum_bytes(shape, learner, trainable) - (weights if shared_weights else 0)
     # + 0.01 GiB: rounding vLLM's and the learner's amounts down to 0.01 GiB never leaves the learner short
     minimum = contexts + inside + kv_one + outside + learner_min + GIB // 100
     if budget < minimum:
         gib = lambda n: n / GIB  # noqa: E731
         raise BudgetTooSmall(
-            f"gpu_memory_gib={budget_gib:g} cannot hold {model} twice (two copies of {gib(weights):.2f} GiB weights: "
+            f"gpu_memory_gib={budget_gib:g} cannot hold {model} "
+            f"{'once (one shared copy' if shared_weights else 'twice (two copies'} of {gib(weights):.2f} GiB weights: "
             f"vLLM {gib(inside + kv_one):.2f} GiB with the KV cache of one {replica.sequence_tokens}-token sequence "
             f"+ {gib(outside):.2f} outside it, the learner {_ceil2(gib(learner_min)):.2f} GiB for one micro-batch "
             f"of {learner.micro_batch_tokens} tokens, {gib(contexts):.2f} of CUDA contexts): needs >= "
@@ -214,7 +217,8 @@ def split_memory(budget_gib: float, model: str, shape: ModelShape, replica: Repl
     kv = kv_one + min(kv_step - kv_one, budget - minimum)
     rollout_gib = _floor2((inside + kv) / GIB)
     learner_gib = _floor2((budget - contexts - outside) / GIB - rollout_gib)
-    plan = memory_plan(shape, learner.rank, trainable, int(learner_gib * GIB), learner.micro_batch_tokens,
+    plan = memory_plan(shape, learner.rank, trainable, int(learner_gib * GIB) + (weights if shared_weights else 0),
+                       learner.micro_batch_tokens,
                        learner.logprob_chunk_tokens, learner.checkpointing)
     return MemorySplit(
         budget_gib=budget_gib, rollout_gib=rollout_gib, learner_gib=learner_gib,
@@ -255,4 +259,5 @@ def split_for_run(cfg: RunConfig, model_config: Mapping[str, Any], w0_on_device:
         logprob_chunk_tokens=CUDA_LOGPROB_CHUNK_TOKENS if lc.logprob_chunk_tokens == "auto" else lc.logprob_chunk_tokens,
         checkpointing=None if lc.gradient_checkpointing == "auto" else lc.gradient_checkpointing)
     shape = model_shape(model_config, DTYPE_BYTES[cfg.model.dtype])
-    return split_memory(cfg.gpu_memory_gib, Path(cfg.model.name_or_path).name, shape, replica, learner)
+    return split_memory(cfg.gpu_memory_gib, Path(cfg.model.name_or_path).name, shape, replica, learner,
+                        shared_weights=cfg.shares_base_weights()[0])

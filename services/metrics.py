@@ -180,6 +180,16 @@ class TrainerMetrics:
         )
         for part in RECOVERY_PARTS:
             self._recoveries.labels(part=part)
+        self._base_shared = Gauge(
+            "counterpoint_base_weights_shared", "1 when the learner maps the rollout replica's base weights "
+            "(one copy on the GPU), 0 when it holds its own copy (run.json `base_weights` says why).",
+            registry=reg,
+        )
+
+    def record_base_weights(self, shared: bool) -> None:
+        self._base_shared.set(1.0 if shared else 0.0)
+        with self._lock:
+            self._points["counterpoint_base_weights_shared"] += 1
 
     def start(self) -> int:
         """Serve /metrics; return the bound port (port 0 picks a free one)."""

@@ -70,6 +70,7 @@ UPDATABLE_FIELDS = (
     "placement",  # where each part ran (services/cluster.py placement_record)
     "recoveries",  # every recovery of every attempt (services/recovery.py RecoveryLog.all)
     "grader_scaling",  # the grader app's replica range and scale events (graders/autoscale.py)
+    "base_weights",  # the learner's base: mapped from the replica ("shared") or its own copy, and why
 )
 
 ExitStatus = Literal["completed", "interrupted", "failed"]

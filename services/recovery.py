@@ -159,7 +159,9 @@ class BatchLedger:
 _PEER_LOSS = re.compile(
     r"Connection (closed|reset) by peer|Gloo|NCCL (error|communicator)|DistBackendError|ProcessGroup|"
     r"RayActorError|ActorDiedError|OwnerDiedError|ObjectLostError|NodeDiedError|WorkerCrashedError|"
-    r"The actor died unexpectedly|Broken pipe|timed out.*(collective|store)", re.IGNORECASE)
+    r"The actor died unexpectedly|Broken pipe|timed out.*(collective|store)|"
+    # a learner whose shared base weights' owner (the rollout replica) died: a restored one maps its successor
+    r"OwnerGone", re.IGNORECASE)
 LEARNER_FAILURES = ("worker_error", "train_run_ended", "coordinator_lost", "timeout")
 
 

@@ -246,6 +246,24 @@ def _placement(cfg: RunConfig, learner) -> dict[str, Any]:
         return {"error": f"{type(err).__name__}: {err}"}
 
 
+def base_offer(cfg: RunConfig, rollout, refusals: list[str]) -> dict[str, Any]:
+    """LearnerJob's arguments for mapping the rollout replica's base weights: fresh handles for
+    each learner job (a restored learner maps the replica that lives then). With
+    share_base_weights=auto an engine that cannot lend them leaves the learner its own copy
+    (the reason appended to ``refusals``)."""
+    from model.shared_base import ShareRefused
+
+    required = cfg.share_base_weights is True
+    try:
+        return {"shared_base": rollout.export_base(), "share_required": required}
+    except ShareRefused as err:
+        if required:
+            raise
+        log.warning("the learner loads its own copy of the base model: %s", err)
+        refusals.append(str(err))
+        return {}
+
+
 def heldout_eval(cfg: RunConfig, grader, rollout, version: int, out: Path) -> dict[str, Any]:
     """Held-out eval with adapter `version`, kept per item as the EVAL.jsonl `out` (so before and
     after pair item by item); returns its summary and file for the receipt. Prompts and sampling
@@ -318,8 +336,11 @@ def train(opts: TrainOptions) -> RunDir:
 
         # A learner whose workers die is restored in the run (learner.max_restarts): from the
         # newest checkpoint this run saved, or from where this attempt started.
+        share, share_reason = cfg.shares_base_weights()
+        refusals: list[str] = []  # why the replica could not lend its weights, when it could not
         learner = RecoveringLearner(
-            lambda resume_from: LearnerJob(cfg, run.root, init_adapter=init_adapter, resume_from=resume_from),
+            lambda resume_from: LearnerJob(cfg, run.root, init_adapter=init_adapter, resume_from=resume_from,
+                                           **(base_offer(cfg, rollout, refusals) if share else {})),
             run.checkpoint_dir, cfg.learner.max_restarts, recoveries, trained=first_step - 1,
             reexport=lambda payload: rollout.reexport(payload))
         stack.callback(learner.stop)
@@ -335,7 +356,7 @@ def train(opts: TrainOptions) -> RunDir:
         cases = {c.id: c for c in grader.cases(limit=cfg.trainer.limit or 0, split="train")}
         sampler = sampler_from_config(list(cases), cfg.trainer, cfg.seed)
         receipt.update(prompt_sampling=sampler.plan())
-        beside = learner_starts_beside_rollout(cfg)
+        beside = learner_starts_beside_rollout(cfg) and not share  # a shared base is mapped from a live replica
         if beside:  # its workers load the model while the replicas start
             resolve_model(cfg.model)  # built or converted once, here, before either reads it
             learner.begin(ckpt)
@@ -343,6 +364,10 @@ def train(opts: TrainOptions) -> RunDir:
         rollout = start_rollout(cfg, stack)
         stages.done("rollout replicas")
         init = learner.started() if beside else learner.start(ckpt)
+        base_weights = init.base_weights if share else {"mode": "own", "reason": share_reason}
+        if refusals and base_weights["mode"] == "own":
+            base_weights = {"mode": "own", "reason": refusals[-1]}
+        receipt.update(base_weights=base_weights)
         receipt.update(init_adapter_sha256=init.adapter_sha256, lr_rebase=init.lr_rebase_note,
                        init_adapter=str(init_adapter) if init_adapter else "seeded (adapters/init)")
         adapter = init.init_payload
@@ -353,6 +378,7 @@ def train(opts: TrainOptions) -> RunDir:
 
         metrics = TrainerMetrics(cfg.trainer.metrics_host, cfg.trainer.metrics_port)
         metrics.registry.register(rollout.metrics_collector())  # replica adapter versions, tokens
+        metrics.record_base_weights(base_weights["mode"] == "shared")
         grader_watch = watch_grader(cfg, stack, metrics.registry)  # grader replicas, scale events
         recoveries.subscribe(metrics.record_recovery)  # this attempt's, also those before /metrics
         port = metrics.start()

@@ -178,7 +178,15 @@ def test_apply_writes_the_split_into_the_config(qwen3_4b_dir: Path, monkeypatch)
                                              r"which sets it \(9\.19 here\): leave it unset$"):
         apply_memory_budget(load_config(ONE_GPU, [f"model.name_or_path={qwen3_4b_dir}", "rollout.gpu_memory_gib=5"]))
     with pytest.raises(PreflightError, match=r"^gpu_memory_gib=12 cannot hold Qwen3-4B twice .*needs >= 21\.1 GiB$"):
+        apply_memory_budget(load_config(ONE_GPU, [f"model.name_or_path={qwen3_4b_dir}", "gpu_memory_gib=12",
+                                                  "share_base_weights=false"]))
+    # one shared copy (share_base_weights, auto here): the learner's budget holds no weights
+    with pytest.raises(PreflightError, match=r"^gpu_memory_gib=12 cannot hold Qwen3-4B once \(one shared copy of "
+                                             r"7\.49 GiB weights: .*needs >= 13\.6 GiB$"):
         apply_memory_budget(load_config(ONE_GPU, [f"model.name_or_path={qwen3_4b_dir}", "gpu_memory_gib=12"]))
+    shared, split = apply_memory_budget(load_config(ONE_GPU, [f"model.name_or_path={qwen3_4b_dir}", "gpu_memory_gib=16"]))
+    assert (shared.rollout.gpu_memory_gib, shared.learner.memory_budget_gib) == (9.19, 4.98)
+    assert split.minimum_gib == 13.6 and split.learner_micro_batch_tokens >= 640
 
 
 def test_resume_with_the_config_file_is_not_a_change(qwen3_4b_dir: Path, tmp_path: Path):
@@ -210,11 +218,17 @@ def test_dry_run_shows_the_split_and_refuses_a_small_budget(qwen3_4b_dir: Path, 
     shown = json.loads(done.stdout)
     assert shown["config"]["gpu_memory_gib"] == 22
     assert shown["config"]["rollout"]["gpu_memory_gib"] == 9.19 and shown["config"]["learner"]["memory_budget_gib"] == 10.98
-    assert shown["memory_split"]["kv_sequences"] == 8 and shown["memory_split"]["minimum_gib"] == 21.1
+    # one shared copy of the weights (share_base_weights=auto): 13.6 GiB at least, 21.1 with two
+    assert shown["memory_split"]["kv_sequences"] == 8 and shown["memory_split"]["minimum_gib"] == 13.6
     done = cli(*args, "--set", "gpu_memory_gib=12", timeout=300)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and done.stdout == "" and len(lines) == 1, done.stderr[-2000:]
-    assert lines[0].startswith("error: gpu_memory_gib=12 cannot hold Qwen3-4B twice (two copies of 7.49 GiB weights")
+    assert lines[0].startswith("error: gpu_memory_gib=12 cannot hold Qwen3-4B once (one shared copy of 7.49 GiB weights")
+    assert lines[0].endswith("needs >= 13.6 GiB")
+    done = cli(*args, "--set", "gpu_memory_gib=20", "--set", "share_base_weights=false", timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and done.stdout == "" and len(lines) == 1, done.stderr[-2000:]
+    assert lines[0].startswith("error: gpu_memory_gib=20 cannot hold Qwen3-4B twice (two copies of 7.49 GiB weights")
     assert lines[0].endswith("needs >= 21.1 GiB")
     done = cli(*args, "--set", "rollout.num_gpus=0", timeout=300)
     lines = done.stderr.strip().splitlines()

