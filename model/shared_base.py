@@ -105,6 +105,8 @@ def tensor_handle(tensor: torch.Tensor) -> tuple:
     from torch.multiprocessing.reductions import reduce_storage, reduce_tensor
 
     tensor = tensor.detach()
+    if type(tensor) is not torch.Tensor:  # vLLM's parameter classes: the consumer needs none of them
+        tensor = tensor.as_subclass(torch.Tensor)
     if tensor.is_cuda:
         rebuild, args = reduce_tensor(tensor)
         return ("cuda", args)

@@ -9,6 +9,7 @@ a pipe: export, hold (merge an adapter), use (W0 or the held adapter), stop.
 
 from __future__ import annotations
 
+import pickle
 import tempfile
 from types import SimpleNamespace
 
@@ -57,7 +58,7 @@ def serve(conn, model_dir: str, dtype: str) -> None:
                     conn.send(("ok", None))
                     return
                 if cmd == "export":
-                    out = worker.counterpoint_export_base()
+                    out = pickle.loads(worker.counterpoint_export_base())
                 elif cmd == "hold":
                     out = worker.counterpoint_hold(*args)
                 elif cmd == "use":

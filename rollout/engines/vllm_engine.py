@@ -250,8 +250,10 @@ class VllmEngine(Engine):
                                "has nothing to map")
         if self.llm.llm_engine.vllm_config.parallel_config.world_size != 1:
             raise ShareRefused("the vLLM replica is sharded (tensor or pipeline parallel)")
+        import pickle
+
         (export,) = self.llm.collective_rpc("counterpoint_export_base")
-        return export
+        return pickle.loads(export)
 
     def _use_merged(self, version: int) -> None:
         """Write the base weights (0) or the held adapter back before sampling with them."""

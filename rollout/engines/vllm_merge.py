@@ -53,6 +53,7 @@ import json
 import math
 import mmap
 import os
+import pickle
 import tempfile
 import time
 from pathlib import Path
@@ -219,7 +220,7 @@ class MergedLoraExtension:
         self._counterpoint_write(lambda: self._counterpoint_merged().use(version))
         return version
 
-    def counterpoint_export_base(self):
+    def counterpoint_export_base(self) -> bytes:
         """Handles to this worker's weights for a learner on the same GPU (model/shared_base.py
         BaseExport). From now on the weights are written under the fence, and the adapter
         merged into them (if any) is kept in the buffer the learner maps."""
@@ -239,4 +240,5 @@ class MergedLoraExtension:
             else:
                 self._counterpoint_write(lambda: None)
         packed = getattr(model, "packed_modules_mapping", None) or {}
-        return export_base("vllm", model.named_parameters(), packed, shared[0])
+        # pickled here: vLLM's engine-core replies are msgpack, which takes bytes but not our objects
+        return pickle.dumps(export_base("vllm", model.named_parameters(), packed, shared[0]))
