@@ -103,11 +103,12 @@ def main() -> int:
                            rollout_logprobs=[s.logprobs for s in samples], advantages=adv, rewards=adv,
                            group_ids=[0] * len(samples))
         align(own, shared)
-        m_shared, m_own = shared.step(batch)[0], own.step(batch)[0]
+        (m_shared, p_shared), (m_own, p_own) = shared.step(batch), own.step(batch)
         mode = "sync" if step <= args.steps else "one_step_off"
         row = {"step": step, "mode": mode, "served_version": served, "learner_version": step,
                **{f"{k}_shared": m_shared[k] for k in ("loss", "grad_norm", "ppl_ratio")},
                **{f"{k}_own": m_own[k] for k in ("loss", "grad_norm", "ppl_ratio")}}
+        row["update_s_shared"], row["update_s_own"] = round(p_shared["update_actor"], 3), round(p_own["update_actor"], 3)
         row["loss_rel"] = abs(m_shared["loss"] - m_own["loss"]) / max(abs(m_own["loss"]), 1e-12)
         row["grad_norm_rel"] = abs(m_shared["grad_norm"] - m_own["grad_norm"]) / max(m_own["grad_norm"], 1e-12)
         checks = [row["loss_rel"] <= RTOL or abs(m_shared["loss"] - m_own["loss"]) < 1e-4, row["grad_norm_rel"] <= RTOL]
