@@ -13,8 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from config.run import TrainerConfig
 from evals.records import CODE_EXEC_STYLE
 from rollout.types import Prompt, Sample, SamplingParams
+
+_TRAINER = TrainerConfig()  # the schema's defaults: declared there, read here
 
 
 @dataclass
@@ -66,7 +69,7 @@ def heldout_prompts(cases: Sequence[Any], generations: int, prefix_mode: str) ->
 
 
 def evaluate_heldout(grader: Any, rollout: Any, cases: Sequence[Any], params: SamplingParams,
-                     adapter_version: int, prefix_mode: str = "none") -> HeldoutResult:
+                     adapter_version: int, prefix_mode: str = _TRAINER.prefix_mode) -> HeldoutResult:
     generations = params.n
     prompts = heldout_prompts(cases, generations, prefix_mode)
     single = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,

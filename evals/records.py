@@ -66,6 +66,9 @@ from pydantic import (
     model_validator,
 )
 
+from config.run import EvalConfig
+
+_EVAL = EvalConfig()  # the schema's defaults: declared there, read here
 NO_OPENING = "(none)"  # the opening of a completion with no parsed entry (spec §13.1)
 NO_CODE = "no_code"  # the status of a code-exec completion with no script in it (nothing to run)
 # ScoringSettings.style of a code-exec eval: drafts scored on the tasks' TEST rows, items with
@@ -299,7 +302,7 @@ def header_for(
     generation: GenerationSettings,
     model: str,
     voices: int,
-    split: str = "heldout",
+    split: str = _EVAL.split,
     fixture_source: str | None = None,
     prompts_sha256: str | None = None,
     prefix_mode: str | None = None,

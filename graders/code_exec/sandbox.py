@@ -181,7 +181,7 @@ def _ro_paths() -> list[str]:
     return sorted(set(paths))
 
 
-def setup_script(tmp_bytes: int, workspace_bytes: int = 256 << 20, workspace_files: int = 4096) -> str:
+def setup_script(tmp_bytes: int, workspace_bytes: int, workspace_files: int) -> str:
     """The pid-1 shell of the namespace: build the read-only root, run the command in the chroot,
     then copy out the one file the parent collects.
 
