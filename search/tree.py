@@ -164,9 +164,6 @@ class Tree:
     def draft_nodes(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.mode == "draft"]
 
-    def valid_nodes(self) -> list[Node]:
-        return [n for n in self.nodes.values() if not n.is_buggy]
-
     def buggy_nodes(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.is_buggy]
 
