@@ -33,7 +33,7 @@ apply_defaults()
 
 def make_completions(n: int, seed: int) -> list[tuple[dict, str, str]]:
     """(progression, case_id, completion) triples over the train pool."""
-    from graders.fixtures import load_pool
+    from graders.voice_leading.pool import load_pool
 
     cases = load_pool().take(0)
     rng = random.Random(seed)

@@ -28,10 +28,10 @@ class GraderConfig(BaseModel):
     fixture: str | None = Field(
         None,
         description="Path to a p4-progressions/1 training pool; None = the shipped default "
-        "fixture (graders/data/train.json).",
+        "fixture (graders/voice_leading/data/train.json).",
     )
     heldout_fixture: str | None = Field(
-        None, description="Path to the held-out pool; None = the shipped graders/data/heldout.json."
+        None, description="Path to the held-out pool; None = the shipped graders/voice_leading/data/heldout.json."
     )
     require_pool: int | None = Field(
         None, ge=1, description="Refuse to start when the pool holds fewer progressions."
@@ -60,8 +60,9 @@ class GraderConfig(BaseModel):
         None, ge=1,
         description="Completions per ScoreBatch the trainer sends; the chunks go out concurrently "
         "because Serve routes each request whole to ONE replica, so a single batch would never use "
-        "a second replica. None = code_exec.max_concurrent for code-exec (what one replica runs at "
-        "once), else the step's batch split evenly over max_replicas (or replicas).",
+        "a second replica. None = the task section's max_concurrent where it has one (code-exec: "
+        "code_exec.max_concurrent, the scripts one replica runs at once), else the step's batch split "
+        "evenly over max_replicas (or replicas).",
     )
     target_ongoing_requests: float = Field(
         8.0, gt=0, description="Serve autoscaling target of in-flight requests per replica."
@@ -190,11 +191,21 @@ class GraderConfig(BaseModel):
             raise ValueError("set grader.token_env or grader.token_file, not both")
         return self
 
+    def task_section(self) -> BaseModel | None:
+        """The configured task's own settings: the section named after the task (task
+        "code-exec" -> grader.code_exec), None for a task without one. Read by name so that
+        this schema branches on no task."""
+        section = getattr(self, self.task.replace("-", "_"), None)
+        return section if isinstance(section, BaseModel) else None
+
     def chunk_for(self, n: int) -> int:
         """ScoreBatch size for a batch of n completions (see score_chunk)."""
         if self.score_chunk is not None:
             return self.score_chunk
-        if self.task == "code-exec":
-            return self.code_exec.max_concurrent
+        # A task section that says how much work one replica runs at once (code_exec's
+        # max_concurrent scripts) makes that the chunk, so every replica is kept busy.
+        per_replica = getattr(self.task_section(), "max_concurrent", None)
+        if per_replica is not None:
+            return per_replica
         replicas = max(self.replicas, self.max_replicas or 0)
         return max(1, -(-n // replicas))

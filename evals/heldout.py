@@ -13,8 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from config.run import TrainerConfig
 from evals.records import CODE_EXEC_STYLE
 from rollout.types import Prompt, Sample, SamplingParams
+
+_TRAINER = TrainerConfig()  # the schema's defaults: declared there, read here
 
 
 @dataclass
@@ -28,8 +31,10 @@ class HeldoutResult:
     completions: list[str] | None = None  # what was scored, when not prefix + text (a scaffold)
 
     def items(self) -> list[Any]:
-        """One EVAL.jsonl item per case (evals/records.py owns the statistics)."""
+        """One EVAL.jsonl item per case (evals/records.py owns the statistics); an opening the
+        grader's Score lacks is the case's task's to parse (graders/tasks.py TaskProfile)."""
         from evals.records import item_record
+        from graders.tasks import task_profile
 
         g = self.generations
         out = []
@@ -41,7 +46,8 @@ class HeldoutResult:
             # code-exec drafts (completions given: the scripts as run) record each script's status
             out.append(item_record(
                 case.id, texts, [len(s.token_ids) for s in samples], scores, len(case.openings),
-                statuses=[s.status for s in scores] if self.completions is not None else None))
+                statuses=[s.status for s in scores] if self.completions is not None else None,
+                opening_of=task_profile(getattr(case, "task", "")).opening_of))
         return out
 
     def summary(self) -> dict[str, float]:
@@ -63,7 +69,7 @@ def heldout_prompts(cases: Sequence[Any], generations: int, prefix_mode: str) ->
 
 
 def evaluate_heldout(grader: Any, rollout: Any, cases: Sequence[Any], params: SamplingParams,
-                     adapter_version: int, prefix_mode: str = "none") -> HeldoutResult:
+                     adapter_version: int, prefix_mode: str = _TRAINER.prefix_mode) -> HeldoutResult:
     generations = params.n
     prompts = heldout_prompts(cases, generations, prefix_mode)
     single = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
@@ -91,11 +97,12 @@ class TestRowsScore:
     status: str
 
 
-def test_rows_score(score: Any, metric: str, sentinel: float) -> TestRowsScore:
-    from graders.code_exec.grading import reward_of
+def test_rows_score(score: Any, metric: str, sentinel: float, task: str) -> TestRowsScore:
+    """``task`` (the case's grader task) maps the test metric to a reward (TaskProfile.test_reward)."""
+    from graders.tasks import task_profile
 
     ok = score.status == "ok" and score.test_metric is not None
-    reward = reward_of(metric, float(score.test_metric)) if ok else float(sentinel)
+    reward = task_profile(task).test_reward(metric, float(score.test_metric)) if ok else float(sentinel)
     return TestRowsScore(admitted=ok, verdict=str(score.status), reward=float(reward), status=str(score.status))
 
 
@@ -128,7 +135,8 @@ def evaluate_tree_heldout(grader: Any, rollout: Any, cases: Sequence[Any], param
     ids = [case.id for case in cases for _ in range(g)]
     raw = grader.score_batch(list(zip(ids, texts)))
     metric = {case.id: case.details["metric"] for case in cases}
-    scores = [test_rows_score(r, metric[i], sentinel) for r, i in zip(raw, ids)]
+    task = {case.id: case.task for case in cases}
+    scores = [test_rows_score(r, metric[i], sentinel, task[i]) for r, i in zip(raw, ids)]
     return HeldoutResult(adapter_version, list(cases), prompts, samples, scores, g, completions=texts)
 
 

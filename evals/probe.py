@@ -2,8 +2,9 @@
 compare how many distinct admissible openings it *knows* per item with how many single-sample
 decoding *shows* (the support of an EVAL.jsonl, prior-shape's measure).
 
-Pure parts here (the probe prompt, parsing the answer, per-item counts); the command runs the
-probe on the rollout service (services/commands.py).
+The per-item counts are here; the probe's prompt and the parsing of its answer are the task's
+(its TaskProfile's probe_messages / probe_options: graders/voice_leading/probe.py for
+voice-leading); the command runs the probe on the rollout service (services/commands.py).
 """
 
 from __future__ import annotations
@@ -12,46 +13,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from graders.voice_leading.jsnum import number_to_string
-from graders.voice_leading.parser import entry_list, find_json_value
-
-PROBE_INSTRUCTION = (
-    "Before voicing anything: list five DIFFERENT options for the \"degrees\" of the first chord "
-    "(measure {measure}), each with your probability that it is the best opening. Answer with "
-    "only a JSON array of five objects, e.g. "
-    "[{{\"degrees\": [{example}], \"probability\": 0.4}}, ...]."
-)
-
-
-def probe_messages(messages: Sequence[Mapping[str, str]], first_measure: float, voices: int) -> list[dict[str, str]]:
-    """The case's system + user messages with the probe instruction appended to the user turn."""
-    out = [dict(m) for m in messages]
-    example = ", ".join(str(i % 3) for i in range(voices))
-    out[-1]["content"] += "\n\n" + PROBE_INSTRUCTION.format(measure=number_to_string(first_measure), example=example)
-    return out
-
-
-@dataclass(frozen=True)
-class ProbeOption:
-    opening: str  # degrees joined by "," as the spec's openings are written
-    probability: float | None
-
-
-def parse_options(completion: str) -> list[ProbeOption]:
-    """Options in answer order, from the first JSON array the completion holds (the grader's
-    tolerant search: whole text, a code fence, or the first balanced bracket)."""
-    options = []
-    for entry in entry_list(find_json_value(completion)):
-        if not isinstance(entry, dict):
-            continue
-        degrees = entry.get("degrees")
-        if not isinstance(degrees, list) or not degrees or not all(
-                isinstance(d, (int, float)) and not isinstance(d, bool) for d in degrees):
-            continue
-        p = entry.get("probability", entry.get("p"))
-        prob = float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else None
-        options.append(ProbeOption(",".join(number_to_string(float(d)) for d in degrees), prob))
-    return options
+# What a task's probe_options returns (graders/tasks.py TaskProfile); imported here for callers.
+from graders.records import ProbeOption  # noqa: F401
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ Line 1 — the header::
 
     {"kind": "eval_header",
      "prompt_set": {"split": "heldout", "ids_sha256": "<hex>", "n_items": 32,
-                    "fixture_source": "graders/data/heldout.json", "prompts_sha256": null,
+                    "fixture_source": "graders/voice_leading/data/heldout.json", "prompts_sha256": null,
                     "prefix_mode": "none"},
      "generation": {"generations": 8, "max_new_tokens": 256, "temperature": 1.0,
                     "top_p": 1.0, "top_k": -1, "seed": 0, "eos_token_ids": [2]},
@@ -52,7 +52,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -66,6 +66,9 @@ from pydantic import (
     model_validator,
 )
 
+from config.run import EvalConfig
+
+_EVAL = EvalConfig()  # the schema's defaults: declared there, read here
 NO_OPENING = "(none)"  # the opening of a completion with no parsed entry (spec §13.1)
 NO_CODE = "no_code"  # the status of a code-exec completion with no script in it (nothing to run)
 # ScoringSettings.style of a code-exec eval: drafts scored on the tasks' TEST rows, items with
@@ -239,7 +242,7 @@ class EvalFile:
 
 
 class ScoreLike(Protocol):
-    """What :func:`item_record` needs from a grader result (graders.voice_leading.ScoreResult)."""
+    """What :func:`item_record` needs from a grader result (a graders.records.Score)."""
 
     admitted: bool
     verdict: str
@@ -253,14 +256,17 @@ def item_record(
     alphabet_size: int,
     openings: Sequence[str] | None = None,
     statuses: Sequence[str] | None = None,
+    opening_of: Callable[[str], str | None] | None = None,
 ) -> EvalItem:
     """Build one item line from G completions and their scores.
 
-    ``scores`` are ``graders.voice_leading.ScoreResult`` (or anything with ``admitted``,
-    ``verdict`` and optionally ``reward`` and ``opening``). ``openings`` default to each score's
-    ``opening`` (what the grader parsed), else ``graders.voice_leading.opening_of`` of the
-    completion. ``alphabet_size`` is ``len(opening_alphabet(progression, voices))``. A code-exec
-    item gives ``statuses`` (each script's status) and has no openings.
+    ``scores`` are grader Scores (or anything with ``admitted``, ``verdict`` and optionally
+    ``reward`` and ``opening``). ``openings`` default to each score's ``opening`` (what the grader
+    parsed), else ``opening_of`` of the completion: the task's (graders/tasks.py
+    TaskProfile.opening_of), so evals parse no task's output themselves; NO_OPENING where there
+    is neither. ``alphabet_size`` is the case's number of valid openings (voice-leading: its
+    opening alphabet). A code-exec item gives ``statuses`` (each script's status) and has no
+    openings.
     """
     if len(scores) != len(completions):
         raise ValueError(f"{item_id}: {len(scores)} scores for {len(completions)} completions")
@@ -268,10 +274,9 @@ def item_record(
         if openings is not None:
             raise ValueError(f"{item_id}: give openings (voice-leading) or statuses (code-exec), not both")
     elif openings is None:
-        from graders.voice_leading import opening_of
-
         openings = [
-            getattr(s, "opening", None) or opening_of(c) for s, c in zip(scores, completions)
+            getattr(s, "opening", None) or (opening_of and opening_of(c)) or NO_OPENING
+            for s, c in zip(scores, completions)
         ]
     admitted = [bool(s.admitted) for s in scores]
     rewards = [float(getattr(s, "reward", 1.0 if a else 0.0)) for s, a in zip(scores, admitted)]
@@ -297,7 +302,7 @@ def header_for(
     generation: GenerationSettings,
     model: str,
     voices: int,
-    split: str = "heldout",
+    split: str = _EVAL.split,
     fixture_source: str | None = None,
     prompts_sha256: str | None = None,
     prefix_mode: str | None = None,

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from graders import progressions  # light: the generator's defaults
+from graders.voice_leading import progressions  # light: the generator's defaults
 
 app = typer.Typer(no_args_is_help=True, help="Verifiers: serve over gRPC, score JSONL.")
 
@@ -100,7 +100,7 @@ def serve(
     import threading
 
     from graders.auth import TokenError, resolve_token
-    from graders.fixtures import FixtureError, PoolTooSmall
+    from graders.voice_leading.pool import FixtureError, PoolTooSmall
     from graders.tasks import make_task
     from graders.ports import port_taken
 

@@ -25,7 +25,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from config.grader import GraderConfig
 from records.exec_result import EXEC_STATUSES as SCRIPT_STATUSES
+
+_GRADER = GraderConfig()  # the schema's defaults: declared there, read here
 
 # A script's statuses, and "overloaded": no execution slot freed up in time (nothing ran).
 EXEC_STATUSES = (*SCRIPT_STATUSES, "overloaded")
@@ -215,7 +218,7 @@ def observe_latency(task: str, rpc: str, seconds: float) -> None:
     latency.labels(task=task, rpc=rpc).observe(seconds)
 
 
-def start_metrics_server(port: int, host: str = "127.0.0.1") -> int:
+def start_metrics_server(port: int, host: str = _GRADER.host) -> int:
     """Expose /metrics on host:port (0 = a free port); returns the bound port."""
     from prometheus_client import start_http_server
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 import errno
 import socket
 
+from config.grader import GraderConfig
+
+_GRADER = GraderConfig()  # the schema's defaults: declared there, read here
+
 def port_taken(host: str, port: int) -> bool:
     """Whether host:port is held by another socket (bound without SO_REUSEPORT, so a grpcio
     server that set it is seen too). ``::`` covers every IPv4 and IPv6 address."""
@@ -22,7 +26,7 @@ def port_taken(host: str, port: int) -> bool:
     return False
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = _GRADER.host) -> int:
     """A port nothing holds now (for Serve's proxies, which cannot report one they picked)."""
     with socket.socket() as sock:
         sock.bind((host, 0))

@@ -111,3 +111,12 @@ class TaskInfo:
     checker: str = ""
     openings_histogram: dict[int, int] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProbeOption:
+    """One option a five-options probe answer states (a task's ``probe_options``): an opening,
+    written as the task writes its openings, and the probability the model gave it (None = none)."""
+
+    opening: str
+    probability: float | None

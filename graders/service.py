@@ -32,6 +32,8 @@ from graders.proto import grader_pb2_grpc as pb_grpc
 from graders.records import CaseInfo, Health, PoolError, Score
 from graders.tasks import Task
 
+_GRADER = GraderConfig()  # the schema's defaults: declared there, read here
+
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Grader"].full_name  # counterpoint.grader.v1.Grader
@@ -280,7 +282,7 @@ class RunningServer:
 
 def start_server(
     core: GraderCore,
-    host: str = "127.0.0.1",
+    host: str = _GRADER.host,
     port: int = 0,
     max_workers: int = 8,
     *,

@@ -25,8 +25,11 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from config.search import SearchConfig
 from records.exec_result import EXEC_STATUSES
 from search.tree import MODES, Node, Tree, oriented_value
+
+_SEARCH = SearchConfig()  # the schema's defaults: declared there, read here
 
 # Identifier patterns (a NAME token of the script, comments and strings excluded) -> family.
 FAMILY_PATTERNS: tuple[tuple[str, str], ...] = (
@@ -74,7 +77,7 @@ def _median(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def round_diagnostics(nodes: Sequence[Node], tree: Tree, select_on: str = "val",
+def round_diagnostics(nodes: Sequence[Node], tree: Tree, select_on: str = _SEARCH.select_on,
                       ladder: Mapping[str, Any] | None = None) -> dict[str, float | int | None]:
     """Scalars of one round (`nodes`; `tree` holds their parents, possibly from earlier rounds).
     `ladder`: the task's entry of ladder.json, {rung: {"val_metric", "test_metric", ...}}."""

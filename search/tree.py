@@ -15,7 +15,10 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
+from config.search import SearchConfig
 from records.exec_result import ExecResult
+
+_SEARCH = SearchConfig()  # the schema's defaults: declared there, read here
 
 Mode = Literal["draft", "improve", "debug"]
 MODES: tuple[str, ...] = ("draft", "improve", "debug")
@@ -161,9 +164,6 @@ class Tree:
     def draft_nodes(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.mode == "draft"]
 
-    def valid_nodes(self) -> list[Node]:
-        return [n for n in self.nodes.values() if not n.is_buggy]
-
     def buggy_nodes(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.is_buggy]
 
@@ -172,7 +172,7 @@ class Tree:
         return [n for n in self.buggy_nodes()
                 if n.debug_depth <= max_debug_depth and (n.n_children == 0 or not leaves_only)]
 
-    def selection_value(self, node: Node, select_on: str = "val") -> float:
+    def selection_value(self, node: Node, select_on: str = _SEARCH.select_on) -> float:
         """Oriented (higher is better) value of a valid node on the selection metric."""
         if node.is_buggy:
             raise TreeError(f"node {node.id} is {node.result.status}: it has no metric to select on")
@@ -182,7 +182,7 @@ class Tree:
                             f"select on (a task without a validation split needs search.select_on=test)")
         return oriented_value(raw, self.direction)
 
-    def best_valid(self, select_on: str = "val", among: list[Node] | None = None) -> Node | None:
+    def best_valid(self, select_on: str = _SEARCH.select_on, among: list[Node] | None = None) -> Node | None:
         """The valid node with the best selection metric (the earliest on ties); None if none is
         valid. `among` restricts the candidates (e.g. one round's nodes)."""
         pool = [n for n in (self.nodes.values() if among is None else among) if not n.is_buggy]

@@ -312,7 +312,8 @@ def probe_options_command(
     from config import ConfigError, load_config
     from evals.records import read_eval
     from services.launch import serve_adapter, start_grader, start_ray, start_rollout
-    from evals.probe import ProbeItem, parse_options, probe_messages, summarize
+    from evals.probe import ProbeItem, summarize
+    from graders.tasks import task_profile
 
     _setup_logging()
     try:
@@ -320,17 +321,20 @@ def probe_options_command(
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
+    task = task_profile(cfg.grader.task)  # the probe's prompt and parsing are the task's
+    if not task.has_probe:
+        typer.echo(f"error: grader.task {cfg.grader.task!r} has no five-options probe", err=True)
+        raise typer.Exit(2)
     with ExitStack() as stack:
         start_ray(cfg, stack)
         grader = start_grader(cfg, stack)
         rollout = start_rollout(cfg, stack)
         version = serve_adapter(rollout, adapter)
         cases = grader.cases(limit=limit or 0, split=split)
-        prompts = [Prompt(tuple(probe_messages(c.messages, c.progression["chords"][0]["measure"], c.voices)))
-                   for c in cases]
+        prompts = [Prompt(tuple(task.probe_messages(c))) for c in cases]
         params = SamplingParams.from_rollout(cfg.rollout, max_tokens=max_new_tokens, seed=seed)
         samples = sorted(rollout.generate(prompts, params, version), key=lambda s: s.prompt_index)
-    items = [ProbeItem(c.id, parse_options(s.text), frozenset(c.openings)) for c, s in zip(cases, samples)]
+    items = [ProbeItem(c.id, task.probe_options(s.text), frozenset(c.openings)) for c, s in zip(cases, samples)]
     decoded = None
     if eval_file is not None:
         decoded = {i.item_id: len({o for o in i.openings if o != "(none)"}) for i in read_eval(eval_file).items}

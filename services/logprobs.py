@@ -14,6 +14,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from config.learner import LearnerConfig
+from config.rollout import RolloutConfig
 from rollout.cli import (AdapterOpt, ConfigOpt, DtypeOpt, ModelOpt, fail, model_and_rollout_configs,
                          numbered_json_lines, progress_bar)
 
@@ -22,10 +24,12 @@ ScoredOpt = Annotated[Path, typer.Option("--out", help="JSONL with `trainer_logp
 TemperatureOpt = Annotated[Optional[float], typer.Option(help="Override the temperature stored in each line.")]
 MicroBatchOpt = Annotated[int, typer.Option(min=1, help="Sequences per forward.")]
 NEEDED = ("prompt_token_ids", "token_ids", "logprobs")  # what a samples line must hold
+# The schema's defaults: the learner's micro-batch, and the temperature a line without one was sampled at.
+_LEARNER, _ROLLOUT = LearnerConfig(), RolloutConfig()
 
 
 def logprobs(in_path: SamplesOpt, out: ScoredOpt, model: ModelOpt = None, dtype: DtypeOpt = None,
-             adapter: AdapterOpt = None, temperature: TemperatureOpt = None, micro_batch_size: MicroBatchOpt = 8,
+             adapter: AdapterOpt = None, temperature: TemperatureOpt = None, micro_batch_size: MicroBatchOpt = _LEARNER.micro_batch_size,
              config: ConfigOpt = None) -> None:
     """Recompute the samples' log-probs with transformers (the learner's side) and print
     ppl_ratio, rollout_kl and rollout_k3_kl of the file."""
@@ -57,7 +61,7 @@ def logprobs(in_path: SamplesOpt, out: ScoredOpt, model: ModelOpt = None, dtype:
     trainer: list[list[float]] = [None] * len(rows)  # type: ignore[list-item]
     by_temp: dict[float, list[int]] = {}
     for i, row in enumerate(rows):
-        by_temp.setdefault(float(temperature or row.get("temperature", 1.0)), []).append(i)
+        by_temp.setdefault(float(temperature or row.get("temperature", _ROLLOUT.temperature)), []).append(i)
     with progress_bar() as progress:
         task = progress.add_task("transformers log-probs", total=len(rows))
         for temp, idx in by_temp.items():

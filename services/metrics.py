@@ -19,8 +19,11 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from config.run import TrainerConfig
 from records.exec_result import EXEC_STATUSES
 from records.run_dir import PHASES as STEP_PHASES
+
+_TRAINER = TrainerConfig()  # the schema's defaults: declared there, read here
 
 # Phase names of DESIGN.md, in step order. `total` is wall time from the step's start to the
 # adapter being live on every replica; `save_checkpoint` only exists on steps that save.
@@ -130,7 +133,7 @@ PHASE_BUCKETS: tuple[float, ...] = (
 class TrainerMetrics:
     """Owns the trainer's CollectorRegistry and serves it on ``host:port`` once started."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 9464) -> None:
+    def __init__(self, host: str = _TRAINER.metrics_host, port: int = _TRAINER.metrics_port) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"metrics port {port} is outside 0..65535")
         self.host = host

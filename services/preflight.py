@@ -14,6 +14,7 @@ from pathlib import Path
 
 from config import RunConfig
 from graders.ports import port_taken
+from graders.tasks import task_profile
 
 log = logging.getLogger("counterpoint.preflight")
 
@@ -54,15 +55,14 @@ def check_model(cfg: RunConfig) -> None:
 
 
 def check_grader_pool(cfg: RunConfig) -> None:
-    """The pool a grader started by this run would serve loads (fixtures exist, parse, fit)."""
+    """The pool a grader started by this run would serve loads (for voice-leading: the fixtures
+    exist, parse, fit). The task checks its own pool (graders/tasks.py TaskProfile.check_pool):
+    a task without a pool to check passes."""
     if cfg.grader.address is not None:
         return  # an external grader validated its own pool when it started
-    from graders.fixtures import FixtureError, load_pool
-
     try:
-        load_pool(cfg.grader.fixture, cfg.grader.heldout_fixture, cfg.grader.voices, cfg.grader.style,
-                  cfg.grader.bars)
-    except (FixtureError, OSError, ValueError) as err:
+        task_profile(cfg.grader.task).check_pool(cfg.grader)
+    except (OSError, ValueError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise PreflightError(f"grader pool: {first}") from None
 

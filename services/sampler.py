@@ -25,10 +25,11 @@ import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:
-    from config import TrainerConfig
+from config.run import TrainerConfig
+
+_TRAINER = TrainerConfig()  # the schema's defaults: declared there, read here
 
 PromptOrder = Literal["shuffle_each_epoch", "fixed"]
 
@@ -50,7 +51,7 @@ class PromptSampler:
     pool: Sequence[str]
     prompts_per_step: int
     seed: int
-    prompt_order: PromptOrder = "shuffle_each_epoch"
+    prompt_order: PromptOrder = _TRAINER.prompt_order
     limit: int | None = None
     steps: int | None = None
     _epochs: list[list[str]] = field(default_factory=list, init=False, repr=False)

@@ -6,8 +6,9 @@ grow_round gets the two services as plain callables:
 - generate(prompts, n): the rollout client, one call per expansion asking for the n = N/E
   siblings (the same prompt n times with n=1 each, so the siblings spread over the rollout
   replicas like a flat group; each carries its token ids, log-probs and adapter version);
-- execute(items): the grader client's ScoreBatch, sent in chunks of code_exec.max_concurrent
-  (graders/spread.py) so every grader replica runs scripts at once; each Score carries the
+- execute(items): the grader client's ScoreBatch, sent in chunks of grader.chunk_for (the task's
+  scripts per replica, code_exec.max_concurrent, unless grader.score_chunk is set; graders/spread.py)
+  so every grader replica runs scripts at once; each Score carries the
   script's whole ExecResult in its details (the script the grader extracted and ran included),
   which the node keeps as it is.
 
@@ -19,20 +20,21 @@ generation stops at the scaffold's stop strings; the grader runs head + block + 
 its `score` phase. With search.carry_tree the tree continues from round to round; a resumed run
 reads the previous round's round_<step-1>/tree.json.
 
+The task's reference ladder, which the diagnostics compare a round with, is the task's to find
+(graders/tasks.py task_profile(...).ladder): the driver reads none of the task's files.
+
 `tree_round_record` turns a trained step into the archive's tree rows, the merged summary and
 the per-round diagnostics (metrics.jsonl `search_*`, Prometheus counterpoint_search_*).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from graders.code_exec.build import BUILD_VERSION
-from graders.code_exec.task import cache_root
+from graders.tasks import task_profile
 from records.exec_result import ExecResult
 from records.run_dir import RunDir
 from rollout.types import Prompt
@@ -49,20 +51,6 @@ log = logging.getLogger("counterpoint.train")
 def case_dict(case: Any) -> dict[str, Any]:
     """A grader CaseInfo as search's case: id, prompt_messages, task (metric, direction, ...)."""
     return {"id": case.id, "prompt_messages": [dict(m) for m in case.messages], "task": dict(case.details)}
-
-
-def task_ladder(cfg: Any, case_id: str) -> dict[str, Any]:
-    """The case's entry of the tasks' reference ladder (ladder.json beside the tasks, written by
-    `grader ladder`), read where the driver can see it: code_exec.tasks_dir, or the bundled
-    tasks' build in the cache. {} when there is none here (a remote grader's tasks): the
-    diagnostics then have no best_vs_<rung> values."""
-    ce = cfg.grader.code_exec
-    root = Path(ce.tasks_dir) if ce.tasks_dir else cache_root() / "code-exec" / f"tasks-v{BUILD_VERSION}-seed{ce.seed}"
-    try:
-        return dict(json.loads((root / "ladder.json").read_text()).get(case_id) or {})
-    except (OSError, ValueError) as err:
-        log.debug("no ladder for %s under %s: %s", case_id, root, err)
-        return {}
 
 
 class TreeRounds:
@@ -112,7 +100,7 @@ class TreeRounds:
             return got
 
         def execute(items: list[tuple[str, str]]) -> list[ExecResult]:
-            got = score_checked(parts, step, items, cfg.grader.code_exec.max_concurrent)
+            got = score_checked(parts, step, items, cfg.grader.chunk_for(len(items)))
             scores.extend(got)
             return [ExecResult.from_details(s.details) for s in got]
 
@@ -121,7 +109,7 @@ class TreeRounds:
         self.trees[case_id] = rnd.tree
         self.last = rnd
         if case_id not in self.ladders:
-            self.ladders[case_id] = task_ladder(cfg, case_id)
+            self.ladders[case_id] = task_profile(cfg.grader.task).ladder(cfg.grader, case_id)
         rnd.summary["diagnostics"] = round_diagnostics(rnd.nodes, rnd.tree, cfg.search.select_on,
                                                        self.ladders[case_id])
         timer.add({"gen": rnd.summary["gen_llm_seconds"], "score": rnd.summary["gen_exec_seconds"]})

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from graders.fixtures import PoolTooSmall, UnknownCase, UnknownSplit
+from graders.voice_leading.pool import PoolTooSmall, UnknownCase, UnknownSplit
 from graders.proto import grader_pb2 as pb
 from graders.service import RunningServer, start_server
 
@@ -50,7 +50,7 @@ class Scored:
 
 class CharShareCore:
     """Answers the four Grader RPCs (``handle(rpc, request)``, as graders.service.GraderCore);
-    bad requests raise graders.fixtures.PoolError subclasses, which the servicer maps to status
+    bad requests raise graders.voice_leading.pool.PoolError subclasses, which the servicer maps to status
     codes."""
 
     def __init__(self, n_train: int = 8, n_heldout: int = 4, chars: str = CHARS) -> None:

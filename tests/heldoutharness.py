@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from graders.client import Score
-from graders.fixtures import load_pool
+from graders.voice_leading.pool import load_pool
 from rollout.types import Sample, SamplingParams
 from config.rollout import RolloutConfig
 from records.run_dir import RunDir

@@ -7,6 +7,9 @@ layer never import each other unless declared), the package graph has no cycle, 
 our modules import each other, directly or through others. Every import counts: lazy ones inside
 functions, relative ones (``from .x import y``), and ``importlib.import_module`` / ``__import__``
 calls whose module name is a literal string.
+
+A task is one folder under graders/: services/ and evals/ import none of its modules (they ask
+the task's profile, graders/tasks.py), nor does any other grader module but the grader CLI.
 """
 
 from __future__ import annotations
@@ -179,6 +182,67 @@ def test_no_import_cycles():
         return {w for w in GRAPH[v] if not (w.startswith(v + ".") and MODULES[v].name == "__init__.py")}
 
     assert not cycles({v: edges(v) for v in GRAPH})
+
+
+# A task is one folder under graders/ (graders/tasks.py): its pool, its verifier, its files. The
+# driver (services/) and evals/ ask its TaskProfile (graders.tasks.task_profile) for what they
+# need and import none of its modules; neither does anything else in graders/ but the grader
+# CLI, whose subcommands are the tasks' own (`grader score --task voice-leading`, `grader list
+# --task code-exec`, `grader make-fixtures`). Nothing then points back up into a task.
+TASK_FOLDERS = sorted(f"graders.{p.parent.name}" for p in (REPO / "graders").glob("*/__init__.py")
+                      if p.parent.name != "proto")
+ASKS_TASKS_ONLY_THROUGH_THE_REGISTRY = ("services", "evals")
+GRADER_MODULES_THAT_MAY_IMPORT_A_TASK = {"graders.cli"}
+
+
+def task_of(module: str) -> str | None:
+    """The task folder ``module`` belongs to (graders.voice_leading.pool -> graders.voice_leading)."""
+    return next((f for f in TASK_FOLDERS if module == f or module.startswith(f + ".")), None)
+
+
+def task_imports(graph: dict[str, set[str]], importers) -> list[str]:
+    """``importer -> task module`` for every edge from a module ``importers(module)`` accepts into a
+    task folder other than its own."""
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() if importers(m)
+                  for d in deps if task_of(d) is not None and task_of(d) != task_of(m))
+
+
+def test_every_task_folder_is_a_registered_task():
+    """The task folders are the built-in tasks' (so a new task's folder is covered below)."""
+    from graders import tasks
+
+    registered = {".".join(m.split(".")[:2]) for m in (*tasks._BUILTIN_MODULES.values(),
+                                                         *tasks._BUILTIN_PROFILES.values())}
+    assert TASK_FOLDERS == sorted(registered) == ["graders.code_exec", "graders.voice_leading", "graders.vowel_share"]
+
+
+def test_the_driver_and_evals_import_no_task_module():
+    bad = task_imports(GRAPH, lambda m: top(m) in ASKS_TASKS_ONLY_THROUGH_THE_REGISTRY)
+    assert not bad, bad
+
+
+def test_only_a_task_folder_imports_its_modules():
+    """Outside its folder only the grader CLI imports a task's modules: no task-agnostic grader
+    module (the registry, the servicer, the records, ...) and no other task does."""
+    bad = task_imports(GRAPH, lambda m: top(m) == "graders" and m not in GRADER_MODULES_THAT_MAY_IMPORT_A_TASK)
+    assert not bad, bad
+
+
+def test_the_task_rule_sees_lazy_imports(tmp_path):
+    """A lazy import of a task's module from a driver function (what services/preflight.py did
+    with the voice-leading pool) is an edge the rule finds."""
+    (tmp_path / "services").mkdir()
+    (tmp_path / "graders" / "voice_leading").mkdir(parents=True)
+    for path in ("services/__init__.py", "graders/__init__.py", "graders/voice_leading/__init__.py",
+                 "graders/voice_leading/pool.py", "graders/tasks.py"):
+        (tmp_path / path).write_text("")
+    (tmp_path / "services" / "preflight.py").write_text(
+        "from graders.tasks import task_profile\n"
+        "def check(cfg):\n"
+        "    from graders.voice_leading.pool import load_pool\n")
+    found = modules(tmp_path, ("services", "graders"))
+    graph = {m: imports_of(p, set(found), tmp_path) - {m} for m, p in found.items()}
+    assert task_imports(graph, lambda m: top(m) == "services") == ["services.preflight -> graders.voice_leading.pool"]
 
 
 def test_the_checker_sees_imports():

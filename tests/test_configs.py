@@ -27,21 +27,9 @@ def test_every_shipped_config_parses(path: Path):
 # `seed`: four sections declare it, all 0, and 0 is also the reproducible default of every RNG
 # helper (a bootstrap, an engine, a task build): a seed=0 there names no one section's setting.
 GENERIC_NAMES = {"seed"}
-# Copies that predate this check, being moved into config/ now; the list only shrinks.
-# Do not add to it: read the default from the schema (``GraderConfig().host``) instead.
-KNOWN_COPIES = {
-    "evals/heldout.py": {"prefix_mode"},
-    "evals/records.py": {"split"},
-    "graders/code_exec/sandbox.py": {"workspace_files"},
-    "graders/metrics.py": {"host"},
-    "graders/ports.py": {"host"},
-    "graders/service.py": {"host"},
-    "search/diagnostics.py": {"select_on"},
-    "search/tree.py": {"select_on"},
-    "services/logprobs.py": {"micro_batch_size", "temperature"},
-    "services/metrics.py": {"host"},
-    "services/sampler.py": {"prompt_order"},
-}
+# Copies that predated this check; issue 32 moved the last of them into config/. Do not add to
+# it: read the default from the schema (``GraderConfig().host``) instead.
+KNOWN_COPIES: dict[str, set[str]] = {}
 
 
 def _schema_defaults() -> dict[str, list]:

@@ -262,7 +262,7 @@ def test_an_install_the_way_the_image_installs_imports_every_package_and_runs(tm
     assert sorted(files) == packages
     for package, file in files.items():
         assert file and Path(file).is_relative_to(venv), f"{package} imported from {file}, not the installed copy"
-    assert (Path(files["graders"]).parent / "data" / "train.json").is_file()  # package data came along
+    assert (Path(files["graders"]).parent / "voice_leading" / "data" / "train.json").is_file()  # package data came along
     counterpoint = str(venv / "bin" / "counterpoint")
     assert "train" in run(counterpoint, "--help").stdout
     shown = json.loads(run(counterpoint, "train", "--config", "configs/smoke.yaml", "--dry-run",

@@ -85,7 +85,7 @@ def test_make_fixtures_regenerates_the_shipped_pools(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     for name in ("train.json", "heldout.json"):
-        assert (tmp_path / name).read_bytes() == (REPO / "graders" / "data" / name).read_bytes()
+        assert (tmp_path / name).read_bytes() == (REPO / "graders" / "voice_leading" / "data" / name).read_bytes()
     small = subprocess.run(
         [sys.executable, "-m", "services.cli", "grader", "make-fixtures", "--out", str(tmp_path),
          "--train", "2"],

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from graders import progressions
-from graders.fixtures import (
+from graders.voice_leading import progressions
+from graders.voice_leading.pool import (
     DEFAULT_FIXTURES,
     FixtureError,
     PoolError,
@@ -248,7 +248,7 @@ def test_counters_and_verdict_classes():
 
 
 def test_bars_cuts_every_progression_and_its_prompt():
-    from graders.fixtures import load_pool
+    from graders.voice_leading.pool import load_pool
 
     whole = load_pool(voices=2, style="common-practice")
     cut = load_pool(voices=2, style="common-practice", bars=2)

@@ -376,6 +376,12 @@ def test_grader_config_chunks_a_batch_for_its_replicas():
     assert GraderConfig().chunk_for(64) == 64  # one replica: one request
     assert GraderConfig(replicas=4, score_chunk=5).chunk_for(64) == 5
     assert GraderConfig(task="code-exec", replicas=4).chunk_for(64) == GraderConfig(task="code-exec").code_exec.max_concurrent
+    # The chunk is the task section's max_concurrent, not a branch on a task's name: a task whose
+    # section has none (vowel-share) splits the batch over replicas like voice-leading.
+    code_exec = GraderConfig(task="code-exec")
+    assert code_exec.task_section() is code_exec.code_exec
+    assert GraderConfig(task="vowel-share", replicas=3).chunk_for(7) == 3
+    assert GraderConfig(task="voice-leading").task_section() is None
 
 
 def test_driver_scores_a_step_in_concurrent_chunks_in_order(server):

@@ -34,7 +34,7 @@ def check_probe_report(report: dict, cases) -> None:
     case's alphabet, and the summary is exactly those items' numbers beside the decoded supports."""
     import statistics
 
-    from evals.probe import parse_options
+    from graders.voice_leading.probe import parse_options
 
     def dist(xs):
         return {"mean": statistics.fmean(xs), "median": sorted(xs)[len(xs) // 2], "min": min(xs), "max": max(xs)}

@@ -42,13 +42,34 @@ def test_shipped_tree_configs(name):
 
 def test_task_ladder_is_read_where_the_driver_sees_it(tmp_path):
     """Tree diagnostics compare a round with the task's reference ladder (ladder.json beside the
-    tasks); a driver that cannot see one gets {} (no best_vs_<rung> values), never an error."""
+    tasks), which the driver asks the code-exec task's profile for; a driver that cannot see one
+    gets {} (no best_vs_<rung> values), never an error. A task without a ladder answers {}."""
     import json
 
-    from services.tree_round import task_ladder
+    from graders.tasks import task_profile
 
-    cfg = load_config(None, [f"grader.code_exec.tasks_dir={tmp_path}"])
-    assert task_ladder(cfg, "tabular-binary") == {}
+    cfg = load_config(None, ["grader.task=code-exec", f"grader.code_exec.tasks_dir={tmp_path}"])
+    ladder = task_profile(cfg.grader.task).ladder
+    assert ladder(cfg.grader, "tabular-binary") == {}
     entry = {"gbm": {"status": "ok", "val_metric": 0.72, "test_metric": 0.8}}
     (tmp_path / "ladder.json").write_text(json.dumps({"tabular-binary": entry}))
-    assert task_ladder(cfg, "tabular-binary") == entry and task_ladder(cfg, "docs-topic") == {}
+    assert ladder(cfg.grader, "tabular-binary") == entry and ladder(cfg.grader, "docs-topic") == {}
+    assert task_profile("voice-leading").ladder(cfg.grader, "tabular-binary") == {}
+
+
+def test_the_bundled_ladder_is_looked_for_where_the_tasks_are_built(tmp_path, monkeypatch):
+    """Without code_exec.tasks_dir the ladder is the one beside the bundled tasks' build in the
+    cache (what `grader ladder` writes), found without building the tasks."""
+    import json
+
+    from graders.code_exec.task import bundled_tasks_dir
+    from graders.tasks import task_profile
+
+    monkeypatch.setenv("COUNTERPOINT_CACHE", str(tmp_path))
+    cfg = load_config(None, ["grader.task=code-exec"])
+    built = bundled_tasks_dir(cfg.grader.code_exec.seed)
+    assert built.is_relative_to(tmp_path) and not built.exists()
+    assert task_profile("code-exec").ladder(cfg.grader, "tabular-binary") == {}
+    built.mkdir(parents=True)
+    (built / "ladder.json").write_text(json.dumps({"tabular-binary": {"linear": {"test_metric": 0.7}}}))
+    assert task_profile("code-exec").ladder(cfg.grader, "tabular-binary") == {"linear": {"test_metric": 0.7}}

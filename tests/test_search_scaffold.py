@@ -152,11 +152,11 @@ def test_test_rows_score_uses_the_test_metric_and_the_sentinel():
     from evals.heldout import test_rows_score
 
     ok = SimpleNamespace(status="ok", test_metric=0.75, reward=0.99)  # reward is the val rows': ignored
-    s = test_rows_score(ok, "roc_auc", -0.5)
+    s = test_rows_score(ok, "roc_auc", -0.5, "code-exec")
     assert (s.admitted, s.verdict, s.reward) == (True, "ok", pytest.approx(0.5))
-    assert test_rows_score(SimpleNamespace(status="ok", test_metric=0.5, reward=0), "log_loss", -0.5).reward \
+    assert test_rows_score(SimpleNamespace(status="ok", test_metric=0.5, reward=0), "log_loss", -0.5, "code-exec").reward \
         == pytest.approx(0.6065306597)
-    bad = test_rows_score(SimpleNamespace(status="crashed", test_metric=None, reward=-0.5), "rmsle", -0.5)
+    bad = test_rows_score(SimpleNamespace(status="crashed", test_metric=None, reward=-0.5), "rmsle", -0.5, "code-exec")
     assert (bad.admitted, bad.reward, bad.status) == (False, -0.5, "crashed")
 
 

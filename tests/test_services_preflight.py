@@ -69,6 +69,22 @@ def test_grader_pool_check_names_the_fixture(tmp_path: Path):
     check_grader_pool(load_config(SMOKE, [f"grader.fixture={broken}", "grader.address=127.0.0.1:1"]))
 
 
+def test_the_pool_check_is_the_tasks_own(tmp_path: Path, monkeypatch):
+    """Preflight asks the configured task to check its pool (graders/tasks.py TaskProfile): the
+    voice-leading pool is loaded for voice-leading only, and a task without a pool check passes."""
+    from graders.tasks import task_profile
+
+    broken = tmp_path / "fx.json"
+    broken.write_text("{not json")
+    asked = []
+    monkeypatch.setattr(type(task_profile("vowel-share")), "check_pool",
+                        lambda self, grader: asked.append(grader.task))
+    check_grader_pool(load_config(SMOKE, ["grader.task=vowel-share", f"grader.fixture={broken}"]))
+    assert asked == ["vowel-share"]  # the voice-leading fixture, broken, was not read
+    with pytest.raises(PreflightError, match=r"grader pool: .*fx\.json.*JSON"):
+        check_grader_pool(load_config(SMOKE, ["grader.task=voice-leading", f"grader.fixture={broken}"]))
+
+
 def test_metrics_port_in_use_is_refused():
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

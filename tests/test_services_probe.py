@@ -1,10 +1,12 @@
-"""The five-options probe's pure parts: prompt, parsing, per-item counts."""
+"""The five-options probe's pure parts: prompt and parsing (the voice-leading task's,
+graders/voice_leading/probe.py, reached through its profile), per-item counts (evals/probe.py)."""
 
 from __future__ import annotations
 
 import math
 
-from evals.probe import ProbeItem, ProbeOption, parse_options, probe_messages, summarize
+from evals.probe import ProbeItem, ProbeOption, summarize
+from graders.voice_leading.probe import parse_options, probe_messages
 
 ALPHABET = frozenset(f"{a},{b}" for a in range(4) for b in range(4))
 
@@ -39,3 +41,24 @@ def test_summary_against_decoded_support():
     assert s["decoded_support"]["mean"] == 0.5
     assert s["probe_minus_decoded"]["max"] == 1.0
     assert math.isnan(summarize([], None)["probe_distinct_admissible"]["mean"])
+
+
+def test_the_probe_is_reached_through_the_task_profile():
+    """`counterpoint probe-options` asks the configured task for the probe's prompt and parsing:
+    voice-leading's are graders/voice_leading/probe.py's; a task without a probe says so."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from graders.tasks import NoProbe, task_profile
+
+    vl = task_profile("voice-leading")
+    assert vl.has_probe
+    case = SimpleNamespace(messages=[{"role": "user", "content": "U"}], voices=2,
+                           progression={"chords": [{"measure": 1, "chordSymbol": "C"}]})
+    assert vl.probe_messages(case) == probe_messages(case.messages, 1, 2)
+    assert vl.probe_options('[{"degrees": [0, 1], "p": 0.5}]') == [ProbeOption("0,1", 0.5)]
+    for name in ("code-exec", "vowel-share", "tests.grader_testtask:make_task"):
+        assert not task_profile(name).has_probe
+        with pytest.raises(NoProbe, match="no five-options probe"):
+            task_profile(name).probe_options("[]")

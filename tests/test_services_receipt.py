@@ -69,7 +69,7 @@ def test_written_at_start_updated_and_completed(tmp_path: Path) -> None:
     assert first["config"] == {"seed": 3} and first["seeds"] == {"run": 3}
     assert first["environment"]["python"]["executable"] == sys.executable
     receipt.set_grader_health(
-        task="voice-leading", pool_size=40, pool_source="graders/data/train.json",
+        task="voice-leading", pool_size=40, pool_source="graders/voice_leading/data/train.json",
         checker="reference", voices=2, style="common-practice",
     )
     receipt.update(init_adapter_sha256="ab" * 32, metric_series={"reward_mean": 4})

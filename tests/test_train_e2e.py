@@ -554,7 +554,7 @@ def run_steps_of_attempt(run_dir: Path) -> bool:
 
 def _pool_ids_by_prompt() -> dict[str, str]:
     """User message -> case id of the smoke run's cases (the first trainer.limit of the pool)."""
-    from graders.fixtures import load_pool
+    from graders.voice_leading.pool import load_pool
 
     cases = load_pool(voices=2, style="common-practice").take(8, "train")
     return {c.messages[1]["content"]: c.id for c in cases}

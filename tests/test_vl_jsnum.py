@@ -10,7 +10,6 @@ from graders.voice_leading.jsnum import (
     MISSING,
     JSONParseError,
     js_property_order,
-    js_rem,
     js_round,
     js_trim,
     number_to_string,
@@ -107,12 +106,6 @@ def test_math_round(x, expected):
 def test_math_round_negative_half_is_negative_zero():
     assert math.copysign(1.0, js_round(-0.5)) == -1.0
     assert math.copysign(1.0, js_round(-0.2)) == -1.0
-
-
-def test_remainder_keeps_sign_of_dividend():
-    assert js_rem(-1.0, 3.0) == -1.0
-    assert js_rem(7.0, 3.0) == 1.0
-    assert js_rem(-7.5, 12.0) == -7.5
 
 
 @pytest.mark.parametrize(

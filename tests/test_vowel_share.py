@@ -1,4 +1,4 @@
-"""The vowel-share task (graders/vowel_share.py), the GPU benches' synthetic reward, served over a
+"""The vowel-share task (graders/vowel_share/task.py), the GPU benches' synthetic reward, served over a
 real loopback gRPC server: long distinct prompts, the reward TRL's side of bench/gpu_vs_trl.py
 gets, different within a group of completions, and bad requests with their status codes."""
 
@@ -10,7 +10,7 @@ from config.grader import GraderConfig
 from graders.client import GraderClient, GraderRequestError
 from graders.service import GraderCore, start_server
 from graders.tasks import make_task
-from graders.vowel_share import vowel_share
+from graders.vowel_share.task import vowel_share
 
 
 @pytest.fixture(scope="module")

@@ -100,6 +100,7 @@ SCRIPTS = {
     },
 }
 RUNGS = ("constant", "linear", "gbm")
+LADDER_FILE = "ladder.json"  # beside the tasks (task.json folders); the code-exec profile reads it
 
 
 def ladder_script(rung: str, metric: str) -> str:
@@ -145,8 +146,8 @@ def main() -> None:
     args = ap.parse_args()
     kw = {k: v for k, v in (("seed", args.seed), ("tasks_dir", args.tasks_dir)) if v is not None}
     v = CodeExecTask(CodeExecConfig(**kw))
-    out = run_ladder(v, v.tasks_dir / "ladder.json")
-    print(f"# {v.tasks_dir / 'ladder.json'} (isolation {v.isolation})")
+    out = run_ladder(v, v.tasks_dir / LADDER_FILE)
+    print(f"# {v.tasks_dir / LADDER_FILE} (isolation {v.isolation})")
     for tid, rungs in out.items():
         for rung in RUNGS:
             r = rungs[rung]

@@ -89,9 +89,11 @@ class Limits:
 
 
 @dataclass
-class ExecResult:
-    """What one script run produced. `outcome`: ok (exit 0), error (nonzero exit or signal),
-    timeout (wall or CPU limit), output_limit."""
+class SandboxRun:
+    """How one process run in the sandbox ended. `outcome`: ok (exit 0), error (nonzero exit or
+    signal), timeout (wall or CPU limit), output_limit. Not records/exec_result.py's ExecResult,
+    the graded result of a script that the verifier builds from this run and the task's grading
+    (the name of one said the other before)."""
 
     outcome: str
     returncode: int | None
@@ -181,7 +183,7 @@ def _ro_paths() -> list[str]:
     return sorted(set(paths))
 
 
-def setup_script(tmp_bytes: int, workspace_bytes: int = 256 << 20, workspace_files: int = 4096) -> str:
+def setup_script(tmp_bytes: int, workspace_bytes: int, workspace_files: int) -> str:
     """The pid-1 shell of the namespace: build the read-only root, run the command in the chroot,
     then copy out the one file the parent collects.
 
@@ -451,7 +453,7 @@ class Sandbox:
             collect: str | None = "submission.csv", collect_max_bytes: int = 64 * 2**20):
         """Run `script` in a fresh workspace holding a copy of `files_dir`'s files.
 
-        Returns (ExecResult, bytes of the file `collect` or None, why it is None). The file is
+        Returns (SandboxRun, bytes of the file `collect` or None, why it is None). The file is
         read without following links and only when it is a regular file of at most
         `collect_max_bytes`; the workspace is deleted before returning.
         """
@@ -518,7 +520,7 @@ class Sandbox:
             if lease is not None:
                 lease.release()
 
-    def _execute(self, cmd, env, cwd, ns: bool, uid: int | None) -> ExecResult:
+    def _execute(self, cmd, env, cwd, ns: bool, uid: int | None) -> SandboxRun:
         lim = self.limits
         killed_for = []
         t0 = time.monotonic()
@@ -596,7 +598,7 @@ class Sandbox:
             outcome, exc = "ok", None
         else:
             outcome, exc = "error", exc_type_of(tail, rc)
-        return ExecResult(outcome=outcome, returncode=rc, exec_time=elapsed, tail=tail,
+        return SandboxRun(outcome=outcome, returncode=rc, exec_time=elapsed, tail=tail,
                           output_bytes=reader.total, exc_type=exc, isolation=self.isolation,
                           uid=uid, stragglers_killed=stragglers, limits=asdict(lim))
 

@@ -145,6 +145,13 @@ def cache_root() -> Path:
     return runtime_cache_root()
 
 
+def bundled_tasks_dir(seed: int) -> Path:
+    """Where the bundled tasks of ``seed`` are built in the cache (built or not)."""
+    from graders.code_exec.build import BUILD_VERSION
+
+    return cache_root() / "code-exec" / f"tasks-v{BUILD_VERSION}-seed{seed}"
+
+
 def resolve_tasks_dir(tasks_dir: str | None, seed: int) -> Path:
     """The configured tasks dir, or the bundled tasks built once (atomically) in the cache."""
     if tasks_dir is not None:
@@ -152,6 +159,6 @@ def resolve_tasks_dir(tasks_dir: str | None, seed: int) -> Path:
         if not p.is_absolute():
             raise TaskError(f"code_exec.tasks_dir must be absolute, got {tasks_dir!r}")
         return p
-    from graders.code_exec.build import BUILD_VERSION, ensure_built
+    from graders.code_exec.build import ensure_built
 
-    return ensure_built(cache_root() / "code-exec" / f"tasks-v{BUILD_VERSION}-seed{seed}", seed)
+    return ensure_built(bundled_tasks_dir(seed), seed)

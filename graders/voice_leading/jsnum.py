@@ -62,11 +62,6 @@ def js_round(x: float) -> float:
     return result
 
 
-def js_rem(a: float, b: float) -> float:
-    """JavaScript ``a % b`` for finite a and non-zero finite b (sign of the dividend)."""
-    return math.fmod(a, b)
-
-
 def number_to_string(x: float) -> str:
     """``Number.prototype.toString()``: shortest round-trip digits in JavaScript layout."""
     if not isinstance(x, float):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from graders.fixtures import Case, Pool, load_pool, require_pool
 from graders.records import CaseInfo, PoolError, Score, TaskInfo
 from graders.tasks import register_task
+from graders.voice_leading.pool import Case, Pool, load_pool, require_pool
 from graders.voice_leading.score import ScoreResult, check_options, score
 
 NAME = "voice-leading"

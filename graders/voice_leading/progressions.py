@@ -1,7 +1,7 @@
 """A seeded generator of plausible chord progressions in the `p4-progressions/1` schema.
 
 Why: the reference pool is derived from a song library we cannot ship; the project's default
-prompt pools (graders/data/train.json, heldout.json) are generated here instead, reproducibly.
+prompt pools (graders/voice_leading/data/train.json, heldout.json) are generated here instead, reproducibly.
 
 How a progression is made (all choices from one `random.Random(seed)`):
 1. a key: 13 major and 12 minor keys, flats and sharps;
@@ -309,7 +309,7 @@ def fixture_document(split: str, progressions: list[dict], seed: int, bars: int)
             "seed": seed,
             "note": f"{bars}-bar progressions (short on purpose: the training default uses short "
             "progressions). Regenerate: counterpoint grader make-fixtures --seed "
-            f"{seed} --bars {bars} --out graders/data",
+            f"{seed} --bars {bars} --out graders/voice_leading/data",
         },
         "genres": {"generated": n},
         "n": n,

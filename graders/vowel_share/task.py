@@ -5,7 +5,7 @@ Each prompt asks for free text after ~``prompt_words`` words of filler. The rewa
 completion is the share of its letters that are vowels (0 without letters). It is the reward
 bench/gpu_vs_trl.py gives TRL. It is dense, so the G completions of a group differ and every
 step trains: no group is tied, even for a random-weight model. A plain task object (no gRPC, no
-Ray), like every task in graders/tasks.py.
+Ray), like every task in graders/tasks.py. One module: the task and its (empty) profile.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import random
 from collections.abc import Sequence
 
 from graders.records import CaseInfo, PoolTooSmall, Score, TaskInfo, UnknownCase, UnknownSplit
-from graders.tasks import register_task
+from graders.tasks import TaskProfile, register_profile, register_task
 
 NAME = "vowel-share"
 WORDS = ("voice", "chord", "tonic", "bass", "soprano", "cadence", "motion", "parallel", "fifth", "octave",
@@ -71,6 +71,13 @@ class VowelShareTask:
                              verdict="admitted" if admitted else "share", test_metric=share,
                              failing_rules=() if admitted else ("share",)))
         return out
+
+
+@register_profile
+class VowelShareProfile(TaskProfile):
+    """Nothing for the driver to check or ask: the pool is generated, there are no openings."""
+
+    name = NAME
 
 
 @register_task(NAME)

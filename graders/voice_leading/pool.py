@@ -1,4 +1,6 @@
-"""Prompt pools: load `p4-progressions/1` files into cases (voice-leading-spec.md §2.2, §2.3).
+"""The voice-leading task's prompt pools: load `p4-progressions/1` files into cases
+(voice-leading-spec.md §2.2, §2.3). The shipped pools are data/train.json and data/heldout.json
+beside this module (made by progressions.py).
 
 A fixture is served in FILE ORDER (it is already a frozen draw; never reshuffled). Anything
 other than a well-formed `p4-progressions/1` file is refused with an error naming the file and
@@ -17,6 +19,9 @@ from typing import Any
 from config.grader import GraderConfig
 # Request errors are every task's (graders/records.py); imported here for the pool's callers.
 from graders.records import PoolError, PoolTooSmall, UnknownCase, UnknownSplit  # noqa: F401
+from graders.voice_leading.openings import forced_prefix, named_chord_count, opening_alphabet
+from graders.voice_leading.prompt import build_messages
+from graders.voice_leading.score import check_options
 
 SCHEMA = "p4-progressions/1"
 SPLITS = ("train", "heldout")
@@ -127,13 +132,6 @@ def first_bars(progression: dict, bars: int | None) -> dict:
 
 
 def build_case(row: FixtureRow, split: str, voices: int, style: str, bars: int | None = None) -> Case:
-    from graders.voice_leading import (
-        build_messages,
-        forced_prefix,
-        named_chord_count,
-        opening_alphabet,
-    )
-
     progression = first_bars(row.progression, bars)
     openings = tuple(tuple(o) for o in opening_alphabet(progression, voices))
     return Case(
@@ -220,8 +218,6 @@ def load_pool(
 ) -> Pool:
     """Both splits; None means the shipped generated pool of that split. `bars` cuts every
     progression to its first chords (grader.bars)."""
-    from graders.voice_leading.score import check_options
-
     check_options(voices, style, "reference")
     paths = {
         "train": Path(fixture) if fixture else DEFAULT_FIXTURES["train"],
