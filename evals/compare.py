@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from evals.records import EvalFile
+from evals.eval_file import EvalFile
 
 METRICS = ("pass_rate", "coverage")
 

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from evals.compare import NotComparableError, check_comparable
-from evals.records import EvalFileError, read_eval, summarize
+from evals.eval_file import EvalFileError, read_eval, summarize
 from records.run_dir import RunDir
 
 LEVEL = 0.95

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from config.run import TrainerConfig
-from evals.records import CODE_EXEC_STYLE
+from evals.eval_file import CODE_EXEC_STYLE
 from rollout.types import Prompt, Sample, SamplingParams
 
 _TRAINER = TrainerConfig()  # the schema's defaults: declared there, read here
@@ -31,9 +31,9 @@ class HeldoutResult:
     completions: list[str] | None = None  # what was scored, when not prefix + text (a scaffold)
 
     def items(self) -> list[Any]:
-        """One EVAL.jsonl item per case (evals/records.py owns the statistics); an opening the
+        """One EVAL.jsonl item per case (evals/eval_file.py owns the statistics); an opening the
         grader's Score lacks is the case's task's to parse (graders/tasks.py TaskProfile)."""
-        from evals.records import item_record
+        from evals.eval_file import item_record
         from graders.tasks import task_profile
 
         g = self.generations
@@ -51,7 +51,7 @@ class HeldoutResult:
         return out
 
     def summary(self) -> dict[str, float]:
-        from evals.records import summarize
+        from evals.eval_file import summarize
 
         return dict(vars(summarize(self.items())))
 
@@ -185,7 +185,7 @@ def per_task_reward_differences(before: Any, after: Any, n_boot: int = 2000, see
 # ---------------------------------------------------------------- a train run's before/after
 def prompts_digest(result: HeldoutResult) -> str:
     """prompts_sha256 of the rendered prompts (messages + forced prefix per completion)."""
-    from evals.records import prompts_sha256
+    from evals.eval_file import prompts_sha256
 
     g = result.generations
     return prompts_sha256({
@@ -199,7 +199,7 @@ def write_heldout_eval(path: Path, result: HeldoutResult, params: SamplingParams
                        fixture_source: str | None, scoring: Any = None, run: str | None = None) -> Path:
     """Keep a train run's held-out eval as an EVAL.jsonl (per-item results + the header that
     `counterpoint compare` checks), so before and after can be paired item by item."""
-    from evals.records import GenerationSettings, header_for, write_eval
+    from evals.eval_file import GenerationSettings, header_for, write_eval
 
     items = result.items()
     header = header_for(
@@ -241,7 +241,7 @@ def heldout_section(before: Path, after: Path, seed: int, argv: Sequence[str], n
     computation as `counterpoint compare --paired`). Read from the files, so a resumed run pairs
     the after-eval with the before-eval its first attempt wrote (RunDir.heldout_path)."""
     from evals.compare import compare
-    from evals.records import read_eval, summarize
+    from evals.eval_file import read_eval, summarize
 
     section: dict[str, Any] = {}
     evals = {}

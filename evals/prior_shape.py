@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from evals.records import NO_OPENING, EvalFile, EvalFileError, EvalItem
+from evals.eval_file import NO_OPENING, EvalFile, EvalFileError, EvalItem
 
 
 @dataclass(frozen=True)

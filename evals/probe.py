@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 # What a task's probe_options returns (graders/tasks.py TaskProfile); imported here for callers.
-from graders.records import ProbeOption  # noqa: F401
+from graders.types import ProbeOption  # noqa: F401
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from config.grader import GraderConfig
 from graders import wire
 from graders.proto import grader_pb2 as pb
 from graders.proto import grader_pb2_grpc as pb_grpc
-from graders.records import CaseInfo, Health, Score  # noqa: F401  (what the client returns)
+from graders.types import CaseInfo, Health, Score  # noqa: F401  (what the client returns)
 
 _GRADER = GraderConfig()  # the schema's defaults: declared there, read here
 

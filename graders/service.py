@@ -29,7 +29,7 @@ from graders import metrics, wire
 from graders.auth import UNAUTHENTICATED_DETAILS, token_ok
 from graders.proto import grader_pb2 as pb
 from graders.proto import grader_pb2_grpc as pb_grpc
-from graders.records import CaseInfo, Health, PoolError, Score
+from graders.types import CaseInfo, Health, PoolError, Score
 from graders.tasks import Task
 
 _GRADER = GraderConfig()  # the schema's defaults: declared there, read here

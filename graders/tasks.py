@@ -34,7 +34,7 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from graders.records import CaseInfo, Score, TaskInfo
+from graders.types import CaseInfo, Score, TaskInfo
 
 
 class Task(Protocol):
@@ -121,7 +121,7 @@ class TaskProfile:
         raise NoProbe(f"grader task {self.name or '(unregistered)'!r} has no five-options probe")
 
     def probe_options(self, completion: str) -> list[Any]:
-        """The options (graders.records.ProbeOption) a probe answer states, in answer order."""
+        """The options (graders.types.ProbeOption) a probe answer states, in answer order."""
         raise NoProbe(f"grader task {self.name or '(unregistered)'!r} has no five-options probe")
 
 

@@ -1,4 +1,4 @@
-"""The one conversion between the grader's plain records (graders/records.py) and the
+"""The one conversion between the grader's plain records (graders/types.py) and the
 counterpoint.grader.v1 messages. Used by the grpcio servicer, the Serve app and the client: no
 other module builds or reads a Case, ScoreReply or HealthReply field by field.
 
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from graders.proto import grader_pb2 as pb
-from graders.records import CaseInfo, Health, Score
+from graders.types import CaseInfo, Health, Score
 
 
 def _json(details: Mapping[str, Any]) -> str:

@@ -31,7 +31,7 @@ from typing import Any
 import ray
 
 from learner import checkpoint
-from learner.commands import Command, Failed, Init, Save, Saved, Step, Stop
+from learner.protocol import Command, Failed, Init, Save, Saved, Step, Stop
 from learner.files import pack, write_bundle
 from learner.types import InitInfo, StepResult, TrainBatch
 from config.runtime_env import apply_defaults

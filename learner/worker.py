@@ -1,5 +1,5 @@
 """One learner worker: ``train_loop_per_worker``, the Ray Train loop that feeds a
-``PolicyLearner`` (learner/policy.py, torch only) typed commands (learner/commands.py) for the
+``PolicyLearner`` (learner/policy.py, torch only) typed commands (learner/protocol.py) for the
 whole run.
 
 The Ray Train workers run ONE long-lived loop (a single ``fit()`` for the whole run): each
@@ -34,7 +34,7 @@ import torch
 
 from learner import checkpoint
 from learner.files import pack, unpack
-from learner.commands import Answer, Command, Failed, Init, Save, Saved, Step, Stop
+from learner.protocol import Answer, Command, Failed, Init, Save, Saved, Step, Stop
 from learner.lora import save_adapter
 from learner.policy import PolicyLearner, PolicySpec
 from learner.types import InitInfo, StepResult, TrainBatch

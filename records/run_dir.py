@@ -10,7 +10,7 @@ runs/<run>/round_<step>/       <task>__<epoch>.jsonl             one row per com
                                <task>__summary_<epoch>.json      counts, rates, histograms
                                tree.json                         the search tree (tree mode)
 runs/<run>/heldout_before.jsonl, heldout_after.jsonl   EVAL.jsonl of the held-out eval before and
-                               after training (evals/records.py), with per-item results
+                               after training (evals/eval_file.py), with per-item results
 runs/<run>/adapters/init/, adapters/step_<N>/, checkpoints/step_<N>/
 runs/<run>/superseded/attempt_<n>/   what a resume re-runs, as the dead attempt left it
 ```

@@ -147,7 +147,7 @@ def publish_adapter(payload: AdapterPayload, registry=None, name: str = REGISTRY
 class RolloutReplica:
     """One engine behind Serve. Wrapped with `serve.deployment` in `rollout_app`."""
 
-    def __init__(self, model_cfg: dict, rollout_cfg: dict, kind: str, seed: int, registry):
+    def __init__(self, model_cfg: dict, rollout_cfg: dict, seed: int, registry):
         from config.runtime_env import apply_defaults
 
         apply_defaults()
@@ -166,7 +166,7 @@ class RolloutReplica:
         # samples); seeded requests stay reproducible through their own per-request seeds.
         engine_seed = (seed + zlib.crc32(self.replica_id.encode())) % 2**31
         self.engine = self.pool.submit(
-            make_engine, ModelConfig(**model_cfg), RolloutConfig(**rollout_cfg), kind, engine_seed
+            make_engine, ModelConfig(**model_cfg), RolloutConfig(**rollout_cfg), seed=engine_seed
         ).result()
         # Catch up before taking traffic: a replacement replica starts at the latest version.
         # The latest may be unfetchable (its owner, the learner's rank 0, died and is being
@@ -287,8 +287,10 @@ def placement_options(rollout_cfg: RolloutConfig) -> dict:
     return out
 
 
-def rollout_app(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, registry, kind: str | None = None, seed: int = 0):
-    """The Serve application: `rollout_cfg.replicas` replicas of RolloutReplica."""
+def rollout_app(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, registry, seed: int = 0):
+    """The Serve application: `rollout_cfg.replicas` replicas of RolloutReplica. The engine is
+    rollout.engine, resolved in each replica (make_engine): 'auto' asks the replica's own node
+    whether vLLM is installed, which the driver's node cannot answer for it."""
     from config.runtime_env import apply_defaults
 
     deployment = serve.deployment(RolloutReplica).options(
@@ -303,7 +305,7 @@ def rollout_app(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, registry, ki
         },
     )
     return deployment.bind(
-        model_cfg.model_dump(), rollout_cfg.model_dump(), kind or rollout_cfg.engine, seed, registry
+        model_cfg.model_dump(), rollout_cfg.model_dump(), seed, registry
     )
 
 
@@ -411,7 +413,6 @@ class RolloutClient:
 def deploy_rollout(
     model_cfg: ModelConfig,
     rollout_cfg: RolloutConfig,
-    kind: str | None = None,
     seed: int = 0,
     app_name: str = APP_NAME,
     registry_name: str = REGISTRY_NAME,
@@ -423,7 +424,7 @@ def deploy_rollout(
     registry = get_or_create_registry(rollout_cfg, registry_name)
     serve.start(proxy_location="Disabled")
     handle = serve.run(
-        rollout_app(model_cfg, rollout_cfg, registry, kind, seed), name=app_name, route_prefix=None
+        rollout_app(model_cfg, rollout_cfg, registry, seed), name=app_name, route_prefix=None
     )
     client = RolloutClient(handle, registry, rollout_cfg)
     latest = ray.get(registry.latest.remote())

@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from evals.commands import compare_command, eval_summary_command, prior_shape_command
+from evals.cli import compare_command, eval_summary_command, prior_shape_command
 from services.plot import plot_command
 
 
@@ -178,7 +178,7 @@ def eval_command(
     options given here override them, and the receipt says where each value came from."""
     from rich.console import Console
 
-    from evals.commands import eval_summary_table
+    from evals.cli import eval_summary_table
     from config import ConfigError, load_config
     from services.eval_run import EvalOptions, last_adapter_of, run_eval
     from services.preflight import check_adapter_dir, preflight
@@ -310,7 +310,7 @@ def probe_options_command(
 
     from rollout.types import Prompt, SamplingParams
     from config import ConfigError, load_config
-    from evals.records import read_eval
+    from evals.eval_file import read_eval
     from services.launch import serve_adapter, start_grader, start_ray, start_rollout
     from evals.probe import ProbeItem, summarize
     from graders.tasks import task_profile

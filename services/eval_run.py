@@ -1,5 +1,5 @@
 """`counterpoint eval`: sample G completions per held-out prompt on the rollout service, score
-them on the grader service, write EVAL.jsonl (evals/records.py) and a receipt beside it."""
+them on the grader service, write EVAL.jsonl (evals/eval_file.py) and a receipt beside it."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def last_adapter_of(run_dir: Path) -> Path:
 
 def run_eval(opts: EvalOptions):
     """Returns (EvalSummary, path of EVAL.jsonl)."""
-    from evals.records import GenerationSettings, ScoringSettings, header_for, summarize, write_eval
+    from evals.eval_file import GenerationSettings, ScoringSettings, header_for, summarize, write_eval
     from evals.heldout import evaluate_heldout
     from services.launch import (check_resources, serve_adapter, start_grader, start_ray, start_rollout,
                                  stop_token_report)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from learner.commands import Save, Saved
+from learner.protocol import Save, Saved
 from learner.policy import PolicyLearner
 from learner.types import InitInfo, StepResult, TrainBatch
 from learner.worker import init_answer, save_answer, step_answer

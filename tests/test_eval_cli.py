@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from evals.commands import eval_app
-from evals.records import NO_OPENING, GenerationSettings, header_for, item_record, write_eval
+from evals.cli import eval_app
+from evals.eval_file import NO_OPENING, GenerationSettings, header_for, item_record, write_eval
 
 G = 4
 
@@ -170,7 +170,7 @@ def test_eval_summary_table(tmp_path, runner):
 def test_module_entry_point_runs(tmp_path):
     ev = write_run(tmp_path / "base.jsonl", BASE_ROWS)
     out = subprocess.run(
-        [sys.executable, "-m", "evals.commands", "prior-shape", str(ev)],
+        [sys.executable, "-m", "evals.cli", "prior-shape", str(ev)],
         capture_output=True, text=True, check=False, cwd=Path(__file__).resolve().parents[1],
     )
     assert out.returncode == 0, out.stderr

@@ -18,7 +18,7 @@ from evals.compare import (
     write_comparison_json,
     write_comparison_png,
 )
-from evals.records import (
+from evals.eval_file import (
     NO_OPENING,
     GenerationSettings,
     header_for,
@@ -96,7 +96,7 @@ def test_refuses_different_generation_settings_naming_them(tmp_path):
 
 
 def test_refuses_different_scoring_and_voices(tmp_path):
-    from evals.records import ScoringSettings
+    from evals.eval_file import ScoringSettings
 
     cp = ScoringSettings(style="common-practice", checker="reference")
     film = ScoringSettings(style="film-ambient", checker="reference")

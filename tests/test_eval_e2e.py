@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cliharness import cli
-from evals.records import NO_OPENING, read_eval
+from evals.eval_file import NO_OPENING, read_eval
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from evals.records import (
+from evals.eval_file import (
     NO_OPENING,
     EvalFileError,
     GenerationSettings,
@@ -178,7 +178,7 @@ def code_exec_item(item_id="tabular-binary", statuses=STATUSES):
 
 
 def test_a_code_exec_item_has_statuses_not_openings(tmp_path):
-    from evals.records import CODE_EXEC_STYLE, ScoringSettings
+    from evals.eval_file import CODE_EXEC_STYLE, ScoringSettings
 
     item = code_exec_item()
     assert item.openings is None and item.statuses == STATUSES and item.pass_count == 2
@@ -198,7 +198,7 @@ def test_a_code_exec_item_has_statuses_not_openings(tmp_path):
 
 def test_a_code_exec_eval_written_before_statuses_is_read(tmp_path):
     """Before statuses, a code-exec item kept each status in `openings`: read as statuses."""
-    from evals.records import CODE_EXEC_STYLE, ScoringSettings
+    from evals.eval_file import CODE_EXEC_STYLE, ScoringSettings
 
     path = write_items(tmp_path / "e.jsonl", [code_exec_item()],
                        scoring=ScoringSettings(style=CODE_EXEC_STYLE, checker="counterpoint"))

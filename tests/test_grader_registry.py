@@ -10,7 +10,7 @@ import pytest
 
 from config.grader import GraderConfig
 from graders.client import GraderClient, GraderRequestError
-from graders.records import CaseInfo, Score, TaskInfo, UnknownCase
+from graders.types import CaseInfo, Score, TaskInfo, UnknownCase
 from graders.service import GraderCore, start_server
 from graders.tasks import make_task, register_task, task_names
 

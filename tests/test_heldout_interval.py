@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from heldoutharness import write_before_after
 from evals.compare import compare
-from evals.commands import eval_app
-from evals.records import read_eval
+from evals.cli import eval_app
+from evals.eval_file import read_eval
 from evals.heldout import heldout_lines, heldout_section, replicate_command
 from services.receipt import Receipt
 from services.train import print_heldout

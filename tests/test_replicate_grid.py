@@ -1,7 +1,7 @@
 """`counterpoint replicate --grid` without running anything: the grid spec and its refusals, every
 cell's config checked up front, the interval math, and the per-cell aggregation over synthetic
 run directories written by the real writers (records/run_dir.py RunDir, services/tree_round.py's
-tree_round_record over real search rounds, evals/records.py write_eval)."""
+tree_round_record over real search rounds, evals/eval_file.py write_eval)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from rich.console import Console
 from config.search import SearchConfig
 from evals.grid import (NO_INTERVAL, ArmFiles, aggregate, grid_table, read_grid_json, round_summaries,
                         t_interval, tree_arm_metrics, write_grid_json, write_grid_png)
-from evals.records import EvalItem, GenerationSettings, header_for, write_eval
+from evals.eval_file import EvalItem, GenerationSettings, header_for, write_eval
 from search.prompts import mode_of
 from search.round import grow_round
 from search.tree import Generation

@@ -18,7 +18,7 @@ import pytest
 
 from cliharness import cli
 from evals.grid import read_grid_json, t_interval
-from evals.records import read_eval
+from evals.eval_file import read_eval
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 

@@ -19,7 +19,7 @@ DECODED = (["0,1", "0,1", "1,0", "(none)"], ["0,0"] * 4, ["0,1", "1,2", "2,0", "
 
 
 def _decoded_eval(path: Path, ids: list[str]) -> Path:
-    from evals.records import EvalItem, GenerationSettings, header_for, write_eval
+    from evals.eval_file import EvalItem, GenerationSettings, header_for, write_eval
 
     items = [EvalItem(item_id=i, completions=[f"c{k}" for k in range(4)], openings=list(o), lengths=[1] * 4,
                       rewards=[0.0] * 4, verdicts=["structure"] * 4, admitted=[False] * 4, distinct_exact=4,

@@ -89,15 +89,13 @@ def adapters_equal(own, shared) -> None:
 
 def align(shared, own) -> None:
     """The shared learner at the own learner's adapter and optimizer state, so that the next
-    step of each is on the same policy and batch. (Their adapters after a step are not compared
-    where the weights differ by rounding: AdamW divides by sqrt(v), so a gradient element near 0
-    that differs by 1e-7 relative moves its update by up to 1e-4 here.)"""
-    own_params = dict(own.peft_model.named_parameters())
-    with torch.no_grad():
-        for name, p in shared.peft_model.named_parameters():
-            if p.requires_grad:
-                p.copy_(own_params[name])
-    shared.optimizer.load_state_dict(own.optimizer.state_dict())
+    step of each is on the same policy and batch (bench/shared_base_gpu.py's, which the GPU check
+    uses the same way). Their adapters after a step are not compared where the weights differ by
+    rounding: AdamW divides by sqrt(v), so a gradient element near 0 that differs by 1e-7
+    relative moves its update by up to 1e-4 here."""
+    from bench.shared_base_gpu import align as copy_state
+
+    copy_state(shared, own)
 
 
 def test_a_learner_on_the_replicas_weights_trains_like_one_with_its_own_copy(owner):

@@ -7,7 +7,7 @@
   this process (`CodeExecTask.score_many`); every id is checked first (NOT_FOUND). A script
   that waits past ``code_exec.queue_wait_s`` for a slot (other requests hold them) fails the
   request with `Overloaded` (RESOURCE_EXHAUSTED; not retried by the client: the replica already
-  waited, see graders/records.py). Score: ``status`` (no_code | crashed | timeout |
+  waited, see graders/types.py). Score: ``status`` (no_code | crashed | timeout |
   invalid_submission | ok), ``reward`` (the sentinel for every failure), ``format_ok`` and
   ``admitted`` = status ok, ``verdict`` = status, ``test_metric``; ``details`` holds the whole
   ExecResult (records/exec_result.py: the script that ran, its metrics, output tail, limits,
@@ -37,7 +37,7 @@ from graders import metrics
 from graders.code_exec.sandbox import IsolationUnavailable, ResourceExhausted
 from graders.code_exec.task import load_tasks, resolve_tasks_dir
 from graders.code_exec.verifier import CodeExecTask
-from graders.records import CaseInfo, Overloaded, PoolError, PoolTooSmall, Score, TaskInfo, UnknownCase, UnknownSplit
+from graders.types import CaseInfo, Overloaded, PoolError, PoolTooSmall, Score, TaskInfo, UnknownCase, UnknownSplit
 from graders.tasks import register_task
 from records.exec_result import ExecResult
 

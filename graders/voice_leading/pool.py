@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from config.grader import GraderConfig
-# Request errors are every task's (graders/records.py); imported here for the pool's callers.
-from graders.records import PoolError, PoolTooSmall, UnknownCase, UnknownSplit  # noqa: F401
+# Request errors are every task's (graders/types.py); imported here for the pool's callers.
+from graders.types import PoolError, PoolTooSmall, UnknownCase, UnknownSplit  # noqa: F401
 from graders.voice_leading.openings import forced_prefix, named_chord_count, opening_alphabet
 from graders.voice_leading.prompt import build_messages
 from graders.voice_leading.score import check_options

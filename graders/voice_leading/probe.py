@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from graders.records import ProbeOption
+from graders.types import ProbeOption
 from graders.voice_leading.jsnum import number_to_string
 from graders.voice_leading.parser import entry_list, find_json_value
 

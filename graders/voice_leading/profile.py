@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graders.records import ProbeOption
+from graders.types import ProbeOption
 from graders.tasks import TaskProfile, register_profile
 from graders.voice_leading.task import NAME
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from graders.records import CaseInfo, PoolError, Score, TaskInfo
+from graders.types import CaseInfo, PoolError, Score, TaskInfo
 from graders.tasks import register_task
 from graders.voice_leading.pool import Case, Pool, load_pool, require_pool
 from graders.voice_leading.score import ScoreResult, check_options, score

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from graders.records import CaseInfo, PoolTooSmall, Score, TaskInfo, UnknownCase, UnknownSplit
+from graders.types import CaseInfo, PoolTooSmall, Score, TaskInfo, UnknownCase, UnknownSplit
 from graders.tasks import TaskProfile, register_profile, register_task
 
 NAME = "vowel-share"

@@ -242,7 +242,7 @@ class EvalFile:
 
 
 class ScoreLike(Protocol):
-    """What :func:`item_record` needs from a grader result (a graders.records.Score)."""
+    """What :func:`item_record` needs from a grader result (a graders.types.Score)."""
 
     admitted: bool
     verdict: str

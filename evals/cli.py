@@ -1,7 +1,7 @@
 """File-based evaluation commands: `counterpoint prior-shape` and `counterpoint compare`.
 
 Plain typer command functions; services/commands.py registers them on the root app. ``eval_app``
-registers the same functions for standalone use (``python -m evals.commands``) and tests.
+registers the same functions for standalone use (``python -m evals.cli``) and tests.
 numpy, pydantic and matplotlib are imported when a command runs, so `--help` stays instant.
 """
 
@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from evals.records import EvalFile, EvalSummary
+    from evals.eval_file import EvalFile, EvalSummary
 
 EVAL_FILE_HELP = "An EVAL.jsonl written by `counterpoint eval`."
 
@@ -38,7 +38,7 @@ def _fmt(x: float | int | None, digits: int = 3) -> str:
 
 
 def _read(path: Path) -> EvalFile:
-    from evals.records import EvalFileError, read_eval
+    from evals.eval_file import EvalFileError, read_eval
 
     try:
         return read_eval(path)
@@ -72,7 +72,7 @@ def eval_summary_command(
     eval_file: Annotated[Path, typer.Argument(metavar="EVAL_JSONL", help=EVAL_FILE_HELP)],
 ) -> None:
     """Print pass rate, coverage, unparseable share and mean length of an EVAL.jsonl."""
-    from evals.records import summarize
+    from evals.eval_file import summarize
 
     console, _ = _consoles()
     ev = _read(eval_file)
