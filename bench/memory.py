@@ -465,10 +465,20 @@ def run_counterpoint(model: str, prompts: int, args, out: Path, timeout: float) 
     if rc != 0:  # where the cause is: the end of the driver's log
         driver = run / "logs" / "driver.log"
         show_tail(driver if driver.is_file() else out / f"{tag}.log", f"{name} exit {rc}")
-    settings = ", ".join([f"trainer.mode={args.mode}", *COUNTERPOINT_SETS, *args.set,
-                          f"merged W0 on {os.environ.get(W0_ENV) or 'host'}"])
+    settings = ", ".join([f"{Path(args.config).name}", f"trainer.mode={args.mode}", *COUNTERPOINT_SETS, *args.set,
+                          f"merged W0 on {os.environ.get(W0_ENV) or 'host'}", base_weights_of(run)])
     return finish(model, prompts, "counterpoint_train", settings, sampler, train_transitions(watch.steps), s_step,
                   ["counterpoint", *cmd[3:]], rc, error, out / f"{tag}.samples.jsonl" if args.samples else None)
+
+
+def base_weights_of(run: Path) -> str:
+    """What run.json says of the learner's base: one shared copy or its own (share_base_weights)."""
+    try:
+        base = json.loads((run / "run.json").read_text()).get("base_weights") or {}
+    except (OSError, ValueError):
+        return "base weights: unknown (no run.json)"
+    return "base weights shared with the replica" if base.get("mode") == "shared" else \
+        f"learner's own base copy ({base.get('reason', 'no reason recorded')})"
 
 
 def finish(model, prompts, system, settings, sampler: Sampler, transitions, s_step, cmd, rc, error,

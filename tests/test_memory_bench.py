@@ -204,3 +204,13 @@ def test_a_sampler_without_nvidia_smi_says_so():
     time.sleep(0.2)
     sampler.stop()
     assert sampler.samples == [] and "FileNotFoundError" in sampler.error
+
+
+def test_a_counterpoint_row_says_whether_the_base_was_shared(tmp_path):
+    from bench.memory import base_weights_of
+
+    assert base_weights_of(tmp_path) == "base weights: unknown (no run.json)"
+    (tmp_path / "run.json").write_text(json.dumps({"base_weights": {"mode": "shared", "owner": "vllm replica"}}))
+    assert base_weights_of(tmp_path) == "base weights shared with the replica"
+    (tmp_path / "run.json").write_text(json.dumps({"base_weights": {"mode": "own", "reason": "share_base_weights=false"}}))
+    assert base_weights_of(tmp_path) == "learner's own base copy (share_base_weights=false)"
