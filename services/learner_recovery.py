@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from services.recovery import BatchLedger, Budget, first_line, learner_failure_retryable, learner_what
+from services.recovery import BatchLedger, Budget, first_line, learner_failure_retryable, learner_what, lost_learner_line
 
 log = logging.getLogger("counterpoint.train")
 
@@ -102,7 +102,7 @@ class RecoveringLearner:
         replayed = [k.step for k in kept_since]
         served = self._serve_again(current)
         self.recoveries.record(
-            "learner", step, learner_what(getattr(err, "kind", "lost"), first_line(str(err)), source, replayed,
+            "learner", step, learner_what(getattr(err, "kind", "lost"), lost_learner_line(err), source, replayed,
                                           f"step {step}"),
             time.monotonic() - t0, restored_from_step=source, replayed_steps=replayed,
             restart=self.budget.used, max_restarts=self.budget.limit, **served)

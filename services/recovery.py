@@ -88,6 +88,20 @@ def first_line(err: BaseException | str, width: int = 240) -> str:
     return line if len(line) <= width else line[: width - 1] + "…"
 
 
+def lost_learner_line(err: BaseException) -> str:
+    """What a lost learner's recovery entry says of its error: the first line, and for a
+    worker's own exception (LearnerLost "worker_error", whose first line only says where it
+    failed) the traceback's last line, the exception itself: e.g. ``OwnerGone: the replica that
+    owned the shared base weights (pid N) is gone``."""
+    line = first_line(str(err))
+    detail = str(getattr(err, "detail", "") or "")
+    if getattr(err, "kind", "") == "worker_error" and detail.strip():
+        cause = [x.strip() for x in detail.strip().splitlines() if x.strip()][-1]  # "pkg.mod.Error: message"
+        name, sep, message = cause.partition(": ")
+        line = first_line(f"{line.rstrip(':')}: {name.rpartition('.')[2]}{sep}{message}")
+    return line
+
+
 def retried_what(call: str, errors: list[str]) -> str:
     """The recovery line of a call that failed ``len(errors)`` times before it succeeded."""
     n = len(errors)

@@ -108,3 +108,17 @@ def test_a_restored_learners_adapter_is_offered_again_and_the_answer_recorded():
         "adapter_reexported": False,
         "reexport_refused": "the registry did not answer (ConnectionError: registry actor died)"}
     assert learner(None)._serve_again(ref) == {}
+
+
+def test_a_lost_learners_entry_names_the_workers_exception():
+    from learner.job import LearnerLost
+    from services.recovery import lost_learner_line
+
+    tb = ("Traceback (most recent call last):\n  File \"learner/policy.py\", line 370, in _fence_read\n"
+          "    check_owner(self.base_owner_pid)\n"
+          "model.shared_base.OwnerGone: the replica that owned the shared base weights (pid 6449) is gone\n")
+    err = LearnerLost("worker_error", f"learner command 'step' failed in learner rank 0 (pid 7):\n{tb}", detail=tb)
+    assert lost_learner_line(err) == ("learner command 'step' failed in learner rank 0 (pid 7): "
+                                      "OwnerGone: the replica that owned the shared base weights (pid 6449) is gone")
+    lost = LearnerLost("timeout", "learner command 'step' took more than 1800 s")
+    assert lost_learner_line(lost) == "learner command 'step' took more than 1800 s"

