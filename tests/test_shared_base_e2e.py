@@ -56,7 +56,11 @@ def test_a_train_run_whose_learner_maps_the_replicas_weights(tmp_path: Path):
             endpoint = (json.loads(receipt.read_text()).get("metrics_endpoint") or {}).get("trainer")
             if not endpoint:
                 return None
-            for line in scrape(int(endpoint.rsplit(":", 1)[1])).splitlines():
+            try:
+                text = scrape(int(endpoint.rsplit(":", 1)[1]))
+            except OSError:  # between run.json's endpoint and the server's end: ask again
+                return None
+            for line in text.splitlines():
                 if line.startswith("counterpoint_base_weights_shared "):
                     return float(line.split()[1])
             return None
