@@ -207,6 +207,10 @@ class Fence:
         self.words[2] += 1
         return int(self.words[2])
 
+    def generation(self) -> int:
+        """The announcement's generation; 0 = nothing announced yet."""
+        return int(self.words[2])
+
     def announcement(self) -> tuple[int, Any]:
         """(generation, message); generation 0 = nothing announced yet."""
         generation, size = int(self.words[2]), int(self.words[3])
@@ -451,9 +455,9 @@ class ServedCorrection:
     def refresh(self) -> bool:
         """Map the owner's served adapter when it has announced a new one; True when it did
         (graphs captured with the old mapping must go)."""
-        generation, message = self.fence.announcement()
-        if generation == self.generation:
+        if self.fence.generation() == self.generation:  # every step asks: no unpickling unless it changed
             return False
+        generation, message = self.fence.announcement()
         if message["device_uuid"] != device_uuid(self.device):
             raise ShareRefused("the replica's served adapter is not on the learner's GPU")
         index = cuda_index_of(message["device_uuid"]) if message["device_uuid"] else None
