@@ -281,8 +281,12 @@ def heldout_eval(cfg: RunConfig, grader, rollout, version: int, out: Path) -> di
         from evals.heldout import evaluate_tree_heldout
         from evals.eval_file import CODE_EXEC_STYLE
 
+        # the reward the grader gives a failed script, as the grader itself says (its Health)
+        if "sentinel" not in health.details:
+            raise RuntimeError(f"the grader at {cfg.grader.address or cfg.grader.app_name} serving task "
+                               f"{health.task!r} reports no failure sentinel: tree mode cannot score drafts")
         result = evaluate_tree_heldout(grader, rollout, cases, params, version, cfg.search,
-                                       cfg.grader.code_exec.sentinel)
+                                       float(health.details["sentinel"]))
         style = CODE_EXEC_STYLE
     else:
         result = evaluate_heldout(grader, rollout, cases, params, version, cfg.trainer.prefix_mode)

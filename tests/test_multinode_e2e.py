@@ -101,14 +101,19 @@ class Cluster:
         return json.loads(line[-1][len("STATE"):])
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop one node this module started: SIGTERM its `ray start --block` (which stops its
-    raylet and workers), then SIGKILL whatever of its own process tree is left."""
-    with contextlib.suppress(psutil.Error):
-        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        proc.send_signal(signal.SIGTERM)
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Stop nodes this module started: SIGTERM each `ray start --block` (which stops its raylet
+    and workers), all at once, then SIGKILL whatever of their process trees is left."""
+    families = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            families.append([psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)])
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    for family in families:
         for p in family:
             with contextlib.suppress(psutil.Error):
                 p.kill()
@@ -190,9 +195,7 @@ def cluster(tmp_path_factory):
         probe.unlink()
         yield c
     finally:
-        for name in ("learner", "grader", "rollout", "head"):
-            if name in c.procs:
-                _stop(c.procs[name])
+        _stop([c.procs[name] for name in ("learner", "grader", "rollout", "head") if name in c.procs])
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -448,16 +451,24 @@ def _rows(run: Path, step: int) -> list[dict]:
             for x in f.read_text().splitlines()]
 
 
-def test_learner_worker_killed_mid_update_is_restored_in_the_run(cluster: Cluster, placed: Path):
-    """The learner's Ray Train worker (on the learner node) is SIGKILLed while it trains step 2
-    (the first busy moment after step 1's timing line: step 2's old_log_prob/ref/update). With
-    no `--resume`, the driver restores the learner from checkpoints/step_1 (smoke saves every
-    step), sends step 2's batch again and the run finishes.
+def test_learner_worker_killed_then_driver_killed_and_resumed_equals_the_uninterrupted_run(cluster: Cluster,
+                                                                                          placed: Path):
+    """Two faults of one run, then the uninterrupted `placed` run of the same config to compare with.
 
-    Proof that the restore ran: run.json's `recoveries` holds one learner entry for step 2,
-    restored from checkpoint step 1; the worker pid changed; and the run equals the uninterrupted
-    `placed` run of the same config: the same prompts in the same order, the same LR per step,
-    the same final adapter, byte for byte."""
+    - The learner's Ray Train worker (on the learner node) is SIGKILLed while it trains step 2
+      (the first busy moment after step 1's timing line: step 2's old_log_prob/ref/update). With
+      no `--resume`, the driver restores the learner from checkpoints/step_1 (smoke saves every
+      step) and sends step 2's batch again.
+    - Then the driver itself (only it: the cluster's nodes and Serve's detached controller stay)
+      is SIGKILLed once step 2 is trained; `counterpoint train --resume` on the same cluster
+      finishes the run.
+
+    Proof that both recoveries ran: run.json's `recoveries` holds the first attempt's learner entry
+    for step 2 (restored from checkpoint step 1; the worker pid changed) and a `driver` entry of
+    attempt 2 naming the checkpoint it resumed from; `previous_attempts` holds the killed attempt;
+    every step is trained exactly once. Proof that nothing was lost: the run equals `placed`: the
+    same prompts and completions in the same order, the same LR per step, the same final adapter,
+    byte for byte."""
     name = "learner-fault"
     run = cluster.runs / name
     log = cluster.base / f"{name}.log"
@@ -481,17 +492,37 @@ def test_learner_worker_killed_mid_update_is_restored_in_the_run(cluster: Cluste
         assert _wait_busy(worker, within_s=120), "the learner worker never started on step 2"
         assert _trained(run) == [1]
         worker.kill()
-        receipt = _completed(proc, until, log, run)
+        _wait(lambda: len(_trained(run)) >= 2, until, proc, "step 2 trained after the learner's restore", log,
+              poll=0.05)
+        proc.kill()
+        proc.wait(timeout=60)
     finally:
         _kill_tree(proc)
+    assert "learner lost at step 2" in log.read_text()
+    steps = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())["trainer"]["steps"]
+    killed_at = _trained(run)
+    assert killed_at == [1, 2] and killed_at[-1] < steps, f"the driver was not killed between steps 2 and 3: {killed_at}"
+    out = subprocess.run(CLI + ["train", "--resume", str(run)], cwd=REPO, capture_output=True, text=True,
+                         timeout=max(1.0, until - time.monotonic()), env=ray_env())
+    (cluster.base / f"{name}.resume.log").write_text(out.stdout + out.stderr)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
+    receipt = json.loads((run / "run.json").read_text())
+    assert receipt["status"] == "completed"
+
     (rec,) = [r for r in receipt["recoveries"] if r["part"] == "learner"]
-    assert rec["step"] == 2 and rec["details"]["restored_from_step"] == 1 and rec["outcome"] == "recovered", rec
+    assert rec["attempt"] == 1 and rec["step"] == 2 and rec["outcome"] == "recovered", rec
+    assert rec["details"]["restored_from_step"] == 1, rec
     # The live v2 died with the old rank 0; the restored learner's export of it has the published
     # checksum, so the registry serves it again (a replica starting now could fetch it).
     assert rec["details"]["adapter_reexported"] is True, rec
     assert "restored from checkpoint step 1" in rec["what"], rec
-    assert "learner lost at step 2" in log.read_text()
-    steps = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())["trainer"]["steps"]
+    # killed: its run.json still said running, and its pid is gone
+    assert [a["status"] for a in receipt["previous_attempts"]] == ["died"]
+    (rec,) = [r for r in receipt["recoveries"] if r["part"] == "driver"]
+    resumed_from = receipt["resumed_from_step"]
+    assert rec["attempt"] == 2 and rec["step"] == resumed_from + 1, rec
+    assert rec["what"].startswith("previous attempt died") and f"checkpoint step {resumed_from}" in rec["what"], rec
+
     assert _trained(run) == list(range(1, steps + 1))
     mine = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     theirs = [json.loads(x) for x in (placed / "metrics.jsonl").read_text().splitlines()]
@@ -502,44 +533,6 @@ def test_learner_worker_killed_mid_update_is_restored_in_the_run(cluster: Cluste
     for name_ in ("adapter_model.safetensors",):
         assert (run / "adapters" / f"step_{steps}" / name_).read_bytes() == (
             placed / "adapters" / f"step_{steps}" / name_).read_bytes(), "the restored run trained otherwise"
-
-
-def test_driver_sigkilled_then_resumed_on_the_cluster(cluster: Cluster):
-    """The driver (only it: the cluster's nodes and Serve's detached controller stay) is
-    SIGKILLed once step 2 is trained; `counterpoint train --resume` on the same cluster finishes
-    the run. Proof: the resumed attempt's run.json has a `driver` recovery entry of attempt 2
-    naming the checkpoint it resumed from, `previous_attempts` holds the killed attempt, and every
-    step is trained exactly once in timing.jsonl."""
-    name = "driver-kill"
-    run = cluster.runs / name
-    log = cluster.base / f"{name}.log"
-    until = time.monotonic() + BUDGET_S
-    proc = subprocess.Popen(CLI + ["train", "--config", str(_config(cluster, name)), "--run-name", name],
-                            cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=ray_env(),
-                            start_new_session=True)
-    try:
-        _wait(lambda: len(_trained(run)) >= 2, until, proc, "step 2 trained", log)
-        proc.kill()
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    killed_at = _trained(run)
-    steps = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())["trainer"]["steps"]
-    assert killed_at[-1] < steps, f"the run ended before the kill: {killed_at}"
-    out = subprocess.run(CLI + ["train", "--resume", str(run)], cwd=REPO, capture_output=True, text=True,
-                         timeout=max(1.0, until - time.monotonic()), env=ray_env())
-    (cluster.base / f"{name}.resume.log").write_text(out.stdout + out.stderr)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
-    receipt = json.loads((run / "run.json").read_text())
-    assert receipt["status"] == "completed"
-    # killed: its run.json still said running, and its pid is gone
-    assert [a["status"] for a in receipt["previous_attempts"]] == ["died"]
-    (rec,) = [r for r in receipt["recoveries"] if r["part"] == "driver"]
-    resumed_from = receipt["resumed_from_step"]
-    assert rec["attempt"] == 2 and rec["step"] == resumed_from + 1, rec
-    assert rec["what"].startswith("previous attempt died") and f"checkpoint step {resumed_from}" in rec["what"], rec
-    assert _trained(run) == list(range(1, steps + 1))
 
 
 def test_rollout_node_removed_stops_in_one_line_and_resume_continues(cluster: Cluster):

@@ -1,7 +1,9 @@
 """A run the way users start one: from their own directory, relative paths everywhere (config,
 the default `runs` directory, --resume, eval --run). Everything the run produced must be in the
 run directory (not in Ray's session directory), a resume from that relative path must find its
-checkpoint, and eval --run must find its last adapter.
+checkpoint, and eval --run must find its last adapter. The first run is also the suite's healthy
+console run (tests/test_console.py ``check_healthy_console``: few lines, every stage and step, the
+logs copied into the run directory).
 
 The first run leaves checkpoints of steps 1 and 2. Then the run is made to look like a driver
 that was SIGKILLed after training step 2 but before checkpointing it (its step-2 checkpoint
@@ -22,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from cliharness import CLI, REPO
+from tests.test_console import check_healthy_console
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 RUN = "paths"
@@ -52,6 +55,7 @@ def test_relative_paths_from_the_users_directory_then_resume_then_eval(tmp_path:
                    "--set", "trainer.steps=2", "--set", "grader.replicas=1")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     run = user_dir / "runs" / RUN
+    check_healthy_console((first.stdout + first.stderr).splitlines(), run, steps=2, grader_replicas=1)
     for part in ("run.json", "timing.jsonl", "adapters/init/adapter_config.json",
                  "adapters/step_1/adapter_config.json", "adapters/step_2/adapter_config.json",
                  "checkpoints/step_1/state.json", "checkpoints/step_2/state.json"):
