@@ -85,8 +85,15 @@ class GraderConfig(BaseModel):
     look_back_period_s: float = Field(
         30.0, gt=0,
         description="Serve autoscaling: the window over which in-flight requests are averaged "
-        "(autoscaling_config.look_back_period_s). Ray 2.60 pushes the counts every 10 s "
-        "(metrics_interval_s) and warns when the window is not longer than that.",
+        "(autoscaling_config.look_back_period_s). Serve warns when it is not longer than "
+        "metrics_interval_s.",
+    )
+    metrics_interval_s: float = Field(
+        10.0, gt=0,
+        description="Serve autoscaling: how often replicas and handles push their in-flight counts "
+        "to Serve's controller (autoscaling_config.metrics_interval_s). A scale step waits for "
+        "a push, so it takes one to two intervals. Ray marks the field deprecated in favour of "
+        "RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S, which Ray 2.60 does not read yet.",
     )
     replica_poll_s: float = Field(
         1.0, gt=0,

@@ -139,6 +139,7 @@ def deployment_options(cfg: GraderConfig) -> dict[str, Any]:
             "upscale_delay_s": cfg.upscale_delay_s,
             "downscale_delay_s": cfg.downscale_delay_s,
             "look_back_period_s": cfg.look_back_period_s,
+            "metrics_interval_s": cfg.metrics_interval_s,
         },
         "max_ongoing_requests": max(16, int(2 * cfg.target_ongoing_requests)),
         "ray_actor_options": {"num_cpus": cfg.num_cpus, **(

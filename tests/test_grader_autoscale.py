@@ -8,12 +8,11 @@ and once for code-exec, whose replicas reserve more CPU (their scripts run insid
 
 The load is concurrency, not CPU (2 shared cores): in-flight ScoreBatch calls of a few thousand
 completions, or scripts that sleep 1 s. Serve's delays are the config's, small here; Ray 2.60
-pushes the in-flight counts every 10 s unless told otherwise; this module's cluster is told 1 s.
+pushes the in-flight counts every metrics_interval_s, here 1 s, so a scale step takes seconds.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from contextlib import ExitStack
@@ -35,18 +34,14 @@ from promharness import DASHBOARD, PromServer, assert_all_queries_return_data, p
 
 PANEL = "Grader replicas and scale events"
 # Small delays so a test sees both directions in seconds (the defaults are Serve's: 30 s up,
-# 600 s down). Serve's replicas and handles push their in-flight counts every 10 s by default
-# (RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S), which made each scale step take 10-20 s; the
-# test's cluster pushes every second (PUSH_EVERY_S: Serve's own setting, read by every worker the
-# cluster starts). The look-back stays above the push interval (Serve warns below). The
-# downscale delay is longer than the look-back: Serve averages in-flight requests over that
-# window, so for a while after the load stops it still holds the load's calls; with a delay
-# shorter than the window the app went 3 -> 1 and straight back to 2 on that stale average (seen
-# here), then down again.
-PUSH_EVERY_S = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
-                "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
+# 600 s down). Serve pushes in-flight counts every metrics_interval_s (10 s by default, which made
+# each scale step take 10-20 s); here every second. The look-back stays above that interval
+# (Serve warns below). The downscale delay is longer than the look-back: Serve averages in-flight
+# requests over that window, so for a while after the load stops it still holds the load's calls;
+# with a delay shorter than the window the app went 3 -> 1 and straight back to 2 on that stale
+# average (seen here), then down again.
 QUICK = {"min_replicas": 1, "max_replicas": 3, "upscale_delay_s": 1.0, "downscale_delay_s": 6.0,
-         "look_back_period_s": 4.0, "replica_poll_s": 0.5}
+         "look_back_period_s": 4.0, "metrics_interval_s": 1.0, "replica_poll_s": 0.5}
 HEAVY_CLIENTS = 6
 SCALE_WAIT_S = 180  # bound on each scale step; Serve needs ~10-20 s here
 
@@ -112,21 +107,12 @@ def ray_cluster():
     import ray
     from ray import serve
 
-    # The local cluster's raylet, and so every worker it starts (Serve's controller, proxy and
-    # replicas), inherits this process's environment as ray.init starts it.
-    saved = {k: os.environ.get(k) for k in PUSH_EVERY_S}
-    os.environ.update(PUSH_EVERY_S)
     ray.init(num_cpus=2, include_dashboard=False)
     try:
         yield
     finally:
         serve.shutdown()
         ray.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _running(app: str) -> int:

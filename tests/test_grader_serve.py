@@ -165,16 +165,16 @@ def test_deployment_options_from_config():
     assert fixed["autoscaling_config"] == {
         "min_replicas": 2, "initial_replicas": 2, "max_replicas": 2,
         "target_ongoing_requests": 8.0, "upscale_delay_s": 30.0, "downscale_delay_s": 600.0,
-        "look_back_period_s": 30.0}
+        "look_back_period_s": 30.0, "metrics_interval_s": 10.0}
     scaled = deployment_options(GraderConfig(replicas=1, min_replicas=1, max_replicas=4,
                                              target_ongoing_requests=20, num_cpus=0.5))
     assert (scaled["autoscaling_config"]["max_replicas"], scaled["max_ongoing_requests"]) == (4, 40)
     assert scaled["ray_actor_options"] == {"num_cpus": 0.5}
     assert scaled["autoscaling_config"]["initial_replicas"] == 1
     quick = deployment_options(GraderConfig(upscale_delay_s=1, downscale_delay_s=2,
-                                            look_back_period_s=12))["autoscaling_config"]
-    assert (quick["upscale_delay_s"], quick["downscale_delay_s"], quick["look_back_period_s"]) == (
-        1, 2, 12)
+                                            look_back_period_s=12, metrics_interval_s=1))["autoscaling_config"]
+    assert (quick["upscale_delay_s"], quick["downscale_delay_s"], quick["look_back_period_s"],
+            quick["metrics_interval_s"]) == (1, 2, 12, 1)
 
 
 def test_grader_defaults_are_serves_autoscaling_defaults():
@@ -182,7 +182,7 @@ def test_grader_defaults_are_serves_autoscaling_defaults():
     from ray.serve.config import AutoscalingConfig
 
     serve_defaults, ours = AutoscalingConfig(), GraderConfig()
-    for name in ("upscale_delay_s", "downscale_delay_s", "look_back_period_s"):
+    for name in ("upscale_delay_s", "downscale_delay_s", "look_back_period_s", "metrics_interval_s"):
         assert getattr(ours, name) == getattr(serve_defaults, name), name
 
 
