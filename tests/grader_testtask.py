@@ -151,7 +151,7 @@ def char_share_grader(**kwargs) -> Iterator[tuple[RunningServer, CharShareCore]]
 
 # ------------------------------------------------------------------ runs against it
 # Settings under which the tiny random model of configs/smoke.yaml learns this task in a few
-# steps (measured: tests/test_learning_e2e.py's docstring). At temperature 1 its output head caps
+# steps (measured: tests/test_train_e2e.py, RISE). At temperature 1 its output head caps
 # every logit gap near 1.3 over a 49k vocabulary (no policy can favour anything); sampling (and
 # the learner's log-softmax) at T = 0.1 widens the gaps tenfold, the model then repeats one word
 # per completion, and GRPO moves it toward words with more vowels.

@@ -9,54 +9,72 @@ a pipe: export, hold (merge an adapter), use (W0 or the held adapter), stop.
 
 from __future__ import annotations
 
+import os
 import pickle
 import tempfile
 from types import SimpleNamespace
 
 
 def build_vllm_model(model_dir: str, dtype: str):
-    """vLLM's model for ``model_dir`` on the CPU, its weights loaded by its own loader."""
-    from config.runtime_env import apply_defaults
-
-    apply_defaults()
+    """vLLM's model for ``model_dir`` on the CPU, its weights loaded by its own loader (after
+    ``init_vllm_distributed``, once per process)."""
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     config = EngineArgs(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=512).create_engine_config()
     with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tempfile.mktemp(prefix='cp-owner-')}")
-        initialize_model_parallel(1, 1)
         with set_default_torch_dtype(config.model_config.dtype):  # as vLLM's loader builds it
             model = initialize_model(vllm_config=config)
         model.load_weights(load_file(f"{model_dir}/model.safetensors").items())
     return model, config
 
 
-def serve(conn, model_dir: str, dtype: str) -> None:
+def init_vllm_distributed(model_dir: str) -> None:
+    """vLLM's one-rank process group, as a worker sets it up before it builds its model."""
+    from config.runtime_env import apply_defaults
+
+    apply_defaults()
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(model=model_dir, enforce_eager=True, max_model_len=512).create_engine_config()
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{tempfile.mktemp(prefix='cp-owner-')}")
+        initialize_model_parallel(1, 1)
+
+
+def serve(conn, model_dir: str, dtypes: list[str]) -> None:
+    """One worker per dtype in one process (vLLM's import and process group are the slow part of
+    starting one); a command names the dtype whose worker runs it."""
     from vllm.config import set_current_vllm_config
 
     from rollout.engines.vllm_merge import MergedLoraExtension
 
-    model, config = build_vllm_model(model_dir, dtype)
+    init_vllm_distributed(model_dir)
+    workers = {}
+    for dtype in dtypes:
+        model, config = build_vllm_model(model_dir, dtype)
 
-    class Worker(MergedLoraExtension):  # what vLLM's Worker gives the extension
-        model_runner = SimpleNamespace(get_model=lambda: model)
-        model_config = SimpleNamespace(model=model_dir)
+        class Worker(MergedLoraExtension):  # what vLLM's Worker gives the extension
+            model_runner = SimpleNamespace(get_model=lambda model=model: model)
+            model_config = SimpleNamespace(model=model_dir)
 
-    worker = Worker()
+        workers[dtype] = (Worker(), model, config)
     conn.send(("ready", None))
-    with set_current_vllm_config(config):
-        while True:
-            cmd, *args = conn.recv()
-            try:
-                if cmd == "stop":
-                    conn.send(("ok", None))
-                    return
+    while True:
+        dtype, cmd, *args = conn.recv()
+        try:
+            if cmd == "stop":  # at once: vLLM's process group otherwise holds the exit ~30 s
+                conn.send(("ok", None))
+                conn.close()
+                os._exit(0)
+            worker, model, config = workers[dtype]
+            with set_current_vllm_config(config):
                 if cmd == "export":
                     out = pickle.loads(worker.counterpoint_export_base())
                 elif cmd == "hold":
@@ -67,20 +85,20 @@ def serve(conn, model_dir: str, dtype: str) -> None:
                     out = dict(model.named_parameters())[args[0]].detach().clone()
                 else:
                     raise ValueError(f"unknown command {cmd!r}")
-                conn.send(("ok", out))
-            except Exception as err:  # noqa: BLE001 - the test sees it
-                conn.send(("error", f"{type(err).__name__}: {err}"))
+            conn.send(("ok", out))
+        except Exception as err:  # noqa: BLE001 - the test sees it
+            conn.send(("error", f"{type(err).__name__}: {err}"))
 
 
 class Owner:
-    """The owner process, as the test talks to it."""
+    """The owner process, as the test talks to it: ``view(dtype)`` is one of its workers."""
 
-    def __init__(self, model_dir: str, dtype: str):
+    def __init__(self, model_dir: str, dtypes: list[str]):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child, model_dir, dtype), daemon=True)
+        self.proc = ctx.Process(target=serve, args=(child, model_dir, list(dtypes)), daemon=True)
         self.proc.start()
         self._answer(timeout=300)
 
@@ -92,9 +110,41 @@ class Owner:
             raise RuntimeError(out)
         return out
 
-    def call(self, cmd: str, *args):
-        self.conn.send((cmd, *args))
+    def call_as(self, dtype: str, cmd: str, *args):
+        self.conn.send((dtype, cmd, *args))
         return self._answer()
+
+    def view(self, dtype: str) -> OwnerWorker:
+        return OwnerWorker(self, dtype)
+
+    def stop(self) -> None:
+        import time
+
+        try:
+            self.call_as("", "stop")
+        finally:
+            # polled, not join(): the owner's torch_shm_manager (the file_system strategy's
+            # daemon) inherits the pipe join() waits on and outlives the owner, so join() would
+            # sit out its whole timeout on an owner that has already exited
+            deadline = time.monotonic() + 30
+            while self.proc.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+class OwnerWorker:
+    """One dtype's worker in the owner process."""
+
+    def __init__(self, owner: Owner, dtype: str):
+        self.owner, self.dtype = owner, dtype
+
+    @property
+    def proc(self):
+        return self.owner.proc
+
+    def call(self, cmd: str, *args):
+        return self.owner.call_as(self.dtype, cmd, *args)
 
     def hold(self, payload) -> None:
         import json
@@ -107,11 +157,3 @@ class Owner:
             self.call("hold", path, json.dumps(payload.config), payload.version)
         finally:
             os.unlink(path)
-
-    def stop(self) -> None:
-        try:
-            self.call("stop")
-        finally:
-            self.proc.join(30)
-            if self.proc.is_alive():
-                self.proc.kill()

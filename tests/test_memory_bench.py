@@ -176,10 +176,12 @@ def fake_smi(tmp_path, monkeypatch):
 
 def test_a_sampled_run_sees_its_child_leaves_out_what_was_there_and_stops_one_past_its_time(tmp_path, fake_smi):
     apps, gpu = fake_smi
+    # Each state lasts 1.5 s: every sample spawns the fake nvidia-smi, which a loaded 2-core box
+    # (the full suite beside other work) slowed past a 0.6 s window once
     child = ("import os, time, sys\n"
-             f"open({str(apps)!r}, 'a').write(f'{{os.getpid()}}, 1024\\n'); time.sleep(0.6)\n"
+             f"open({str(apps)!r}, 'a').write(f'{{os.getpid()}}, 1024\\n'); time.sleep(1.5)\n"
              f"open({str(apps)!r}, 'a').write(f'{{os.getpid()}}, 2048\\n'); open({str(gpu)!r}, 'w').write('9000\\n')\n"
-             "time.sleep(0.6)\n")
+             "time.sleep(1.5)\n")
     t = time.monotonic()
     sampler, rc = measure([sys.executable, "-c", child], dict(os.environ), tmp_path / "run.log", 30, 0.1, None)
     assert rc == 0 and time.monotonic() - t < 20

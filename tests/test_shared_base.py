@@ -55,13 +55,21 @@ def run_config(model_dir, dtype: str) -> RunConfig:
     })
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def owner(request):
+DTYPES = ["float32", "bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def owner_process():
     from tests.shared_base_owner import Owner
 
-    proc = Owner(str(tiny_dir()), request.param)
-    yield request.param, proc
+    proc = Owner(str(tiny_dir()), DTYPES)
+    yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="module", params=DTYPES)
+def owner(request, owner_process):
+    return request.param, owner_process.view(request.param)
 
 
 def learners(dtype: str, owner_proc):
