@@ -1,8 +1,9 @@
 """Grader counters and Prometheus metrics (DESIGN.md "Prometheus metric names").
 
-- `counterpoint_grader_requests_total{task, verdict}`: completions scored; `verdict` is bounded to
-  `admitted` | `structure` (format or structure gate failed) | `rule_failure` (a part-writing rule
-  rejected it). Never a per-request label.
+- `counterpoint_grader_requests_total{task, verdict}`: completions scored; `verdict` is bounded by
+  the task's profile (graders/tasks.py ``verdict_label``): voice-leading's `admitted` | `structure`
+  (format or structure gate failed) | `rule_failure` (a part-writing rule rejected it), code-exec's
+  script status. Never a per-request label.
 - `counterpoint_grader_latency_seconds{task, rpc}`: wall time per RPC (`rpc` is one of the four
   method names).
 Code-exec (graders/code_exec/service.py), one sample per script:
@@ -33,17 +34,8 @@ _GRADER = GraderConfig()  # the schema's defaults: declared there, read here
 # A script's statuses, and "overloaded": no execution slot freed up in time (nothing ran).
 EXEC_STATUSES = (*SCRIPT_STATUSES, "overloaded")
 ISOLATION_LEVELS = ("none", "namespaces")  # graders/code_exec/sandbox.py LEVELS, in order
-VERDICT_CLASSES = ("admitted", "structure", "rule_failure", *SCRIPT_STATUSES)
 EXEC_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 WAIT_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120)
-
-
-def verdict_class(verdict: str) -> str:
-    """Map a verdict string to a bounded label value: voice-leading's admitted | structure |
-    rule_failure (any rule list), or code-exec's status (its verdict is its status)."""
-    if verdict in ("admitted", "structure") or verdict in SCRIPT_STATUSES:
-        return verdict
-    return "rule_failure"
 
 
 @dataclass
@@ -208,9 +200,12 @@ def set_isolation(task: str, level: str) -> None:
 
 
 def observe_scores(task: str, verdicts: list[str]) -> None:
+    from graders.tasks import task_profile
+
     requests, _ = prometheus_metrics()
+    profile = task_profile(task)
     for verdict in verdicts:
-        requests.labels(task=task, verdict=verdict_class(verdict)).inc()
+        requests.labels(task=task, verdict=profile.verdict_label(verdict)).inc()
 
 
 def observe_latency(task: str, rpc: str, seconds: float) -> None:

@@ -22,6 +22,8 @@ task (no pool loaded, no sandbox started: the grader may run elsewhere):
     ladder(cfg, case_id)         the case's reference ladder ({} when the task has none)
     opening_of(completion)       an eval completion's opening, where the grader's Score gave none
     test_reward(metric, value)   a held-out test metric as a reward (tasks graded on test rows)
+    verdict_label(verdict)       a Score's verdict as the bounded `verdict` label of
+                                 counterpoint_grader_requests_total (``verdict_labels``: all of them)
     probe_messages / probe_options   the five-options probe (`counterpoint probe-options`)
 
 A task registers its profile with ``@register_profile``; a task without one (a ``module:factory``
@@ -99,10 +101,17 @@ class TaskProfile:
 
     name = ""
     has_probe = False
+    # The values of counterpoint_grader_requests_total's `verdict` label for this task: bounded,
+    # whatever a completion says. A task without a profile gets admitted | rejected.
+    verdict_labels: tuple[str, ...] = ("admitted", "rejected")
 
     def check_pool(self, cfg: Any) -> None:
         """Raise (ValueError, OSError) when the pool a grader built from GraderConfig ``cfg`` would
         serve does not load; the first line of the message is what preflight prints."""
+
+    def verdict_label(self, verdict: str) -> str:
+        """A Score's verdict as one of ``verdict_labels``."""
+        return "admitted" if verdict == "admitted" else "rejected"
 
     def ladder(self, cfg: Any, case_id: str) -> dict[str, Any]:
         """The case's reference ladder, {rung: {"val_metric", "test_metric", ...}}; {} = none."""

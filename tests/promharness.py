@@ -420,6 +420,7 @@ def run_demo_exporter(
     from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
     from graders import metrics as grader_metrics
+    from graders.tasks import task_profile
     from services.metrics import TrainerMetrics
 
     trainer = TrainerMetrics(host="127.0.0.1", port=0)
@@ -496,7 +497,7 @@ def run_demo_exporter(
             part = RECOVERY_PARTS[(step // 5) % len(RECOVERY_PARTS)]
             recoveries.record(part, step, f"demo: {part} failed, recovered", 1.5)
         for verdict in verdicts:
-            ray_requests.labels(task="voice-leading", verdict=grader_metrics.verdict_class(verdict)).inc()
+            ray_requests.labels(task="voice-leading", verdict=task_profile("voice-leading").verdict_label(verdict)).inc()
         time.sleep(step_interval_s)
 
 

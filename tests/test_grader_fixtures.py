@@ -20,7 +20,8 @@ from graders.voice_leading.pool import (
     read_fixture,
     require_pool,
 )
-from graders.metrics import Counters, verdict_class
+from graders.metrics import Counters
+from graders.tasks import task_profile
 from graders.voice_leading import VOCABULARY, named_chord_count, parse_chord_symbol
 
 SHARED_FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "progressions-v1.json"
@@ -242,9 +243,27 @@ def test_counters_and_verdict_classes():
     assert counters.snapshot() == {
         "scored": 2, "unparsed": 1, "admitted": 1, "first_measure_wrong": 1,
     }
-    assert [verdict_class(v) for v in ("admitted", "structure", "parallels,hidden")] == [
+    voice = task_profile("voice-leading")
+    assert [voice.verdict_label(v) for v in ("admitted", "structure", "parallels,hidden")] == [
         "admitted", "structure", "rule_failure",
-    ]
+    ] == list(voice.verdict_labels)
+
+
+def test_every_task_bounds_its_verdict_label():
+    """counterpoint_grader_requests_total's `verdict` is the task's bounded label: code-exec's
+    script status (and nothing else), vowel-share's admitted | share, and admitted | rejected for
+    a task without a profile (a test task, a module:factory)."""
+    from records.exec_result import EXEC_STATUSES
+
+    code = task_profile("code-exec")
+    assert [code.verdict_label(s) for s in EXEC_STATUSES] == list(EXEC_STATUSES) == list(code.verdict_labels)
+    with pytest.raises(ValueError, match="not a script status"):
+        code.verdict_label("parallels")
+    vowel = task_profile("vowel-share")
+    assert {vowel.verdict_label(v) for v in ("admitted", "share", "anything")} == set(vowel.verdict_labels)
+    bare = task_profile("no-such-task")
+    assert [bare.verdict_label(v) for v in ("admitted", "share", "parallels,hidden")] == [
+        "admitted", "rejected", "rejected"] and bare.verdict_labels == ("admitted", "rejected")
 
 
 def test_bars_cuts_every_progression_and_its_prompt():

@@ -251,7 +251,9 @@ class GraderFeed:
         self.ids = _pool_ids_by_prompt()
 
     def feed(self) -> None:
-        from graders.metrics import verdict_class
+        from graders.tasks import task_profile
+
+        verdict_class = task_profile("voice-leading").verdict_label
 
         for step in trained_steps(self.run_dir):
             if step in self.fed:

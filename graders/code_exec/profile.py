@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from graders.tasks import TaskProfile, register_profile
+from records.exec_result import EXEC_STATUSES
 
 NAME = "code-exec"  # graders/code_exec/service.py registers the task under the same name
 log = logging.getLogger("counterpoint.grader")
@@ -18,6 +19,12 @@ log = logging.getLogger("counterpoint.grader")
 @register_profile
 class CodeExecProfile(TaskProfile):
     name = NAME
+    verdict_labels = EXEC_STATUSES  # a script's verdict is its status
+
+    def verdict_label(self, verdict: str) -> str:
+        if verdict not in EXEC_STATUSES:
+            raise ValueError(f"code-exec verdict {verdict!r} is not a script status {EXEC_STATUSES}")
+        return verdict
 
     def ladder(self, cfg: Any, case_id: str) -> dict[str, Any]:
         """The case's entry of the tasks' reference ladder (ladder.json beside the tasks, written

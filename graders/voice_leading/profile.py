@@ -14,6 +14,12 @@ from graders.voice_leading.task import NAME
 class VoiceLeadingProfile(TaskProfile):
     name = NAME
     has_probe = True
+    # admitted, a format or structure gate failed, or a part-writing rule rejected it (the
+    # verdict is then the list of rules, unbounded: one label for all of them)
+    verdict_labels = ("admitted", "structure", "rule_failure")
+
+    def verdict_label(self, verdict: str) -> str:
+        return verdict if verdict in ("admitted", "structure") else "rule_failure"
 
     def check_pool(self, cfg: Any) -> None:
         """Both splits load (the fixtures exist, parse and fit voices, style and bars)."""

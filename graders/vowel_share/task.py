@@ -78,6 +78,10 @@ class VowelShareProfile(TaskProfile):
     """Nothing for the driver to check or ask: the pool is generated, there are no openings."""
 
     name = NAME
+    verdict_labels = ("admitted", "share")  # admitted, or its share fell short
+
+    def verdict_label(self, verdict: str) -> str:
+        return "admitted" if verdict == "admitted" else "share"
 
 
 @register_task(NAME)
