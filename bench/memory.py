@@ -372,12 +372,20 @@ def stop_group(proc: subprocess.Popen) -> None:
             continue
 
 
+def _default_sigint() -> None:
+    """In the run's process, before it execs: SIGINT back to its default. A bench started in the
+    background of a non-interactive shell (`nohup ... &`, session.sh) has SIGINT ignored, and
+    the run would inherit that and never hear stop_group's SIGINT (its clean shutdown)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def measure(cmd: list[str], env: dict[str, str], log: Path, timeout: float, interval: float,
             watch: Callable[[float], None] | None) -> tuple[Sampler, int | str]:
     """Runs ``cmd`` with the GPU sampled; returns the sampler and the exit code ("timeout")."""
     sampler = Sampler(interval=interval, exclude=gpu_pids() | {os.getpid()}, watch=watch).start()
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_default_sigint)
         try:
             rc: int | str = proc.wait(timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
