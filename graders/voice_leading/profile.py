@@ -19,7 +19,7 @@ class VoiceLeadingProfile(TaskProfile):
     verdict_labels = ("admitted", "structure", "rule_failure")
 
     def verdict_label(self, verdict: str) -> str:
-        return verdict if verdict in ("admitted", "structure") else "rule_failure"
+        return verdict if verdict in self.verdict_labels[:2] else self.verdict_labels[2]
 
     def check_pool(self, cfg: Any) -> None:
         """Both splits load (the fixtures exist, parse and fit voices, style and bars)."""
