@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from config.grader import GraderConfig
 from config.learner import LearnerConfig
+from config.liveness import LivenessConfig
 from config.rollout import ModelConfig, RolloutConfig
 from config.search import SearchConfig
 
@@ -135,6 +136,11 @@ class RunConfig(BaseModel):
                              description="The held-out eval of `counterpoint train` and `counterpoint eval`.")
     search: SearchConfig = Field(
         default_factory=SearchConfig, description="Tree search (used when trainer.rollout_mode is 'tree')."
+    )
+    liveness: LivenessConfig = Field(
+        default_factory=LivenessConfig,
+        description="When a learner worker or rollout replica that makes no progress counts as failed "
+        "and is replaced (config/liveness.py).",
     )
     gpu_memory_gib: float | None = Field(
         None, gt=0, description="The GPU memory (GiB) the whole run may take on the ONE GPU its rollout "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
 import uuid
@@ -33,8 +34,11 @@ import ray
 from learner import checkpoint
 from learner.protocol import Command, Failed, Init, Save, Saved, Step, Stop
 from learner.files import pack, write_bundle
+from learner.progress import ProgressBook
 from learner.types import InitInfo, StepResult, TrainBatch
 from config.runtime_env import apply_defaults
+
+log = logging.getLogger(__name__)
 
 
 @ray.remote(num_cpus=0)
@@ -48,13 +52,24 @@ class LearnerCoordinator:
         self.results: dict[int, Any] = {}
         self.files: dict[int, dict[int, list]] = {}  # command index -> rank -> [ref of its bundle]
         self.workers: dict[int, dict] = {}  # rank -> {"node_id", "pid"}
+        self.actors: dict[int, Any] = {}  # rank -> the worker's actor handle (to kill a frozen one)
+        self.progress_book = ProgressBook(world_size)
         self.changed = asyncio.Condition()
 
-    async def hello(self, rank: int, node_id: str, pid: int) -> None:
+    async def hello(self, rank: int, node_id: str, pid: int, actor: Any = None) -> None:
         self.workers[rank] = {"rank": rank, "node_id": node_id, "pid": pid}
+        if actor is not None:
+            self.actors[rank] = actor
 
     async def where(self) -> list[dict]:
         return [self.workers[r] for r in sorted(self.workers)]
+
+    async def worker_actors(self) -> dict[int, Any]:
+        return dict(self.actors)
+
+    async def progress(self, rank: int, index: int) -> None:
+        """A worker finished a micro-batch of command ``index`` (sent without waiting)."""
+        self.progress_book.heard(rank, index, time.monotonic())
 
     async def put_files(self, index: int, rank: int, box: list) -> None:
         async with self.changed:
@@ -65,10 +80,12 @@ class LearnerCoordinator:
         async with self.changed:
             self.commands.append(command)
             self.taken.append(0)
+            self.progress_book.sent(len(self.commands) - 1, time.monotonic(), judged=isinstance(command, Step))
             self.changed.notify_all()
             return len(self.commands) - 1
 
     async def next_command(self, index: int, rank: int) -> Command:
+        self.progress_book.asked(rank, index, time.monotonic())
         async with self.changed:
             await self.changed.wait_for(lambda: len(self.commands) > index)
             cmd = self.commands[index]
@@ -82,22 +99,29 @@ class LearnerCoordinator:
             self.results.setdefault(index, result)  # a worker's error report wins if it came first
             self.changed.notify_all()
 
-    async def get_result(self, index: int, timeout_s: float, with_files: bool = False) -> tuple[bool, Any, list]:
-        """(done, answer, [the ranks' bundle refs]); with ``with_files`` done waits for every rank's
-        files too (a Failed answer ends the wait at once)."""
+    async def get_result(self, index: int, timeout_s: float, with_files: bool = False) -> tuple[bool, Any, list, dict]:
+        """(done, answer, [the ranks' bundle refs], progress); with ``with_files`` done waits for
+        every rank's files too (a Failed answer ends the wait at once). ``progress``: how long the
+        quietest rank still on the command has made none, and the run's slowest interval
+        between two reports (learner/progress.py), measured on this actor's clock."""
         def ready() -> bool:
             if index not in self.results:
                 return False
             return (not with_files or isinstance(self.results[index], Failed)
                     or len(self.files.get(index, {})) >= self.world_size)
 
+        def progress() -> dict:
+            quiet_s, ranks = self.progress_book.quiet(index, time.monotonic())
+            return {"quiet_s": quiet_s, "quiet_ranks": ranks,
+                    "slowest_interval_s": self.progress_book.slowest_interval_s}
+
         async with self.changed:
             try:
                 await asyncio.wait_for(self.changed.wait_for(ready), timeout_s)
             except asyncio.TimeoutError:
-                return False, None, []
+                return False, None, [], progress()
             boxes = self.files.pop(index, {})
-            return True, self.results.pop(index), [boxes[r] for r in sorted(boxes)]
+            return True, self.results.pop(index), [boxes[r] for r in sorted(boxes)], progress()
 
 
 def _state_api_answers() -> bool:
@@ -136,11 +160,14 @@ def _trainer_class(torch_trainer):
 
 class LearnerLost(RuntimeError):
     """The learner cannot answer: ``kind`` says how it was lost, ``detail`` (a traceback for
-    "worker_error") says what was seen."""
+    "worker_error") says what was seen, ``quiet_s`` how long before it was seen the learner
+    last made progress (0.0 when unknown: it was not in a step)."""
 
-    def __init__(self, kind: str, message: str, detail: str = "") -> None:
+    def __init__(self, kind: str, message: str, detail: str = "", quiet_s: float = 0.0,
+                 deadline_s: float | None = None) -> None:
         super().__init__(message)
-        self.kind, self.detail = kind, detail or message
+        self.kind, self.detail, self.quiet_s = kind, detail or message, quiet_s
+        self.deadline_s = deadline_s  # the stall deadline that ran out ("stalled" only)
 
 
 def _bundle_ref(path: Path | None) -> list | None:
@@ -175,6 +202,9 @@ class LearnerJob:
         self._thread: threading.Thread | None = None
         self._fit_error: BaseException | None = None
         self._init: tuple[int, float] | None = None  # (Init's index in the log, when it was sent) until started()
+        # The longest a step went quiet and then went on by itself past liveness.notice_s
+        # (seconds, quiet ranks), for the caller to record; None when the last step did not.
+        self.last_stall: tuple[float, list[int]] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -278,21 +308,44 @@ class LearnerJob:
             raise RuntimeError("LearnerJob.start() was not called (or the job was stopped)")
         what = type(command).__name__.lower()
         with_files = isinstance(command, (Init, Save))
+        liveness = self.run_cfg.liveness
+        quiet_s, noticed = 0.0, 0.0
+        self.last_stall = None
         try:
             while True:
-                done, result, boxes = ray.get(self._coord.get_result.remote(index, 1.0, with_files))
+                done, result, boxes, progress = ray.get(self._coord.get_result.remote(index, 1.0, with_files))
                 if done:
                     break
+                quiet_s, ranks = progress["quiet_s"], progress["quiet_ranks"]
+                slowest = progress["slowest_interval_s"]
+                deadline = liveness.deadline_s(slowest)
                 if self._thread is not None and not self._thread.is_alive():
                     raise LearnerLost("train_run_ended", f"the learner's Ray Train run ended during {what!r}: "
-                                      f"{self._fit_error!r}"[:2000])
+                                      f"{self._fit_error!r}"[:2000], quiet_s=quiet_s)
+                if quiet_s > deadline:
+                    self._kill_workers()
+                    raise LearnerLost("stalled", f"learner rank {ranks} made no progress in {what!r} for "
+                                      f"{quiet_s:.0f} s (deadline {deadline:.0f} s: liveness.factor "
+                                      f"{liveness.factor:g} x its slowest interval {slowest:.1f} s, floor "
+                                      f"{liveness.floor_s:g} s); its workers were killed", quiet_s=quiet_s,
+                                      deadline_s=deadline)
+                if liveness.notice_due(quiet_s, slowest):
+                    if not noticed:
+                        log.warning("learner rank %s has made no progress in %r for %.0f s (stalled at %.0f s)",
+                                    ranks, what, quiet_s, deadline)
+                    noticed = max(noticed, quiet_s)
+                    self.last_stall = (noticed, ranks)
                 if time.monotonic() > since + timeout_s:
-                    raise LearnerLost("timeout", f"learner command {what!r} took more than {timeout_s:.0f} s")
+                    raise LearnerLost("timeout", f"learner command {what!r} took more than {timeout_s:.0f} s",
+                                      quiet_s=quiet_s)
         except RayActorError as err:
-            raise LearnerLost("coordinator_lost", f"the learner's coordinator died during {what!r}: {err}") from None
+            raise LearnerLost("coordinator_lost", f"the learner's coordinator died during {what!r}: {err}",
+                              quiet_s=quiet_s) from None
         if isinstance(result, Failed):
             raise LearnerLost("worker_error", f"learner command {what!r} failed in {result.where}:\n{result.traceback}",
-                              detail=result.traceback)
+                              detail=result.traceback, quiet_s=quiet_s)
+        if noticed:
+            log.warning("learner went on in %r after %.0f s without progress", what, noticed)
         # Every rank's part of what the command wrote (rank 0 the adapter, each rank its shard of
         # the checkpoint), merged first: a checkpoint directory is written once, whole.
         merged: dict[str, bytes] = {}
@@ -303,6 +356,20 @@ class LearnerJob:
         if merged:
             write_bundle(merged, self.run_dir)
         return result
+
+    def _kill_workers(self) -> None:
+        """Kill every worker of this job (a frozen process answers nothing, Stop included): the
+        Train run then ends and the caller restores the learner as after a crash."""
+        try:
+            actors = ray.get(self._coord.worker_actors.remote(), timeout=30)
+        except Exception as err:  # the coordinator is gone too: stop() cleans up what is left
+            log.warning("could not reach the learner's coordinator to kill its workers: %s", err)
+            return
+        for rank, actor in sorted(actors.items()):
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as err:
+                log.warning("killing learner rank %d failed: %s", rank, err)
 
     def workers(self) -> list[dict]:
         """Where the workers run: [{"rank", "node_id", "pid"}] (empty before they start)."""

@@ -253,11 +253,17 @@ def response_logprobs(
     return out
 
 
+def _no_report() -> None:
+    """The default progress report of a pass: nothing (learner/worker.py reports to the driver)."""
+
+
 @torch.no_grad()
 def old_log_prob(
-    model, mbs: list[MicroBatch], temperature: float, with_entropy: bool, amp_dtype: torch.dtype | None = None
+    model, mbs: list[MicroBatch], temperature: float, with_entropy: bool, amp_dtype: torch.dtype | None = None,
+    report: Callable[[], None] = _no_report,
 ) -> tuple[list[torch.Tensor], dict[str, float], float]:
-    """Pre-update log-probs per micro-batch, rollout-agreement sums, and the entropy token sum."""
+    """Pre-update log-probs per micro-batch, rollout-agreement sums, and the entropy token sum;
+    ``report()`` after each micro-batch (progress, config/liveness.py)."""
     olds, sums = [], {}
     for mb in mbs:
         logp, ent = forward_logprobs(model, mb, temperature, "detached" if with_entropy else "none", amp_dtype)
@@ -265,17 +271,23 @@ def old_log_prob(
         sums = merge_sums(sums, rollout_mismatch_sum_tensors(mb.rollout_logprobs, logp, mb.mask))
         if ent is not None:
             sums = merge_sums(sums, {"entropy": (ent * mb.mask).sum()})
+        report()
     floats = as_floats(sums)
     return olds, {k: v for k, v in floats.items() if k != "entropy"}, floats.get("entropy", 0.0)
 
 
 @torch.no_grad()
 def ref_log_prob(
-    lm, peft_model, mbs: list[MicroBatch], temperature: float, amp_dtype: torch.dtype | None = None
+    lm, peft_model, mbs: list[MicroBatch], temperature: float, amp_dtype: torch.dtype | None = None,
+    report: Callable[[], None] = _no_report,
 ) -> list[torch.Tensor]:
     """Reference log-probs: the same model (``lm`` wraps ``peft_model``) with the adapter off."""
+    refs = []
     with peft_model.disable_adapter():
-        return [forward_logprobs(lm, mb, temperature, amp_dtype=amp_dtype)[0] for mb in mbs]
+        for mb in mbs:
+            refs.append(forward_logprobs(lm, mb, temperature, amp_dtype=amp_dtype)[0])
+            report()
+    return refs
 
 
 @dataclass
@@ -339,6 +351,7 @@ def update_actor(
     entropy_bonus: bool,
     amp_dtype: torch.dtype | None = None,
     scorer: Scorer | None = None,
+    report: Callable[[], None] = _no_report,
 ) -> UpdateResult:
     """``epochs`` optimizer steps over the shard, gradients accumulated over micro-batches.
 
@@ -346,7 +359,7 @@ def update_actor(
     runs before the only optimizer step, so its detached log-probs ARE the pre-update policy.
     ``scorer(model, mb, temperature, entropy, amp_dtype)`` computes a micro-batch's log-probs and
     entropies with the gradient path (default ``forward_logprobs``; learner/graphed.py replays
-    captured graphs). Metric sums stay on the device until the end: one host transfer per step,
+    captured graphs). ``report()`` after each micro-batch's backward (progress). Metric sums stay on the device until the end: one host transfer per step,
     not a few dozen syncs per micro-batch that would keep the host from running ahead.
     """
     if old is None and epochs != 1:
@@ -380,6 +393,7 @@ def update_actor(
                 sync.backward(out.loss, i == len(mbs) - 1)
             epoch_loss = out.loss.detach() if epoch_loss is None else epoch_loss + out.loss.detach()
             sums = merge_sums(sums, out.sum_tensors)
+            report()
         with record_function("cp.optimizer"):
             grad_norm = sync.step()
         losses.append(epoch_loss)

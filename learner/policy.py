@@ -15,6 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -188,6 +189,9 @@ class PolicyLearner:
         self.lm = SharedPrefixLM(self.peft_model)  # the forward every phase runs
         self.model, self.grad_sync = self._wrap(self.lm)
         self.step_count = 0
+        # Called after every micro-batch of every pass: learner/worker.py reports it to the
+        # driver, which tells a slow step from a frozen worker (config/liveness.py).
+        self.report_progress: Callable[[], None] = lambda: None
         self.lr_rebase_note: str | None = None
         self.data_position: dict[str, Any] | None = None
         self.resumed_sha256: str | None = None
@@ -311,7 +315,8 @@ class PolicyLearner:
         old, rollout_sums, ent_sum = None, {}, 0.0
         if not fold:
             self.peft_model.eval()
-            old, rollout_sums, ent_sum = old_log_prob(self.lm, mbs, temp, gate_needs_entropy, self.amp_dtype)
+            old, rollout_sums, ent_sum = old_log_prob(self.lm, mbs, temp, gate_needs_entropy, self.amp_dtype,
+                                                      self.report_progress)
             phases["old_log_prob"] = time.perf_counter() - t
         bonus = cfg.entropy_coef > 0
         if gate_needs_entropy:
@@ -322,7 +327,7 @@ class PolicyLearner:
         ref = None
         if cfg.beta > 0:
             self.peft_model.eval()
-            ref = ref_log_prob(self.lm, self.peft_model, mbs, temp, self.amp_dtype)
+            ref = ref_log_prob(self.lm, self.peft_model, mbs, temp, self.amp_dtype, self.report_progress)
             phases["ref"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -331,7 +336,7 @@ class PolicyLearner:
         res = update_actor(
             self.model, mbs, self.grad_sync, norm, ObjectiveParams.from_config(cfg),
             temperature=temp, epochs=cfg.epochs_per_step, old=old, ref=ref, entropy_bonus=bonus,
-            amp_dtype=self.amp_dtype, scorer=scorer,
+            amp_dtype=self.amp_dtype, scorer=scorer, report=self.report_progress,
         )
         self.scheduler.step()
         self.step_count += 1

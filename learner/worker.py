@@ -103,6 +103,21 @@ def handle(learner: PolicyLearner, cmd: Command, run_dir: Path) -> Answer:
     raise ValueError(f"unknown learner command {cmd!r}")
 
 
+class ProgressReport:
+    """A micro-batch done, told to the coordinator without waiting for it (learner/progress.py),
+    at most every ``every_s``: a frozen worker tells nothing, and the driver notices."""
+
+    def __init__(self, coord, rank: int, index: Callable[[], int], every_s: float = 0.25) -> None:
+        self.coord, self.rank, self.index, self.every_s = coord, rank, index, every_s
+        self.last = 0.0
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self.last = now
+            self.coord.progress.remote(self.rank, self.index())
+
+
 def _unpacked(box: list | None, where: Path) -> Path | None:
     """A bundle the driver left in the object store (boxed in a list), written under ``where``."""
     import ray
@@ -130,7 +145,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     out = stage / "out"
     index = 0
     try:
-        ray.get(coord.hello.remote(rank, ray.get_runtime_context().get_node_id(), os.getpid()))
+        ray.get(coord.hello.remote(rank, ray.get_runtime_context().get_node_id(), os.getpid(),
+                                   ray.get_runtime_context().current_actor))
         device = ray.train.torch.get_device() if cfg.use_gpu else torch.device("cpu")
         init_adapter = _unpacked(config.get("init_adapter"), stage / "in" / "init_adapter")
         resume_from = _unpacked(config.get("resume_from"), stage / "in" / "checkpoint")
@@ -139,6 +155,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             init_adapter=init_adapter, resume_from=resume_from,
             shared_base=config.get("shared_base"), share_required=bool(config.get("share_required")),
         )
+        learner.report_progress = ProgressReport(coord, rank, lambda: index)
         while True:
             cmd = ray.get(coord.next_command.remote(index, rank))
             if isinstance(cmd, Stop):

@@ -32,6 +32,7 @@ from dataclasses import replace
 import ray
 from ray import serve
 
+from config.liveness import LivenessConfig
 from config.rollout import ModelConfig, RolloutConfig
 from rollout.registry import AdapterUnavailableError, RegistryState
 from model.adapter import AdapterPayload, AdapterRef
@@ -78,18 +79,20 @@ class AdapterRegistry:
     async def latest(self) -> int:
         return self.state.latest
 
-    async def heartbeat(self, replica_id: str, actor_name: str, version: int, tokens: int, node_id: str = "") -> int:
-        self.state.heartbeat(replica_id, actor_name, version, tokens, time.monotonic(), node_id)
+    async def heartbeat(self, replica_id: str, actor_name: str, version: int, tokens: int, node_id: str = "",
+                        busy_s: float = 0.0, slowest_call_s: float = 0.0) -> int:
+        self.state.heartbeat(replica_id, actor_name, version, tokens, time.monotonic(), node_id, busy_s,
+                             slowest_call_s)
         await self._notify()
         return self.state.latest
 
     async def wait_newer(
         self, replica_id: str, actor_name: str, held: int, tokens: int, newer_than: int, timeout: float,
-        node_id: str = "",
+        node_id: str = "", busy_s: float = 0.0, slowest_call_s: float = 0.0,
     ) -> int:
         """Heartbeat (`held` = the version the replica serves), then return the latest version
         as soon as it is newer than `newer_than` (or after `timeout`)."""
-        await self.heartbeat(replica_id, actor_name, held, tokens, node_id)
+        await self.heartbeat(replica_id, actor_name, held, tokens, node_id, busy_s, slowest_call_s)
         async with self.changed:
             try:
                 await asyncio.wait_for(
@@ -110,6 +113,13 @@ class AdapterRegistry:
                 except asyncio.TimeoutError:
                     pass
         return {"ok": True, "seconds": time.monotonic() - start, **self.snapshot_now()}
+
+    async def quiet(self, liveness) -> list[dict]:
+        """RegistryState.quiet under ``liveness`` (config/liveness.py LivenessConfig)."""
+        return self.state.quiet(time.monotonic(), liveness.deadline_s, liveness.notice_due)
+
+    async def replaced(self, replica_id: str) -> None:
+        self.state.replaced(replica_id)
 
     def snapshot_now(self) -> dict:
         return self.state.snapshot(time.monotonic())
@@ -161,6 +171,10 @@ class RolloutReplica:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.registry = registry
         self.tokens = 0
+        # Progress the registry judges (RegistryState.quiet): when the engine began the call
+        # it is in (None: idle) and the slowest call it has finished.
+        self.busy_since: float | None = None
+        self.slowest_call_s = 0.0
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         # Replicas must not share an RNG stream (unseeded requests would repeat each other's
         # samples); seeded requests stay reproducible through their own per-request seeds.
@@ -203,16 +217,26 @@ class RolloutReplica:
             raise ValueError(f"adapter version must be >= 0, got {version}")
         if version != 0 and self.engine.loaded_version() != version:
             self._load(version)
-        samples = self.engine.generate(prompts, params, version)
+        self.busy_since = time.monotonic()
+        try:
+            samples = self.engine.generate(prompts, params, version)
+        finally:
+            self.slowest_call_s = max(self.slowest_call_s, time.monotonic() - self.busy_since)
+            self.busy_since = None
         self.tokens += sum(len(s.token_ids) for s in samples)
         self._report()
         return samples
+
+    def _busy_s(self) -> float:
+        since = self.busy_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def _report(self) -> None:
         # Waited for (a few ms), so that a snapshot taken after a call returns includes it.
         ray.get(
             self.registry.heartbeat.remote(
-                self.replica_id, self.actor_name, self.engine.loaded_version(), self.tokens, self.node_id
+                self.replica_id, self.actor_name, self.engine.loaded_version(), self.tokens, self.node_id,
+                self._busy_s(), self.slowest_call_s,
             )
         )
 
@@ -233,7 +257,7 @@ class RolloutReplica:
                 latest = ray.get(
                     self.registry.wait_newer.remote(
                         self.replica_id, self.actor_name, held, self.tokens,
-                        max(held, requested), self.heartbeat_s, self.node_id,
+                        max(held, requested), self.heartbeat_s, self.node_id, self._busy_s(), self.slowest_call_s,
                     )
                 )
                 if latest > max(held, requested) and pending is None:
@@ -331,10 +355,15 @@ class RolloutClient:
     Picklable (handles only), so it can be passed to other Ray tasks.
     """
 
-    def __init__(self, handle, registry, rollout_cfg: RolloutConfig):
+    def __init__(self, handle, registry, rollout_cfg: RolloutConfig, liveness: LivenessConfig | None = None):
         self.handle = handle
         self.registry = registry
         self.rollout_cfg = rollout_cfg
+        self.liveness = liveness or LivenessConfig()
+        # Replicas this client replaced because they made no progress: (when, the registry's
+        # entry for it); the step loop records them with the retry they caused.
+        self.replaced_events: list[tuple[float, dict]] = []
+        self._noticed: set[tuple[str, str]] = set()
 
     def generate(
         self,
@@ -351,12 +380,51 @@ class RolloutClient:
             chunk_params = params if params.seed is None else replace(params, seed=params.seed + start * params.n)
             responses.append((start, self.handle.generate.remote(prompts[start:end], chunk_params, version)))
         samples: list[Sample] = []
+        # Bounded: a replica that can never be replaced would keep the call queued forever.
+        give_up = time.monotonic() + self.rollout_cfg.request_timeout_s
         for start, response in responses:
-            # Bounded: a replica that can never be replaced would keep the call queued forever.
-            for s in response.result(timeout_s=self.rollout_cfg.request_timeout_s):
+            for s in self._result(response, give_up):
                 s.prompt_index += start
                 samples.append(s)
         return samples
+
+    def _result(self, response, give_up: float, poll_s: float = 1.0) -> list[Sample]:
+        """A generate response, waited for in short polls; between polls, a replica that makes no
+        progress is replaced (``replace_quiet``), so a frozen one fails the call in seconds."""
+        while True:
+            try:
+                return response.result(timeout_s=min(poll_s, max(0.01, give_up - time.monotonic())))
+            except TimeoutError:
+                if time.monotonic() >= give_up:
+                    raise TimeoutError(f"generate took more than rollout.request_timeout_s="
+                                       f"{self.rollout_cfg.request_timeout_s:g} s") from None
+                self.replace_quiet()
+
+    def replace_quiet(self) -> list[dict]:
+        """Kill every replica the registry finds making no progress (silent past
+        rollout.replica_liveness_s, or in one generate call past the liveness deadline): a frozen
+        process is alive to Ray and to Serve, whose health check would take minutes. Serve starts
+        its successor; the call it held fails and is retried (services/orchestrator.py)."""
+        replaced = []
+        for quiet in ray.get(self.registry.quiet.remote(self.liveness)):
+            rid = quiet["replica_id"]
+            if not quiet["replace"]:
+                if (rid, "notice") not in self._noticed:
+                    self._noticed.add((rid, "notice"))
+                    log.warning("rollout replica %s: %s", rid, quiet["why"])
+                continue
+            try:
+                actor = ray.get_actor(quiet["actor_name"], namespace="serve")
+            except ValueError:  # already gone (a crash Serve is handling): nothing to replace
+                ray.get(self.registry.replaced.remote(rid))
+                continue
+            log.warning("rollout replica %s made no progress: %s; killing it (Serve starts its successor)",
+                        rid, quiet["why"])
+            ray.kill(actor, no_restart=True)
+            ray.get(self.registry.replaced.remote(rid))
+            self.replaced_events.append((time.monotonic(), quiet))
+            replaced.append(quiet)
+        return replaced
 
     def publish(self, payload: AdapterPayload | AdapterRef) -> int:
         """Register the adapter as the latest version. A payload the learner left in the object
@@ -416,6 +484,7 @@ def deploy_rollout(
     seed: int = 0,
     app_name: str = APP_NAME,
     registry_name: str = REGISTRY_NAME,
+    liveness: LivenessConfig | None = None,
 ) -> RolloutClient:
     """Deploy the replicas (Ray must be initialised) and wait until they all report in."""
     from model.base import resolve_model
@@ -426,7 +495,7 @@ def deploy_rollout(
     handle = serve.run(
         rollout_app(model_cfg, rollout_cfg, registry, seed), name=app_name, route_prefix=None
     )
-    client = RolloutClient(handle, registry, rollout_cfg)
+    client = RolloutClient(handle, registry, rollout_cfg, liveness)
     latest = ray.get(registry.latest.remote())
     client.sync(latest, timeout=rollout_cfg.adapter_wait_timeout_s)
     return client

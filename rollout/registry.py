@@ -9,6 +9,9 @@ Pure state (no Ray import): the Ray actor in `rollout.deployment` is a thin asyn
   the next one is being published can still be served.
 - Replicas report (heartbeat) their held version and cumulative token count; a replica not
   heard from for `liveness_s` is taken for dead (Serve replaces it; the new one registers).
+- `quiet`: replicas that make no progress, silent or stuck in one generate call past the stall
+  deadline (config/liveness.py); the driver kills them (a frozen process is alive to Serve, whose
+  health check takes minutes) and Serve starts their successors.
 
 `keep` and `liveness_s` default to the rollout section's `adapters_kept` and
 `replica_liveness_s` (config/rollout.py, where they are declared).
@@ -21,6 +24,7 @@ Pure state (no Ray import): the Ray actor in `rollout.deployment` is a thin asyn
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +45,8 @@ class ReplicaInfo:
     tokens: int
     last_seen: float
     node_id: str = ""  # the Ray node it runs on (placement records, node-loss messages)
+    busy_since: float | None = None  # when its engine began the generate call it is in (None: idle)
+    slowest_call_s: float = 0.0  # its slowest generate call so far (the stall deadline scales with it)
 
 
 class RegistryState:
@@ -52,6 +58,9 @@ class RegistryState:
         self.latest = 0
         self._payloads: dict[int, tuple[Any, int | None]] = {}  # version -> (ref, checksum)
         self._replicas: dict[str, ReplicaInfo] = {}
+        # Replicas taken for dead because they went silent, until the driver has replaced them
+        # (``replaced``) or they speak again: a frozen process is alive to Ray and to Serve.
+        self._silent: dict[str, ReplicaInfo] = {}
         self._tokens_of_gone = 0  # tokens of replicas forgotten, so the total never decreases
 
     # ----------------------------------------------------------------- versions
@@ -96,8 +105,12 @@ class RegistryState:
     # ----------------------------------------------------------------- replicas
 
     def heartbeat(self, replica_id: str, actor_name: str, version: int, tokens: int, now: float,
-                  node_id: str = "") -> None:
-        self._replicas[replica_id] = ReplicaInfo(replica_id, actor_name, version, tokens, now, node_id)
+                  node_id: str = "", busy_s: float = 0.0, slowest_call_s: float = 0.0) -> None:
+        """A replica's report: ``busy_s`` how long its engine has been in its current generate
+        call (0: idle), ``slowest_call_s`` its slowest finished call (both on its own clock)."""
+        self._silent.pop(replica_id, None)
+        self._replicas[replica_id] = ReplicaInfo(replica_id, actor_name, version, tokens, now, node_id,
+                                                 now - busy_s if busy_s > 0 else None, slowest_call_s)
 
     def forget(self, replica_id: str) -> None:
         info = self._replicas.pop(replica_id, None)
@@ -106,8 +119,36 @@ class RegistryState:
 
     def live(self, now: float) -> list[ReplicaInfo]:
         for rid in [r for r, info in self._replicas.items() if now - info.last_seen > self.liveness_s]:
+            self._silent[rid] = self._replicas[rid]
             self.forget(rid)
         return sorted(self._replicas.values(), key=lambda r: r.replica_id)
+
+    def quiet(self, now: float, deadline_s: Callable[[float | None], float],
+              notice: Callable[[float, float | None], bool]) -> list[dict]:
+        """Replicas making no progress: silent ones (no report for ``liveness_s``: a frozen or
+        wedged process) and ones whose engine has been in one generate call past
+        ``deadline_s(slowest call)``, each with ``replace`` True; and, with ``replace`` False,
+        busy ones past ``notice(busy_s, slowest call)`` that may still finish (config/liveness.py)."""
+        self.live(now)
+        out = [{"replica_id": r.replica_id, "actor_name": r.actor_name, "node_id": r.node_id, "replace": True,
+                "quiet_s": now - r.last_seen,
+                "why": f"no report for {now - r.last_seen:.0f} s (rollout.replica_liveness_s {self.liveness_s:g})"}
+               for r in self._silent.values()]
+        for r in self._replicas.values():
+            if r.busy_since is None:
+                continue
+            busy, deadline = now - r.busy_since, deadline_s(r.slowest_call_s or None)
+            if busy > deadline or notice(busy, r.slowest_call_s or None):
+                out.append({"replica_id": r.replica_id, "actor_name": r.actor_name, "node_id": r.node_id,
+                            "replace": busy > deadline, "quiet_s": busy,
+                            "why": f"one generate call running for {busy:.0f} s (stalled at {deadline:.0f} s: "
+                                   f"its slowest call took {r.slowest_call_s:.1f} s)"})
+        return sorted(out, key=lambda q: q["replica_id"])
+
+    def replaced(self, replica_id: str) -> None:
+        """The driver killed a quiet replica (Serve starts its successor): forget it."""
+        self._silent.pop(replica_id, None)
+        self.forget(replica_id)
 
     def all_hold(self, version: int, expected: int, now: float) -> bool:
         live = self.live(now)

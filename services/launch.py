@@ -199,7 +199,8 @@ def start_rollout(cfg: RunConfig, stack: ExitStack, seed: int | None = None):
     """Deploy the rollout replicas; they are deleted when the stack closes."""
     from rollout.deployment import deploy_rollout, stop_rollout
 
-    client = deploy_rollout(cfg.model, cfg.rollout, seed=cfg.seed if seed is None else seed)
+    client = deploy_rollout(cfg.model, cfg.rollout, seed=cfg.seed if seed is None else seed,
+                            liveness=cfg.liveness)
     if not _cluster_started_here:  # a cluster started here deletes every app at once as it shuts down
         stack.callback(stop_rollout)
     return client

@@ -37,13 +37,16 @@ log = logging.getLogger("counterpoint.train")
 class RecoveringLearner:
     def __init__(self, make_job: Callable[[Path | None], Any], checkpoint_of: Callable[[int], Path],
                  max_restarts: int, recoveries: Any, trained: int = 0,
-                 reexport: Callable[[Any], str | None] | None = None) -> None:
+                 reexport: Callable[[Any], str | None] | None = None,
+                 nodes_alive: Callable[[], dict[str, bool]] | None = None) -> None:
         """``make_job(resume_from)`` builds a LearnerJob (not started); ``checkpoint_of(step)`` is
         the run directory's checkpoints/step_<step>; ``trained``: the step the first job starts at
         (0, or the checkpoint a --resume starts from); ``reexport(adapter)``: where a restored
-        learner's adapter goes (None when taken, else why not)."""
+        learner's adapter goes (None when taken, else why not); ``nodes_alive()``: node id ->
+        alive, so a restore after the workers' node died is recorded as a ``node`` entry."""
         self._make_job, self._checkpoint_of = make_job, checkpoint_of
         self._reexport = reexport
+        self._nodes_alive = nodes_alive
         self.budget = Budget(max_restarts)
         self.recoveries = recoveries
         self.trained = trained
@@ -73,6 +76,7 @@ class RecoveringLearner:
         while True:
             try:
                 result = self.job.step(batch)
+                self._went_on(step)
                 break
             except LearnerLost as err:
                 if not learner_failure_retryable(err.kind, err.detail):
@@ -93,6 +97,7 @@ class RecoveringLearner:
         log.warning("learner lost at step %d (%s); restoring it from %s (restart %d/%d)", step,
                     first_line(str(err)), f"checkpoint step {source}" if source else "the run's start point",
                     self.budget.used, self.budget.limit)
+        lost_on = _workers(self.job)
         self.job.stop()
         self.job = self._make_job(self._checkpoint_of(source) if source else None)
         current = self.job.start().init_payload
@@ -101,11 +106,43 @@ class RecoveringLearner:
             current = self.job.step(kept.batch).adapter  # not published again: that version is live
         replayed = [k.step for k in kept_since]
         served = self._serve_again(current)
+        seconds = time.monotonic() - t0
+        quiet = float(getattr(err, "quiet_s", 0.0) or 0.0)
+        if getattr(err, "deadline_s", None) is not None:
+            served["stall_deadline_s"] = round(err.deadline_s, 3)
+        part, what = "learner", learner_what(getattr(err, "kind", "lost"), lost_learner_line(err), source, replayed,
+                                             f"step {step}")
+        dead = self._dead_nodes(lost_on)
+        if dead:  # the workers' node is gone: a node outage, the learner moved
+            moved_to = sorted({w["node_id"] for w in _workers(self.job)})
+            part, what = "node", f"node {', '.join(n[:12] for n in dead)} (learner) is gone; {what} on node " \
+                                 f"{', '.join(n[:12] for n in moved_to)}"
+            served.update(lost_nodes=dead, moved_to=moved_to)
         self.recoveries.record(
-            "learner", step, learner_what(getattr(err, "kind", "lost"), lost_learner_line(err), source, replayed,
-                                          f"step {step}"),
-            time.monotonic() - t0, restored_from_step=source, replayed_steps=replayed,
-            restart=self.budget.used, max_restarts=self.budget.limit, **served)
+            part, step, what,
+            seconds, outage_s=quiet + seconds, quiet_before_seen_s=round(quiet, 3), restored_from_step=source,
+            replayed_steps=replayed, restart=self.budget.used, max_restarts=self.budget.limit, **served)
+        log.warning("learner serving again at step %d, %.0f s after its last progress", step, quiet + seconds)
+
+    def _dead_nodes(self, workers: list[dict]) -> list[str]:
+        if self._nodes_alive is None or not workers:
+            return []
+        try:
+            alive = self._nodes_alive()
+        except Exception as err:  # a record: never the reason a restore fails
+            log.warning("could not tell whether the learner's node is alive: %s", first_line(err))
+            return []
+        return sorted({w["node_id"] for w in workers if not alive.get(w["node_id"], False)})
+
+    def _went_on(self, step: int) -> None:
+        """A step that went quiet past liveness.notice_s and then finished by itself: recorded
+        (outcome 'stalled'), so an outage that healed is not lost."""
+        stall = getattr(self.job, "last_stall", None)
+        if stall:
+            quiet, ranks = stall
+            self.recoveries.record("learner", step, f"learner rank {ranks} made no progress for {quiet:.0f} s in "
+                                   f"step {step}, then went on by itself", quiet, outcome="stalled",
+                                   outage_s=quiet, quiet_ranks=ranks)
 
     def _serve_again(self, adapter: Any) -> dict[str, Any]:
         """The live version from the restored learner (see the module's note), for the entry."""
@@ -128,3 +165,11 @@ class RecoveringLearner:
     def stop(self) -> None:
         if self.job is not None:
             self.job.stop()
+
+
+def _workers(job: Any) -> list[dict]:
+    """Where a job's workers run ([] when its coordinator cannot say)."""
+    try:
+        return list(job.workers())
+    except Exception:
+        return []

@@ -176,7 +176,8 @@ def generate_checked(parts: RunParts, step: int, version: int, prompts: list[Pro
     what = f"generate ({call})"
     samples = with_retries(lambda: parts.rollout.generate(prompts, params, version), what,
                            rc.max_retries, rc.retry_backoff_s,
-                           _recorder(parts, "rollout", step, f"generate ({call}, adapter v{version})"))
+                           _recorder(parts, "rollout", step, f"generate ({call}, adapter v{version})",
+                                     replaced=getattr(parts.rollout, "replaced_events", None)))
     if len(samples) != len(prompts):
         raise RuntimeError(f"rollout returned {len(samples)} samples for {len(prompts)} prompts")
     samples = sorted(samples, key=lambda s: s.prompt_index)
@@ -186,21 +187,33 @@ def generate_checked(parts: RunParts, step: int, version: int, prompts: list[Pro
     return samples
 
 
-def _recorder(parts: RunParts, part: str, step: int, call: str) -> Callable[[list[str], float], None] | None:
+def _recorder(parts: RunParts, part: str, step: int, call: str,
+              replaced: list[tuple[float, dict]] | None = None) -> Callable[[list[str], float], None] | None:
     """What `with_retries` reports a saved call to: one recovery entry (run.json `recoveries`,
-    counterpoint_recoveries_total{part}), with the adapter version each live replica holds."""
+    counterpoint_recoveries_total{part}), with the adapter version each live replica holds.
+    ``replaced``: the rollout client's list of replicas it killed for making no progress; those
+    killed during the call are named, and the outage counts from their last progress."""
     if parts.recoveries is None:
         return None
+    seen = len(replaced) if replaced is not None else 0
 
     def record(errors: list[str], seconds: float) -> None:
         held = getattr(parts.rollout, "replicas", None)
-        details = {"errors": errors}
+        details: dict[str, Any] = {"errors": errors}
         if held is not None:
             try:
                 details["replica_versions"] = held()
             except Exception as err:  # a record: never the reason a recovered step fails
                 details["replica_versions"] = f"unknown ({first_line(err)})"
-        parts.recoveries.record(part, step, retried_what(call, errors), seconds, **details)
+        what, outage = retried_what(call, errors), None
+        killed = list(replaced[seen:]) if replaced is not None else []
+        if killed:
+            details["replaced_quiet"] = [{"replica_id": q["replica_id"], "node_id": q["node_id"], "why": q["why"],
+                                          "quiet_s": round(q["quiet_s"], 3)} for _, q in killed]
+            last_progress = min(when - q["quiet_s"] for when, q in killed)
+            outage = max(seconds, time.monotonic() - last_progress)
+            what = f"{what}; replica {', '.join(q['replica_id'] for _, q in killed)} made no progress and was replaced"
+        parts.recoveries.record(part, step, what, seconds, outage_s=outage, **details)
 
     return record
 

@@ -10,8 +10,8 @@ grader client's; README "What survives what" says what each covers).
   an uninterrupted one would: same batches in the same order, the LR schedule restored with the
   optimizer, and no adapter version published twice (the next one published is the lost step's
   successor, newer than anything a replica holds: DESIGN.md's version contract is kept).
-- ``learner_failure_retryable``: a dead worker, a dead node, a lost coordinator or a hung collective
-  is worth a restore; a worker that raised an error of its own (a bug, bad input) is not: it
+- ``learner_failure_retryable``: a dead worker, a dead node, a lost coordinator, a hung collective
+  or a worker that stopped making progress (config/liveness.py) is worth a restore; a worker that raised an error of its own (a bug, bad input) is not: it
   would fail again, and a retry would only hide it.
 - ``Budget``: bounded retries, counted.
 """
@@ -25,7 +25,8 @@ from typing import Any
 
 # The parts a recovery is counted for (the metric's only label: bounded).
 PARTS = ("rollout", "grader", "learner", "node", "driver")
-OUTCOMES = ("recovered", "stopped")
+# "stalled": a part went quiet past liveness.notice_s and then went on by itself (nothing replaced).
+OUTCOMES = ("recovered", "stopped", "stalled")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ class Recovery:
     outcome: str = "recovered"
     attempt: int = 1  # which attempt of the run (1 = its first start, +1 per --resume)
     details: Mapping[str, Any] = field(default_factory=dict)
+    # The outage as the run lived it: from the part's last progress (where it is known: a
+    # learner step, a replica's last report) to service restored; ``seconds`` plus the quiet
+    # time before the failure was seen. None = the same as ``seconds``.
+    outage_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.part not in PARTS:
@@ -47,6 +52,7 @@ class Recovery:
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["seconds"] = round(self.seconds, 3)
+        out["outage_s"] = round(self.seconds if self.outage_s is None else self.outage_s, 3)
         out["details"] = dict(self.details)
         return out
 
@@ -63,8 +69,8 @@ class RecoveryLog:
         self._subscribers: list[Callable[[Recovery], None]] = []
 
     def record(self, part: str, step: int, what: str, seconds: float, outcome: str = "recovered",
-               **details: Any) -> Recovery:
-        entry = Recovery(part, step, what, seconds, outcome, self.attempt, details)
+               outage_s: float | None = None, **details: Any) -> Recovery:
+        entry = Recovery(part, step, what, seconds, outcome, self.attempt, details, outage_s)
         self.entries.append(entry)
         for notify in list(self._subscribers):
             notify(entry)
@@ -176,7 +182,7 @@ _PEER_LOSS = re.compile(
     r"The actor died unexpectedly|Broken pipe|timed out.*(collective|store)|"
     # a learner whose shared base weights' owner (the rollout replica) died: a restored one maps its successor
     r"OwnerGone", re.IGNORECASE)
-LEARNER_FAILURES = ("worker_error", "train_run_ended", "coordinator_lost", "timeout")
+LEARNER_FAILURES = ("worker_error", "train_run_ended", "coordinator_lost", "timeout", "stalled")
 
 
 def learner_failure_retryable(kind: str, text: str = "") -> bool:

@@ -21,7 +21,7 @@ from evals.heldout import heldout_section
 from config import RunConfig, config_from_dict, config_with_overrides, resolved, with_absolute_paths
 from services.recovery import RecoveryLog, first_line, resume_what
 from services.orchestrator import RoundRecord, RunParts, StepRecord, run_steps
-from services.cluster import check_placement, placement_record
+from services.cluster import check_placement, nodes, placement_record
 from services.launch import (check_resources, learner_starts_beside_rollout, start_grader, start_ray, start_rollout,
                              stop_token_report, watch_grader)
 from services.runlock import RunInUse  # noqa: F401 (raised by resume_config; callers import it from here)
@@ -144,7 +144,6 @@ class NodeLost(RuntimeError):
 def _node_loss_line(cfg: RunConfig, run: RunDir, placement: dict[str, Any]) -> str | None:
     """services/placement.py's node-loss line for a run whose step failed, when a node that held
     one of its parts is gone (None otherwise, or when the cluster cannot be read)."""
-    from services.cluster import nodes
     from services.placement import Held, lost_parts, needs_of, node_loss_message
 
     try:
@@ -403,7 +402,8 @@ def recovering_learner(at: Attempt, parts: Services, stack: ExitStack):
         lambda resume_from: LearnerJob(cfg, at.run.root, init_adapter=at.init_adapter, resume_from=resume_from,
                                        **(base_offer(cfg, parts.rollout, refusals) if share else {})),
         at.run.checkpoint_dir, cfg.learner.max_restarts, at.recoveries, trained=at.first_step - 1,
-        reexport=lambda payload: parts.rollout.reexport(payload))
+        reexport=lambda payload: parts.rollout.reexport(payload),
+        nodes_alive=lambda: {n.node_id: n.alive for n in nodes()})
     stack.callback(learner.stop)
     return learner
 
@@ -456,6 +456,12 @@ def start_rollout_and_learner(at: Attempt, parts: Services, stack: ExitStack, st
     rollout.sync(adapter.version)
     stages.done("learner")
     receipt.update(placement=_placement(cfg, learner))
+
+    def moved(entry) -> None:  # a restored learner or a replaced replica may run elsewhere now
+        if entry.part in ("learner", "rollout", "node") and entry.outcome == "recovered":
+            receipt.update(placement=_placement(cfg, learner))
+
+    at.recoveries.subscribe(moved)
     return adapter, init
 
 

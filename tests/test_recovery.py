@@ -18,7 +18,12 @@ def test_log_keeps_earlier_attempts_and_feeds_late_subscribers():
     assert [e.part for e in seen] == ["rollout", "grader"]
     assert [e["part"] for e in log.all()] == ["driver", "rollout", "grader"]
     assert log.all()[1] == {"part": "rollout", "step": 4, "what": "generate failed", "seconds": 1.235,
-                            "outcome": "recovered", "attempt": 2, "details": {"errors": ["RayActorError: died"]}}
+                            "outcome": "recovered", "attempt": 2, "details": {"errors": ["RayActorError: died"]},
+                            "outage_s": 1.235}  # no earlier quiet time known: the outage is the seconds
+    log.record("learner", 6, "learner lost (stalled: ...)", 20.0, outage_s=52.5)
+    assert (log.all()[-1]["seconds"], log.all()[-1]["outage_s"]) == (20.0, 52.5)
+    with pytest.raises(ValueError, match="recovery outcome 'hung' is not one of"):
+        log.record("learner", 6, "x", 1.0, outcome="hung")
 
 
 def test_parts_are_a_bounded_set():
