@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -52,7 +53,11 @@ ROLES = {  # node -> (CPUs, custom resources): each part's section asks for its 
 }
 PLACED = {
     "rollout": {"resources": {"rollout_slot": 1}, "label_selector": {"counterpoint-role": "rollout"}},
-    "grader": {"resources": {"grader_slot": 1}, "label_selector": {"counterpoint-role": "grader"}},
+    # vowel-share: a dense reward the tiny model earns, so rewards differ within groups and every
+    # update moves the adapter (voice-leading gives it 0 everywhere: an adapter comparison after a
+    # fault would then prove nothing). Short prompts: the tiny model's speed, not the benches'.
+    "grader": {"resources": {"grader_slot": 1}, "label_selector": {"counterpoint-role": "grader"},
+               "task": "vowel-share", "vowel_share": {"prompt_words": 16}},
     "learner": {"resources_per_worker": {"learner_slot": 1}, "label_selector": {"counterpoint-role": "learner"}},
 }
 GRADER_APP = "grader"  # config/grader.py app_name's default
@@ -225,7 +230,15 @@ def placed(cluster: Cluster) -> Path:
     out = _train(cluster, "placed")
     assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
     print(f"placed run: {time.monotonic() - t0:.0f} s")
+    _assert_every_update_moved(cluster.runs / "placed")
     return cluster.runs / "placed"
+
+
+def _assert_every_update_moved(run: Path) -> None:
+    """Rewards differed within some group of every step and every update's gradient was
+    non-zero: an adapter compared after a fault has moved at every step."""
+    for m in (json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()):
+        assert m["frac_reward_zero_std"] < 1 and m["grad_norm"] > 0, m
 
 
 def test_each_part_on_its_node_and_every_artifact_in_the_drivers_run_dir(cluster: Cluster, placed: Path):
@@ -349,10 +362,12 @@ FAULT_STEPS = 6
 def test_rollout_replica_and_grader_replica_killed_mid_call_inside_a_run(cluster: Cluster):
     """One run, two faults, each on its own node:
 
-    - the rollout replica is SIGKILLed while it generates step k (the first busy moment right
-      after step k-1's timing line: the step's sync is over, so the work in flight is
-      generation). Serve starts a replacement on the rollout node, which loads the latest
-      adapter before it takes traffic; the driver's generate call is retried and answered.
+    - the rollout replica is frozen (SIGSTOP) while it generates step k (the first busy moment
+      right after step k-1's timing line: the step's sync is over, so the work in flight is
+      generation). It is alive to Ray and to Serve; its reports stop, so once
+      rollout.replica_liveness_s has passed the driver kills it (config/liveness.py), Serve starts
+      a replacement on the rollout node, which loads the latest adapter before it takes traffic,
+      and the driver's generate call is retried and answered.
     - both grader replicas are frozen (SIGSTOP: replicas that hang) when step j's generation
       starts. Once the rollout replica has gone idle (its generation answered, so step j's
       ScoreBatch is waiting on the frozen replicas) and one grader call deadline
@@ -363,7 +378,9 @@ def test_rollout_replica_and_grader_replica_killed_mid_call_inside_a_run(cluster
       few ms, too short to be caught executing.)
 
     Proof that each recovery path ran: run.json's `recoveries` holds a rollout entry for step k
-    (a `generate` retried, every live replica then at the adapter version it was asked for) and
+    (a `generate` retried, every live replica then at the adapter version it was asked for; the
+    frozen replica named, found quiet within a poll of rollout.replica_liveness_s, and the outage
+    counted from its last report) and
     a grader entry for step j (ScoreBatch errors, then an answer); /metrics counts both in
     counterpoint_recoveries_total{part}; no sample of any step carries another adapter version
     than the one the step asked for; the replaced replicas have new pids."""
@@ -382,9 +399,17 @@ def test_rollout_replica_and_grader_replica_killed_mid_call_inside_a_run(cluster
         (replica,) = _replicas(cluster.procs["rollout"], "counterpoint-rollout")
         k = len(_trained(run)) + 1
         assert _wait_busy(replica, within_s=60), "the rollout replica never started generating"
-        assert len(_trained(run)) == k - 1, "the step moved on before the kill"
-        replica.kill()
+        assert len(_trained(run)) == k - 1, "the step moved on before the freeze"
+        replica.send_signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
         rollout_killed = replica.pid
+        try:  # the driver kills it; nothing else does
+            _wait(lambda: not psutil.pid_exists(replica.pid) or replica.status() == psutil.STATUS_ZOMBIE,
+                  until, proc, "the driver to kill the frozen rollout replica", log)
+        finally:
+            with contextlib.suppress(psutil.Error):
+                replica.kill()
+        print(f"frozen rollout replica gone after {time.monotonic() - frozen_at:.1f} s")
         _wait(lambda: any(r["part"] == "rollout" for r in _recoveries(run)), until, proc,
               "the rollout recovery entry", log)
 
@@ -430,6 +455,15 @@ def test_rollout_replica_and_grader_replica_killed_mid_call_inside_a_run(cluster
     asked = int(rollout[0]["what"].split("adapter v")[1].split(")")[0])
     versions = rollout[0]["details"]["replica_versions"]
     assert versions and set(versions.values()) == {asked}, versions  # the replacement caught up
+    assert rollout[0]["what"].endswith("made no progress and was replaced"), rollout[0]
+    (quiet,) = rollout[0]["details"]["replaced_quiet"]
+    liveness_s = receipt["config"]["rollout"]["replica_liveness_s"]
+    # found at the first poll (1 s) after its reports (every heartbeat_s) stopped for liveness_s
+    assert liveness_s < quiet["quiet_s"] <= liveness_s + 5.0, quiet
+    assert quiet["node_id"] == cluster.node_of_role["rollout"] and "no report for" in quiet["why"], quiet
+    assert rollout[0]["outage_s"] > quiet["quiet_s"] and rollout[0]["outage_s"] > rollout[0]["seconds"], rollout[0]
+    assert "made no progress" in log.read_text() and "killing it" in log.read_text()  # on the console
+    _assert_every_update_moved(run)
     grader = [r for r in recs if r["part"] == "grader"]
     assert [r["step"] for r in grader] == [j] and grader[0]["details"]["errors"], recs
     for part in ("rollout", "grader"):
@@ -453,7 +487,7 @@ def _rows(run: Path, step: int) -> list[dict]:
 
 def test_learner_worker_killed_then_driver_killed_and_resumed_equals_the_uninterrupted_run(cluster: Cluster,
                                                                                           placed: Path):
-    """Two faults of one run, then the uninterrupted `placed` run of the same config to compare with.
+    """Three faults of one run, then the uninterrupted `placed` run of the same config to compare with.
 
     - The learner's Ray Train worker (on the learner node) is SIGKILLed while it trains step 2
       (the first busy moment after step 1's timing line: step 2's old_log_prob/ref/update). With
@@ -462,18 +496,25 @@ def test_learner_worker_killed_then_driver_killed_and_resumed_equals_the_uninter
     - Then the driver itself (only it: the cluster's nodes and Serve's detached controller stay)
       is SIGKILLed once step 2 is trained; `counterpoint train --resume` on the same cluster
       finishes the run.
+    - In that resumed attempt the new worker is frozen (SIGSTOP) while it trains step 3: alive to
+      the OS and to Ray, silent to the driver. Once it has made no progress for the stall deadline
+      (liveness.floor_s=15 here: 4 x the slowest micro-batch interval is below it) the driver
+      kills it, says so on the console, and restores the learner from checkpoints/step_2.
 
-    Proof that both recoveries ran: run.json's `recoveries` holds the first attempt's learner entry
-    for step 2 (restored from checkpoint step 1; the worker pid changed) and a `driver` entry of
-    attempt 2 naming the checkpoint it resumed from; `previous_attempts` holds the killed attempt;
-    every step is trained exactly once. Proof that nothing was lost: the run equals `placed`: the
-    same prompts and completions in the same order, the same LR per step, the same final adapter,
-    byte for byte."""
+    Proof that every recovery ran: run.json's `recoveries` holds the first attempt's learner entry
+    for step 2 (restored from checkpoint step 1; the worker pid changed), a `driver` entry of
+    attempt 2 naming the checkpoint it resumed from, and attempt 2's learner entry for step 3
+    (kind stalled: found quiet past its recorded deadline, within a poll and a report of it; the
+    outage counted from the last progress); `previous_attempts` holds the killed attempt; every
+    step is trained exactly once. Proof that nothing was lost: the run equals `placed`: the same
+    prompts and completions in the same order, the same LR per step, the same final adapter, byte
+    for byte."""
     name = "learner-fault"
     run = cluster.runs / name
     log = cluster.base / f"{name}.log"
     until = time.monotonic() + BUDGET_S
-    proc = subprocess.Popen(CLI + ["train", "--config", str(_config(cluster, name)), "--run-name", name],
+    proc = subprocess.Popen(CLI + ["train", "--config", str(_config(cluster, name)), "--run-name", name,
+                                   "--set", "liveness.floor_s=15", "--set", "liveness.notice_s=5"],
                             cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=ray_env(),
                             start_new_session=True)
 
@@ -502,14 +543,46 @@ def test_learner_worker_killed_then_driver_killed_and_resumed_equals_the_uninter
     steps = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())["trainer"]["steps"]
     killed_at = _trained(run)
     assert killed_at == [1, 2] and killed_at[-1] < steps, f"the driver was not killed between steps 2 and 3: {killed_at}"
-    out = subprocess.run(CLI + ["train", "--resume", str(run)], cwd=REPO, capture_output=True, text=True,
-                         timeout=max(1.0, until - time.monotonic()), env=ray_env())
-    (cluster.base / f"{name}.resume.log").write_text(out.stdout + out.stderr)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
+    resume_log = cluster.base / f"{name}.resume.log"
+    earlier = {w.pid for w in workers()}  # the killed attempt's, if Ray has not reaped them yet
+    proc = subprocess.Popen(CLI + ["train", "--resume", str(run)], cwd=REPO, stdout=open(resume_log, "w"),
+                            stderr=subprocess.STDOUT, env=ray_env(), start_new_session=True)
+    frozen = None
+    try:
+        # the resumed attempt's worker, once its Init is over (the console's "learner" start-up
+        # stage line) and it works on step 3
+        _wait(lambda: re.search(r"^  learner\s+[0-9.]+ s$", resume_log.read_text(), re.M), until, proc,
+              "the resumed attempt's learner to start", resume_log)
+        (worker,) = [w for w in workers() if w.pid not in earlier]
+        assert _wait_busy(worker, within_s=180), "the resumed learner worker never started on step 3"
+        assert _trained(run) == [1, 2]
+        worker.send_signal(signal.SIGSTOP)
+        frozen = worker
+        _wait(lambda: not psutil.pid_exists(worker.pid) or worker.status() == psutil.STATUS_ZOMBIE, until, proc,
+              "the driver to kill the frozen learner worker", resume_log)
+        code = proc.wait(timeout=max(1.0, until - time.monotonic()))
+    finally:
+        if frozen is not None:
+            with contextlib.suppress(psutil.Error):
+                frozen.kill()
+        _kill_tree(proc)
+    text = resume_log.read_text()
+    assert code == 0, text[-6000:]
+    assert "has made no progress in 'step'" in text and "learner lost at step 3 (learner rank [0] made no progress" in text, text[-6000:]  # both on the console
     receipt = json.loads((run / "run.json").read_text())
     assert receipt["status"] == "completed"
 
-    (rec,) = [r for r in receipt["recoveries"] if r["part"] == "learner"]
+    rec, stalled = [r for r in receipt["recoveries"] if r["part"] == "learner"]
+    assert stalled["attempt"] == 2 and stalled["step"] == 3 and stalled["outcome"] == "recovered", stalled
+    assert "learner lost (stalled: " in stalled["what"] and stalled["details"]["restored_from_step"] == 2, stalled
+    quiet, deadline = stalled["details"]["quiet_before_seen_s"], stalled["details"]["stall_deadline_s"]
+    assert deadline == 15.0, stalled  # the floor: the measured intervals x 4 stay below it
+    # not before its deadline, and within a driver poll (1 s) and a worker report (0.25 s) of it
+    assert deadline < quiet <= deadline + 3.0, stalled
+    assert stalled["outage_s"] == pytest.approx(quiet + stalled["seconds"], abs=0.01), stalled
+    # run.json's placement names the restored worker, not the frozen one it replaced
+    (rank0,) = [p for p in receipt["placement"]["parts"] if p["part"] == "learner"]
+    assert rank0["pid"] != frozen.pid and rank0["node_id"] == cluster.node_of_role["learner"], rank0
     assert rec["attempt"] == 1 and rec["step"] == 2 and rec["outcome"] == "recovered", rec
     assert rec["details"]["restored_from_step"] == 1, rec
     # The live v2 died with the old rank 0; the restored learner's export of it has the published
@@ -524,6 +597,7 @@ def test_learner_worker_killed_then_driver_killed_and_resumed_equals_the_uninter
     assert rec["what"].startswith("previous attempt died") and f"checkpoint step {resumed_from}" in rec["what"], rec
 
     assert _trained(run) == list(range(1, steps + 1))
+    _assert_every_update_moved(run)
     mine = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     theirs = [json.loads(x) for x in (placed / "metrics.jsonl").read_text().splitlines()]
     assert [m["learning_rate"] for m in mine] == [m["learning_rate"] for m in theirs]
