@@ -32,9 +32,9 @@ class LivenessConfig(BaseModel):
         "compiled, graphs captured, caches filled)."
     )
     notice_s: float = Field(
-        10.0, gt=0, description="A console line (and, if the part then goes on by itself, a recovery entry "
-        "with outcome 'stalled') once a part has been quiet this long and longer than twice its slowest "
-        "measured interval."
+        10.0, gt=0, description="A console line once a part has been quiet this long and longer than twice "
+        "its slowest measured interval (half of floor_s before anything is measured). A part that then "
+        "goes on by itself is a recovery entry with outcome 'stalled' if it was quiet half its deadline."
     )
 
     @model_validator(mode="after")
@@ -52,5 +52,15 @@ class LivenessConfig(BaseModel):
         return max(self.floor_s, self.factor * slowest_interval_s)
 
     def notice_due(self, quiet_s: float, slowest_interval_s: float | None) -> bool:
-        """Whether a part quiet for ``quiet_s`` deserves a console line (it may still go on)."""
-        return quiet_s >= self.notice_s and quiet_s >= 2 * (slowest_interval_s or 0.0)
+        """Whether a part quiet for ``quiet_s`` deserves a console line (it may still go on):
+        past notice_s and twice its slowest interval; before anything is measured, past half the
+        floor (a first step's one-time costs are not a stall: the tree default's first CPU
+        micro-batch takes ~30 s)."""
+        if not slowest_interval_s:
+            return quiet_s >= max(self.notice_s, self.floor_s / 2)
+        return quiet_s >= max(self.notice_s, 2 * slowest_interval_s)
+
+    def worth_recording(self, quiet_s: float, slowest_interval_s: float | None) -> bool:
+        """Whether a part that went quiet and then went on by itself is a recovery entry (outcome
+        'stalled'): it came within a factor 2 of being killed."""
+        return quiet_s >= self.deadline_s(slowest_interval_s) / 2

@@ -334,7 +334,8 @@ class LearnerJob:
                         log.warning("learner rank %s has made no progress in %r for %.0f s (stalled at %.0f s)",
                                     ranks, what, quiet_s, deadline)
                     noticed = max(noticed, quiet_s)
-                    self.last_stall = (noticed, ranks)
+                    if liveness.worth_recording(noticed, slowest):
+                        self.last_stall = (noticed, ranks)
                 if time.monotonic() > since + timeout_s:
                     raise LearnerLost("timeout", f"learner command {what!r} took more than {timeout_s:.0f} s",
                                       quiet_s=quiet_s)

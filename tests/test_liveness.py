@@ -22,8 +22,13 @@ def test_the_deadline_is_the_floor_until_measured_then_scales_with_the_slowest_i
     assert live.deadline_s(None) == live.deadline_s(0.0) == 30  # first step: nothing measured
     assert live.deadline_s(2.0) == 30  # 4 x 2 s is below the floor
     assert live.deadline_s(12.5) == 50
-    assert not live.notice_due(4.9, None) and live.notice_due(5.0, None)
+    # nothing measured: half the floor (the tree default's first CPU micro-batch took 29 s, not a stall)
+    assert not live.notice_due(14.9, None) and live.notice_due(15.0, None)
+    assert not live.notice_due(4.9, 1.0) and live.notice_due(5.0, 1.0)  # notice_s
     assert not live.notice_due(9.0, 5.0) and live.notice_due(10.0, 5.0)  # twice the slowest interval
+    # a stall that healed is recorded when it came within a factor 2 of its deadline
+    assert not live.worth_recording(14.9, None) and live.worth_recording(15.0, None)
+    assert not live.worth_recording(24.9, 12.5) and live.worth_recording(25.0, 12.5)
     assert RunConfig().liveness == LivenessConfig()  # a section of the run's one schema
     with pytest.raises(ValidationError, match="liveness.notice_s=30 must be below liveness.floor_s=30"):
         LivenessConfig(floor_s=30, notice_s=30)
