@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from services.placement import Held, Node, lost_parts
 from services.recovery import BatchLedger, Budget, first_line, learner_failure_retryable, learner_what, lost_learner_line
 
 log = logging.getLogger("counterpoint.train")
@@ -38,15 +39,15 @@ class RecoveringLearner:
     def __init__(self, make_job: Callable[[Path | None], Any], checkpoint_of: Callable[[int], Path],
                  max_restarts: int, recoveries: Any, trained: int = 0,
                  reexport: Callable[[Any], str | None] | None = None,
-                 nodes_alive: Callable[[], dict[str, bool]] | None = None) -> None:
+                 nodes: Callable[[], list[Node]] | None = None) -> None:
         """``make_job(resume_from)`` builds a LearnerJob (not started); ``checkpoint_of(step)`` is
         the run directory's checkpoints/step_<step>; ``trained``: the step the first job starts at
         (0, or the checkpoint a --resume starts from); ``reexport(adapter)``: where a restored
-        learner's adapter goes (None when taken, else why not); ``nodes_alive()``: node id ->
-        alive, so a restore after the workers' node died is recorded as a ``node`` entry."""
+        learner's adapter goes (None when taken, else why not); ``nodes()``: the cluster's nodes
+        (services/cluster.py), so a restore after the workers' node died is a ``node`` entry."""
         self._make_job, self._checkpoint_of = make_job, checkpoint_of
         self._reexport = reexport
-        self._nodes_alive = nodes_alive
+        self._nodes = nodes
         self.budget = Budget(max_restarts)
         self.recoveries = recoveries
         self.trained = trained
@@ -125,14 +126,15 @@ class RecoveringLearner:
         log.warning("learner serving again at step %d, %.0f s after its last progress", step, quiet + seconds)
 
     def _dead_nodes(self, workers: list[dict]) -> list[str]:
-        if self._nodes_alive is None or not workers:
+        if self._nodes is None or not workers:
             return []
         try:
-            alive = self._nodes_alive()
+            known = self._nodes()
         except Exception as err:  # a record: never the reason a restore fails
             log.warning("could not tell whether the learner's node is alive: %s", first_line(err))
             return []
-        return sorted({w["node_id"] for w in workers if not alive.get(w["node_id"], False)})
+        held = [Held("learner", f"rank {w['rank']}", w["node_id"], w.get("pid")) for w in workers]
+        return sorted(lost_parts(held, known))
 
     def _went_on(self, step: int) -> None:
         """A step that went quiet past liveness.notice_s and then finished by itself: recorded

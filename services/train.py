@@ -403,7 +403,7 @@ def recovering_learner(at: Attempt, parts: Services, stack: ExitStack):
                                        **(base_offer(cfg, parts.rollout, refusals) if share else {})),
         at.run.checkpoint_dir, cfg.learner.max_restarts, at.recoveries, trained=at.first_step - 1,
         reexport=lambda payload: parts.rollout.reexport(payload),
-        nodes_alive=lambda: {n.node_id: n.alive for n in nodes()})
+        nodes=nodes)
     stack.callback(learner.stop)
     return learner
 

@@ -163,8 +163,11 @@ def test_a_learner_restored_after_its_node_died_is_a_node_entry_naming_where_it_
         return _PlacedJob(outcomes, jobs, node)
 
     log = RecoveryLog()
-    alive = {"node-a" * 4: False, "node-b" * 4: True}
-    learner = RecoveringLearner(make, lambda step: None, 1, log, nodes_alive=lambda: alive)
+    from services.placement import Node
+
+    cluster = [Node(node_id="node-a" * 4, alive=False, labels={}, resources={}),
+               Node(node_id="node-b" * 4, alive=True, labels={}, resources={})]
+    learner = RecoveringLearner(make, lambda step: None, 1, log, nodes=lambda: cluster)
     learner.start()
     learner.step("b1")
     (entry,) = log.all()
@@ -175,7 +178,7 @@ def test_a_learner_restored_after_its_node_died_is_a_node_entry_naming_where_it_
     # the node alive: the same loss is the learner's
     script[:] = [([LearnerLost("train_run_ended", "ended")], "node-b" * 4), ([{"result": SimpleNamespace(adapter="a")}] * 2, "node-b" * 4)]
     log2 = RecoveryLog()
-    learner = RecoveringLearner(make, lambda step: None, 1, log2, nodes_alive=lambda: alive)
+    learner = RecoveringLearner(make, lambda step: None, 1, log2, nodes=lambda: cluster)
     learner.start()
     learner.step("b1")
     assert [e["part"] for e in log2.all()] == ["learner"]
