@@ -85,7 +85,7 @@ def run_eval(opts: EvalOptions):
         receipt.set_grader_health(task=health.task, pool_size=health.pool_size, pool_source=health.pool_source,
                                   checker=health.checker, voices=health.voices, style=health.style)
         rollout = start_rollout(cfg, stack)
-        stops = stop_token_report(cfg)
+        stops = stop_token_report(rollout)
         receipt.update(rollout_stop_tokens=stops)
         version = serve_adapter(rollout, adapter_dir)
         cases = grader.cases(limit=ecfg.limit or 0, split=ecfg.split)

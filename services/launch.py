@@ -206,17 +206,17 @@ def start_rollout(cfg: RunConfig, stack: ExitStack, seed: int | None = None):
     return client
 
 
-def stop_token_report(cfg: RunConfig) -> dict[str, Any]:
-    """The stop set every engine uses and whether the template's end-of-turn and
-    generation_config's eos disagree (the never-stopping-generation trap), for the receipt."""
+def stop_token_report(rollout) -> dict[str, Any]:
+    """The stop set the replicas' engine uses and whether the template's end-of-turn and
+    generation_config's eos disagree (the never-stopping-generation trap), for the receipt. Read
+    from a live replica, which computed it when it loaded the tokenizer: the driver then never
+    imports transformers, ~6 s of start-up it spent before the replicas could start."""
     import logging
 
-    from model.base import resolve_model, stop_token_ids
-
-    report = stop_token_ids(resolve_model(cfg.model), cfg.model.eos_token_ids)
-    if report.warning:
-        logging.getLogger("counterpoint").warning("stop tokens: %s", report.warning)
-    return report.as_dict()
+    report = rollout.info()["stop_tokens"]
+    if report.get("warning"):
+        logging.getLogger("counterpoint").warning("stop tokens: %s", report["warning"])
+    return report
 
 
 def serve_adapter(rollout, adapter_dir) -> int:

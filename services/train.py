@@ -267,7 +267,6 @@ def heldout_eval(cfg: RunConfig, grader, rollout, version: int, out: Path) -> di
     """Held-out eval with adapter `version`, kept per item as the EVAL.jsonl `out` (so before and
     after pair item by item); returns its summary and file for the receipt. Prompts and sampling
     are the eval section's, as `counterpoint eval` takes them (services/eval_run.py)."""
-    from model.base import resolve_model, stop_token_ids
     from evals.eval_file import ScoringSettings
     from evals.heldout import evaluate_heldout, write_heldout_eval
     from services.eval_run import eval_params, eval_sampling
@@ -291,7 +290,7 @@ def heldout_eval(cfg: RunConfig, grader, rollout, version: int, out: Path) -> di
         result = evaluate_heldout(grader, rollout, cases, params, version, cfg.trainer.prefix_mode)
     write_heldout_eval(
         out, result, params, model=cfg.model.name_or_path, voices=max(health.voices, 1),
-        eos_token_ids=stop_token_ids(resolve_model(cfg.model), cfg.model.eos_token_ids).ids,
+        eos_token_ids=tuple(rollout.info()["stop_tokens"]["ids"]),
         prefix_mode=cfg.trainer.prefix_mode, fixture_source=cfg.grader.heldout_fixture or "shipped",
         scoring=ScoringSettings(style=style, checker=health.checker), run=str(out.parent))
     return {"summary": result.summary(), "eval_file": str(out)}
@@ -440,9 +439,9 @@ def start_rollout_and_learner(at: Attempt, parts: Services, stack: ExitStack, st
     if beside:  # its workers load the model while the replicas start
         resolve_model(cfg.model)  # built or converted once, here, before either reads it
         learner.begin(at.checkpoint)
-    receipt.update(rollout_stop_tokens=stop_token_report(cfg))
     rollout = parts.rollout = start_rollout(cfg, stack)
     stages.done("rollout replicas")
+    receipt.update(rollout_stop_tokens=stop_token_report(rollout))
     init = learner.started() if beside else learner.start(at.checkpoint)
     base_weights = init.base_weights if share else {"mode": "own", "reason": share_reason}
     if parts.refusals and base_weights["mode"] == "own":
