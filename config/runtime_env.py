@@ -34,6 +34,10 @@ DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_NO_USAGE_STATS": "1",
+    # Ray Train's preemption watcher: one more actor per learner job (a Python process, ~2 s of
+    # CPU at start on the 2-core box) whose notices counterpoint does not act on: its learner is
+    # restored by services/learner_recovery.py, from its own checkpoints, whatever killed it.
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     # A gRPC server started before ray.init otherwise prints fork warnings.
     "GRPC_ENABLE_FORK_SUPPORT": "false",
     "TOKENIZERS_PARALLELISM": "false",
