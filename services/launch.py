@@ -173,11 +173,19 @@ def start_grader(cfg: RunConfig, stack: ExitStack):
 
         port = free_port()
         serve_app.start(cfg.grader, grpc_port=port, http_port=free_port())
+        if not _cluster_started_here:  # on a joined cluster the app would outlive the run, holding its CPUs
+            stack.callback(_delete_app, cfg.grader.app_name)
         stack.callback(serve_app.stop_front, cfg.grader.app_name)  # the loopback front, if any
         address = f"127.0.0.1:{port}"
     client = GraderClient.from_config(cfg.grader, address=address)
     stack.callback(client.close)
     return client
+
+
+def _delete_app(app_name: str) -> None:
+    from ray import serve
+
+    serve.delete(app_name)
 
 
 def watch_grader(cfg: RunConfig, stack: ExitStack, registry):
