@@ -11,10 +11,11 @@ REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "services.cli"]
 
 
-def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run `counterpoint ARGS...` in the repo root; output captured as text."""
+def cli(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `counterpoint ARGS...` in the repo root; output captured as text. `env`: the whole
+    environment (a run joining tests/rayharness.py's head passes its `env`)."""
     return subprocess.run(CLI + list(args), cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"})
 
 
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}

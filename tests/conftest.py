@@ -28,6 +28,19 @@ def shared_dir() -> Path:
     return SHARED
 
 
+@pytest.fixture(scope="session")
+def ray_head():
+    """One real Ray head node for the whole test run, started by the first test that asks;
+    the end-to-end runs that do not test a local cluster's start-up join it (tests/rayharness.py)."""
+    from rayharness import SharedHead
+
+    head = SharedHead.start()
+    try:
+        yield head
+    finally:
+        head.stop()
+
+
 # ---------------------------------------------------------------------------------- test kinds
 # Markers (registered in pyproject.toml): `slow` starts Ray, vLLM or a model; `subprocess` starts
 # a child process: a `counterpoint` CLI run, a Python helper, a sandboxed script (`unshare`), a

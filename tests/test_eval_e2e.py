@@ -16,15 +16,20 @@ from evals.eval_file import NO_OPENING, read_eval
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 
-def test_eval_prior_shape_and_compare_on_smoke(tmp_path: Path):
+def test_eval_prior_shape_and_compare_on_smoke(tmp_path: Path, ray_head):
+    """The evals join the test run's Ray head (tests/rayharness.py); an eval that starts its own
+    local cluster runs in tests/test_run_paths_e2e.py."""
     evals = {}
     for name, seed in (("base", 0), ("arm1", 1)):
         out = tmp_path / f"{name}.jsonl"
         done = cli("eval", "--config", "configs/smoke.yaml", "--split", "heldout", "--limit", "4",
-                   "--generations", "4", "--max-new-tokens", "16", "--seed", str(seed), "--out", str(out))
+                   "--generations", "4", "--max-new-tokens", "16", "--seed", str(seed), "--out", str(out), *ray_head.sets, env=ray_head.env)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert "pass_rate" in done.stdout or "pass rate" in done.stdout
         evals[name] = read_eval(out)
+    # On a joined cluster an eval deletes the apps it deployed as it ends (they would hold the
+    # cluster's CPUs): the grader's was left behind before, and the next run had to replace it.
+    assert ray_head.serve_apps() == []
     base = evals["base"]
     assert base.header.prompt_set.n_items == 4 and base.header.generation.generations == 4
     assert base.header.scoring.checker == "reference"

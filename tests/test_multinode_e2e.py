@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
 import signal
@@ -42,10 +41,10 @@ import pytest
 import yaml
 
 from cliharness import CLI, REPO
+from rayharness import free_port, ray_env, start_head, start_node, stop_nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
-RAY = str(Path(sys.executable).with_name("ray"))
 ROLES = {  # node -> (CPUs, custom resources): each part's section asks for its node's resource
     "rollout": (1, {"rollout_slot": 1}),
     "grader": (1, {"grader_slot": 2}),
@@ -63,20 +62,6 @@ PLACED = {
 GRADER_APP = "grader"  # config/grader.py app_name's default
 BUDGET_S = 600.0  # the module's training runs together
 NODE_START_S = 240.0
-
-
-def ray_env() -> dict[str, str]:
-    """`ray start` turns Ray's token authentication on (the token in ~/.ray/auth_token); a driver
-    sends it only when RAY_AUTH_MODE says token, so every process of this cluster is told so."""
-    return {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONUNBUFFERED": "1"}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -106,24 +91,6 @@ class Cluster:
         return json.loads(line[-1][len("STATE"):])
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """Stop nodes this module started: SIGTERM each `ray start --block` (which stops its raylet
-    and workers), all at once, then SIGKILL whatever of their process trees is left."""
-    families = []
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            families.append([psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)])
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    for family in families:
-        for p in family:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-
-
 def _kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL a driver that is still running, and its children (a test that failed midway)."""
     if proc.poll() is None:
@@ -141,31 +108,20 @@ def _completed(proc: subprocess.Popen, until: float, log: Path, run: Path) -> di
     return receipt
 
 
-def _start_node(base: Path, name: str, args: list[str], prefix: list[str] = ()) -> subprocess.Popen:
-    log = open(base / f"node-{name}.log", "w")
-    return subprocess.Popen([*prefix, RAY, "start", "--block", "--disable-usage-stats", *args],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO, env=ray_env())
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     # Short: Ray's Unix socket paths live under the temp dir (108-byte limit).
     base = Path(tempfile.mkdtemp(prefix="cpmn-", dir="/tmp"))
     runs = tmp_path_factory.mktemp("multinode") / "runs"
     runs.mkdir()
-    port = _free_port()
+    port = free_port()
     from ray._private.services import get_node_ip_address
 
     ip = get_node_ip_address()
     c = Cluster(address=f"{ip}:{port}", runs=runs, base=base)
     try:
-        c.procs["head"] = _start_node(base, "head", [
-            "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
-            f"--temp-dir={base / 'ray'}", "--labels=counterpoint-role=head"])
         deadline = time.monotonic() + NODE_START_S
-        while not (base / "ray" / "ray_current_cluster").exists() and time.monotonic() < deadline:
-            assert c.procs["head"].poll() is None, (base / "node-head.log").read_text()[-3000:]
-            time.sleep(0.5)
+        c.procs["head"] = start_head(base, port, ["--num-cpus=1", "--labels=counterpoint-role=head"], NODE_START_S)
         for role, (cpus, resources) in ROLES.items():
             prefix: list[str] = []
             if role == "learner":  # its own mount namespace, the runs dir masked by a tmpfs
@@ -173,7 +129,7 @@ def cluster(tmp_path_factory):
                           f'mount -t tmpfs cp-masked "{runs}" && exec "$0" "$@"']
             # One at a time: a raylet that cannot register within Ray's fixed 30 s fails its
             # `ray start`, and three registering at once on this 2-core machine did.
-            c.procs[role] = _start_node(base, role, [
+            c.procs[role] = start_node(base, role, [
                 f"--address={c.address}", f"--num-cpus={cpus}", f"--resources={json.dumps(resources)}",
                 f"--labels=counterpoint-role={role}"], prefix)
             while "Ray runtime started" not in (base / f"node-{role}.log").read_text():
@@ -200,7 +156,7 @@ def cluster(tmp_path_factory):
         probe.unlink()
         yield c
     finally:
-        _stop([c.procs[name] for name in ("learner", "grader", "rollout", "head") if name in c.procs])
+        stop_nodes([c.procs[name] for name in ("learner", "grader", "rollout", "head") if name in c.procs])
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -650,7 +606,7 @@ def test_rollout_node_removed_stops_in_one_line_and_resume_continues(cluster: Cl
     assert stop["outcome"] == "stopped" and stop["step"] == 2, stop
 
     cpus, resources = ROLES["rollout"]
-    cluster.procs["rollout"] = _start_node(cluster.base, "rollout-2", [
+    cluster.procs["rollout"] = start_node(cluster.base, "rollout-2", [
         f"--address={cluster.address}", f"--num-cpus={cpus}", f"--resources={json.dumps(resources)}",
         "--labels=counterpoint-role=rollout"])
     while "Ray runtime started" not in (cluster.base / "node-rollout-2.log").read_text():

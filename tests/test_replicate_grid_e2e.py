@@ -32,8 +32,10 @@ def pass_rate(path: Path) -> float:
 
 
 @pytest.fixture(scope="module")
-def grid_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """The one replicate run both tests below read: (its --out, the finished command)."""
+def grid_run(tmp_path_factory, ray_head) -> tuple[Path, subprocess.CompletedProcess]:
+    """The one replicate run both tests below read: (its --out, the finished command). Its arms
+    join the test run's Ray head (--address): replicate's own orchestration is what is tested
+    here; every other e2e run of a local cluster tests the arms' start-up."""
     out = tmp_path_factory.mktemp("replicate") / "grid"
     # Arm c2 seed 2 cannot create its run directory (a file is in the way): a real failure, late in
     # the list and of a pinned arm, that must be reported while every other arm completes and is
@@ -43,7 +45,8 @@ def grid_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     done = cli("replicate", "--config", "configs/smoke.yaml", "--seeds", "1,2", "--out", str(out),
                "--grid", "learner.lr=1e-3,1e-4", "--pin-init", "--set", f"trainer.steps={STEPS}",
                "--set", "eval.limit=4", "--set", "eval.before_and_after=false",
-               "--generations", "2", "--max-new-tokens", "8", timeout=870)  # inside pytest's 900 s
+               "--generations", "2", "--max-new-tokens", "8", "--address", ray_head.address,
+               timeout=870, env=ray_head.env)  # inside pytest's 900 s
     return out, done
 
 

@@ -58,7 +58,7 @@ def check_probe_report(report: dict, cases) -> None:
     }
 
 
-def test_probe_options_on_smoke(tmp_path: Path):
+def test_probe_options_on_smoke(tmp_path: Path, ray_head):
     """`probe-options` on three held-out items with --eval: the items are the grader's (ids and
     alphabets), each answer is the model's text parsed as parse_options parses it, and the
     decoded supports of the EVAL.jsonl are joined by item id. The tiny random model never writes
@@ -71,7 +71,7 @@ def test_probe_options_on_smoke(tmp_path: Path):
     decoded = _decoded_eval(tmp_path / "decoded.jsonl", [c.id for c in cases])
     out = tmp_path / "probe.json"
     done = cli("probe-options", "--config", "configs/smoke.yaml", "--split", "heldout", "--limit", "3",
-               "--max-new-tokens", "16", "--eval", str(decoded), "--out", str(out))
+               "--max-new-tokens", "16", "--eval", str(decoded), "--out", str(out), *ray_head.sets, env=ray_head.env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "five-options probe (heldout, 3 items)" in done.stdout
     assert "probe answers parsed:" in done.stdout

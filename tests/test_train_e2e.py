@@ -77,14 +77,17 @@ class Budget:
 
 
 def start_train(run_dir: Path, *extra: str, resume: bool = False, base: tuple[str, ...] = MOVING,
-                which: str | None = None) -> subprocess.Popen:
+                which: str | None = None, head=None) -> subprocess.Popen:
+    """`counterpoint train` on configs/smoke.yaml (or --resume), its console in a log beside the run.
+    `head`: a tests/rayharness.py head the run joins (a resume joins what its run.json recorded)."""
     args = ["train", "--resume", str(run_dir)] if resume else [
         "train", "--config", "configs/smoke.yaml", "--run-name", run_dir.name, "--set", f"trainer.runs_dir={run_dir.parent}",
-        *base]
+        *base, *(head.sets if head is not None else ())]
     log = open(run_dir.parent / f"{run_dir.name}.{which or ('resume' if resume else 'first')}.log", "w")
     # Ray's workers report metrics every 10 s by default; 2 s lets a short run's grader
     # histograms change between Prometheus scrapes (rate() needs two distinct samples).
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_metrics_report_interval_ms": "2000"}
+    env = {**(os.environ if head is None else head.env), "PYTHONUNBUFFERED": "1",
+           "RAY_metrics_report_interval_ms": "2000"}
     return subprocess.Popen(CLI + args + list(extra), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             env=env, start_new_session=True)
 
@@ -431,6 +434,13 @@ def test_smoke_run_end_to_end_with_prometheus_and_replica_kills(tmp_path: Path):
     assert (run_dir / "adapters" / "init" / "adapter_config.json").exists()
     assert adapter_bytes(run_dir, f"step_{RUN_A_STEPS}") != adapter_bytes(run_dir, "init"), "the adapter never moved"
     assert (run_dir / "curves.png").stat().st_size > 1000
+    # The stop set the receipt records is the one the replica's engine used, as the model's files
+    # give it (the driver reads it from the replica instead of loading the tokenizer itself).
+    from model.base import resolve_model, stop_token_ids
+    from config.rollout import ModelConfig
+
+    assert receipt["rollout_stop_tokens"] == stop_token_ids(resolve_model(ModelConfig(**receipt["config"]["model"]))).as_dict()
+    assert receipt["rollout_stop_tokens"] == receipt["rollout_engine"]["stop_tokens"]
 
 
 def adapter_bytes(run_dir: Path, name: str) -> bytes:
@@ -496,13 +506,17 @@ def learning(address: str) -> tuple[str, ...]:
     return tuple(x for s in sets for x in ("--set", s))
 
 
-def test_sigkill_and_sigterm_then_resume_equal_an_uninterrupted_run(tmp_path: Path):
+def test_sigkill_and_sigterm_then_resume_equal_an_uninterrupted_run(tmp_path: Path, ray_head):
     """Run B is SIGKILLed after its second trained step and resumed; that attempt is SIGTERMed
     after one step of its own (it must say how to resume, exit 143 and record "interrupted") and
     resumed again to the end. Steps continue with no gap or repeat, the data order continues, the
     LR follows the schedule across both resumes, every update had a non-zero policy gradient,
     and the final adapter is byte-identical to that of an uninterrupted run C. While B runs, a
-    twin `train --run-name smoke-b` is refused in one line (the run directory's lock)."""
+    twin `train --run-name smoke-b` is refused in one line (the run directory's lock).
+
+    The runs join the test run's Ray head (tests/rayharness.py), so the killed driver's Serve
+    apps outlive it, as on a user's long-lived cluster, and the resume replaces them; a local
+    cluster's own shutdown on SIGTERM is the smoke run's and test_sigterm_inside_ray_init's."""
     from grader_testtask import char_share_grader
 
     budget = Budget()
@@ -511,11 +525,11 @@ def test_sigkill_and_sigterm_then_resume_equal_an_uninterrupted_run(tmp_path: Pa
         sets = learning(server.address)
         # Run C: the same config, uninterrupted.
         straight = tmp_path / "runs" / "smoke-c"
-        wait_exit(start_train(straight, base=sets), budget, straight)
+        wait_exit(start_train(straight, base=sets, head=ray_head), budget, straight)
         check_reward_rises(straight, RESUME_STEPS, list(core.scored))
 
         run_dir = tmp_path / "runs" / "smoke-b"
-        proc = start_train(run_dir, base=sets)
+        proc = start_train(run_dir, base=sets, head=ray_head)
         try:
             wait_for(lambda: (run_dir / "run.json").exists(), budget, proc, "run.json", poll=0.1)
             twin = subprocess.run(CLI + ["train", "--config", "configs/smoke.yaml", "--run-name", "smoke-b",
@@ -531,7 +545,7 @@ def test_sigkill_and_sigterm_then_resume_equal_an_uninterrupted_run(tmp_path: Pa
         assert before[:2] == [1, 2]
         first_batches = {s: _round_case_ids(run_dir, s, TASK) for s in before}
 
-        proc = start_train(run_dir, resume=True)
+        proc = start_train(run_dir, resume=True, head=ray_head)
         try:
             wait_for(lambda: run_steps_of_attempt(run_dir), budget, proc, "a step trained by the resumed attempt",
                      poll=0.1)
@@ -547,7 +561,7 @@ def test_sigkill_and_sigterm_then_resume_equal_an_uninterrupted_run(tmp_path: Pa
         assert (receipt["status"], receipt["error"]) == ("interrupted", "signal SIGTERM"), receipt["status"]
         assert len(trained_steps(run_dir)) < RESUME_STEPS, "SIGTERM came after the last step: nothing to resume"
 
-        wait_exit(start_train(run_dir, resume=True, which="resume2"), budget, run_dir, "resume2")
+        wait_exit(start_train(run_dir, resume=True, which="resume2", head=ray_head), budget, run_dir, "resume2")
     after = trained_steps(run_dir)
     assert after == list(range(1, RESUME_STEPS + 1))  # no gap, no repeat
     # The data order continues: every step's prompts are the seeded sampler's, as a fresh run draws them.

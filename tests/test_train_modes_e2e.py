@@ -78,13 +78,14 @@ def ppl_ratio(rollout: list[list[float]], trainer: list[list[float]]) -> float:
     return sum(math.exp(d) for d in ds) / len(ds)
 
 
-def test_one_step_off_forced_openings_heldout_eval_then_plot_and_eval(tmp_path: Path):
+def test_one_step_off_forced_openings_heldout_eval_then_plot_and_eval(tmp_path: Path, ray_head):
+    """The train and the eval join the test run's Ray head (tests/rayharness.py)."""
     runs = tmp_path / "runs"
     with char_share_grader() as (server, core):
         proc = cli(*train_args(runs, "modes", server.address, f"trainer.steps={STEPS}", f"trainer.group_size={G}",
                                f"trainer.prompts_per_step={P}", "trainer.mode=one_step_off", "trainer.save_every=1",
                                "trainer.prefix_mode=forced_opening", "eval.before_and_after=true",
-                               "eval.generations=2"), timeout=1200)
+                               "eval.generations=2"), *ray_head.sets, timeout=1200, env=ray_head.env)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
         run_dir = runs / "modes"
         scored_train = [s for s in core.scored if s.case_id.startswith("cs-train-")]
@@ -167,7 +168,7 @@ def test_one_step_off_forced_openings_heldout_eval_then_plot_and_eval(tmp_path: 
         ev = cli("eval", "--config", "configs/smoke.yaml", "--set", f"grader.address={server.address}",
                  "--set", "trainer.prefix_mode=forced_opening", "--adapter", str(run_dir / "adapters" / f"step_{STEPS}"),
                  "-g", "2", "--max-new-tokens", str(MAX_TOKENS), "--temperature", str(TEMPERATURE),
-                 "--seed", str(SEED * 1_000_003), "--out", str(out), timeout=900)
+                 "--seed", str(SEED * 1_000_003), "--out", str(out), *ray_head.sets, timeout=900, env=ray_head.env)
         assert ev.returncode == 0, (ev.stdout + ev.stderr)[-6000:]
     evaluated = read_jsonl(out)
     assert evaluated[0]["adapter"] == str(run_dir / "adapters" / f"step_{STEPS}")

@@ -34,7 +34,9 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_tree_rounds_train_end_to_end(tmp_path: Path):
+def test_tree_rounds_train_end_to_end(tmp_path: Path, ray_head):
+    """Both runs join the test run's Ray head (tests/rayharness.py): tree mode's plumbing is what
+    is tested; the shipped default below starts its own cluster as a user's run does."""
     runs = tmp_path / "runs"
     sets = [
         f"trainer.runs_dir={runs}", "trainer.rollout_mode=tree", f"trainer.steps={STEPS}",
@@ -47,10 +49,10 @@ def test_tree_rounds_train_end_to_end(tmp_path: Path):
         # the scaffold through the real engine (forced head, stop strings) and the tree held-out eval
         "search.scaffold=true", "eval.before_and_after=true", "eval.generations=2", "eval.limit=1",
     ]
-    args = ["train", "--config", "configs/smoke.yaml", "--run-name", "tree"]
+    args = ["train", "--config", "configs/smoke.yaml", "--run-name", "tree", *ray_head.sets]
     for s in sets:
         args += ["--set", s]
-    proc = cli(*args, timeout=840)
+    proc = cli(*args, timeout=840, env=ray_head.env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     run = runs / "tree"
 
@@ -130,7 +132,7 @@ def test_tree_rounds_train_end_to_end(tmp_path: Path):
     assert receipt["prometheus_series"].get("counterpoint_search_valid_share") == STEPS
 
     # Resume in a new process for one more step: the tree continues from round_2/tree.json.
-    proc = cli("train", "--resume", str(run), "--set", f"trainer.steps={STEPS + 1}", timeout=600)
+    proc = cli("train", "--resume", str(run), "--set", f"trainer.steps={STEPS + 1}", timeout=600, env=ray_head.env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     assert [t["step"] for t in read_jsonl(run / "timing.jsonl")] == [1, 2, 3]
     rows3 = read_jsonl(next((run / "round_3").glob("code-exec__*[0-9].jsonl")))

@@ -1,0 +1,136 @@
+"""Real `ray start --block` nodes that tests own, and the one head node the end-to-end runs join.
+
+A node here is started with its own --temp-dir, so its address file never replaces
+/tmp/ray/ray_current_cluster (another engineer's `ray.init("auto")` would join it), and stopped by
+pid, never with `ray stop` (which stops every cluster on the machine).
+
+`SharedHead` is one head node for the whole test run (tests/conftest.py's `ray_head`). The `counterpoint`
+runs whose tests are not about a local cluster's own start-up and shutdown join it
+(`trainer.ray_address`, `replicate --address`): each then skips starting Ray, Serve's controller
+and the shutdown, ~17 s of the ~67 s a smoke run costs on the 2-core box (measured 2026-12-03:
+50 s joined against 67 s starting its own, the same run back to back). The runs that test the
+local path (the smoke run with Prometheus, relative paths, the console, the raylet retry, SIGTERM
+inside ray.init) still start their own. Joined runs follow each other on the same cluster, as a
+user's runs do on theirs: a run deletes its Serve apps as it ends, and the next run's apps of the
+same name replace whatever a killed driver left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).with_name("ray"))
+STOP_GRACE_S = 10.0  # then SIGKILL: a `ray start --block` started in a new session can ignore SIGTERM
+
+
+def ray_env() -> dict[str, str]:
+    """`ray start` turns Ray's token authentication on (the token in ~/.ray/auth_token); a driver
+    sends it only when RAY_AUTH_MODE says token, so every process of such a cluster is told so."""
+    return {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONUNBUFFERED": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_node(base: Path, name: str, args: list[str], prefix: list[str] = ()) -> subprocess.Popen:
+    """`ray start --block ARGS` as a process of its own session; its output in BASE/node-NAME.log."""
+    log = open(base / f"node-{name}.log", "w")
+    return subprocess.Popen([*prefix, RAY, "start", "--block", "--disable-usage-stats", *args],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO, env=ray_env())
+
+
+def stop_nodes(procs: list[subprocess.Popen]) -> None:
+    """Stop nodes a test started: SIGTERM each `ray start --block` (which stops its raylet and
+    workers), all at once, then SIGKILL whatever of their process trees is left after
+    STOP_GRACE_S."""
+    families = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            families.append([psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)])
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    for family in families:
+        for p in family:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+
+def start_head(base: Path, port: int, args: list[str] = (), within_s: float = 120.0) -> subprocess.Popen:
+    """A head node on PORT with BASE/ray as its temp dir; returns once it has written its address."""
+    proc = start_node(base, "head", ["--head", f"--port={port}", "--include-dashboard=false",
+                                     f"--temp-dir={base / 'ray'}", *args])
+    deadline = time.monotonic() + within_s
+    while not (base / "ray" / "ray_current_cluster").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_nodes([proc])
+            raise RuntimeError("the Ray head did not start:\n" + (base / "node-head.log").read_text()[-3000:])
+        time.sleep(0.5)
+    return proc
+
+
+@dataclass
+class SharedHead:
+    """The test run's head node: `address` to join, `env` for a process that joins it."""
+
+    address: str
+    base: Path
+    proc: subprocess.Popen
+
+    @classmethod
+    def start(cls, cpus: int = 8) -> "SharedHead":
+        # Short: Ray's Unix socket paths live under the temp dir (108-byte limit).
+        base = Path(tempfile.mkdtemp(prefix="cphead-", dir="/tmp"))
+        from ray._private.services import get_node_ip_address
+
+        port = free_port()
+        proc = start_head(base, port, [f"--num-cpus={cpus}"])
+        return cls(address=f"{get_node_ip_address()}:{port}", base=base, proc=proc)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return ray_env()
+
+    @property
+    def sets(self) -> list[str]:
+        """The `--set` a `counterpoint train` or `eval` run joins this head with."""
+        return ["--set", f"trainer.ray_address={self.address}"]
+
+    def serve_apps(self) -> list[str]:
+        """The Serve applications alive on this head now, read by a driver of its own."""
+        import json
+
+        code = ("import json, ray\nfrom ray import serve\n"
+                f"ray.init(address={self.address!r}, log_to_driver=False)\n"
+                "print('APPS' + json.dumps(sorted(serve.status().applications)))\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             cwd=REPO, env=self.env)
+        line = [ln for ln in out.stdout.splitlines() if ln.startswith("APPS")]
+        assert line, f"could not read the head's Serve apps:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+        return json.loads(line[-1][len("APPS"):])
+
+    def stop(self) -> None:
+        import shutil
+
+        stop_nodes([self.proc])
+        shutil.rmtree(self.base, ignore_errors=True)
