@@ -118,6 +118,10 @@ class GraderConfig(BaseModel):
         "to the console and the replicas' log files): off, since a training run sends thousands "
         "(\"CALL ... repeated 712x\"); counts and latencies are in the counterpoint_grader_* metrics.",
     )
+    shutdown_poll_s: float = Field(
+        0.2, gt=0, description="How often a stopping grader replica checks that its calls are done "
+        "(Serve's graceful_shutdown_wait_loop_s, 2 s by default; see rollout.shutdown_poll_s).",
+    )
     host: str = Field("127.0.0.1", description="Bind address of a grader server.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free one).")
     max_retries: int = Field(4, ge=0, description="Retries of a failed grader call (backoff).")

@@ -136,6 +136,11 @@ class RolloutConfig(BaseModel):
         10.0, gt=0, description="A replica not heard from for this long is taken for dead by "
         "the adapter registry (replicas report every heartbeat_s, also while generating)."
     )
+    shutdown_poll_s: float = Field(
+        0.2, gt=0, description="How often a stopping replica checks that its calls are done (Serve's "
+        "graceful_shutdown_wait_loop_s; it sleeps this long at least once). Serve's own 2 s made every "
+        "run's end, and every replica Serve replaced, wait 2 s more than its calls needed."
+    )
     max_ongoing_requests: int = Field(
         8, ge=1, description="Ray Serve's limit of generate requests in flight per replica (its engine "
         "thread takes them one at a time; the rest wait there instead of at Serve's router)."

@@ -142,6 +142,7 @@ def deployment_options(cfg: GraderConfig) -> dict[str, Any]:
             "metrics_interval_s": cfg.metrics_interval_s,
         },
         "max_ongoing_requests": max(16, int(2 * cfg.target_ongoing_requests)),
+        "graceful_shutdown_wait_loop_s": cfg.shutdown_poll_s,
         "ray_actor_options": {"num_cpus": cfg.num_cpus, **(
             {"memory": cfg.replica_memory_mb * 2**20} if cfg.replica_memory_mb else {}),
             # where the replicas may run (grader.resources / grader.label_selector; none when unset)

@@ -171,6 +171,7 @@ def test_deployment_options_from_config():
     assert (scaled["autoscaling_config"]["max_replicas"], scaled["max_ongoing_requests"]) == (4, 40)
     assert scaled["ray_actor_options"] == {"num_cpus": 0.5}
     assert scaled["autoscaling_config"]["initial_replicas"] == 1
+    assert fixed["graceful_shutdown_wait_loop_s"] == 0.2  # grader.shutdown_poll_s, not Serve's 2 s
     quick = deployment_options(GraderConfig(upscale_delay_s=1, downscale_delay_s=2,
                                             look_back_period_s=12, metrics_interval_s=1))["autoscaling_config"]
     assert (quick["upscale_delay_s"], quick["downscale_delay_s"], quick["look_back_period_s"],
