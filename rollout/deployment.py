@@ -34,7 +34,7 @@ from ray import serve
 
 from config.liveness import LivenessConfig
 from config.rollout import ModelConfig, RolloutConfig
-from rollout.registry import AdapterUnavailableError, RegistryState
+from rollout.registry import AdapterUnavailableError, RegistryState, went_on
 from model.adapter import AdapterPayload, AdapterRef
 from rollout.types import Prompt, Sample, SamplingParams
 
@@ -364,7 +364,11 @@ class RolloutClient:
         # Replicas this client replaced because they made no progress: (when, the registry's
         # entry for it); the step loop records them with the retry they caused.
         self.replaced_events: list[tuple[float, dict]] = []
-        self._noticed: set[tuple[str, str]] = set()
+        # Replicas that stalled in a call and then finished it by themselves (registry.went_on):
+        # (when, the registry's last entry for it); the step loop records them as 'stalled'.
+        self.healed_events: list[tuple[float, dict]] = []
+        self._noticed: dict[str, dict] = {}  # this call's busy replicas past the notice time
+        self._replaced: set[str] = set()
 
     def generate(
         self,
@@ -383,10 +387,13 @@ class RolloutClient:
         samples: list[Sample] = []
         # Bounded: a replica that can never be replaced would keep the call queued forever.
         give_up = time.monotonic() + self.rollout_cfg.request_timeout_s
+        self._noticed, self._replaced = {}, set()
         for start, response in responses:
             for s in self._result(response, give_up):
                 s.prompt_index += start
                 samples.append(s)
+        now = time.monotonic()
+        self.healed_events += [(now, q) for q in went_on(self._noticed, self._replaced, self.liveness.worth_recording)]
         return samples
 
     def _result(self, response, give_up: float, poll_s: float = 1.0) -> list[Sample]:
@@ -410,10 +417,11 @@ class RolloutClient:
         for quiet in ray.get(self.registry.quiet.remote(self.liveness)):
             rid = quiet["replica_id"]
             if not quiet["replace"]:
-                if (rid, "notice") not in self._noticed:
-                    self._noticed.add((rid, "notice"))
+                if rid not in self._noticed:
                     log.warning("rollout replica %s: %s", rid, quiet["why"])
+                self._noticed[rid] = quiet
                 continue
+            self._replaced.add(rid)
             try:
                 actor = ray.get_actor(quiet["actor_name"], namespace="serve")
             except ValueError:  # already gone (a crash Serve is handling): nothing to replace

@@ -140,7 +140,7 @@ class RegistryState:
             busy, deadline = now - r.busy_since, deadline_s(r.slowest_call_s or None)
             if busy > deadline or notice(busy, r.slowest_call_s or None):
                 out.append({"replica_id": r.replica_id, "actor_name": r.actor_name, "node_id": r.node_id,
-                            "replace": busy > deadline, "quiet_s": busy,
+                            "replace": busy > deadline, "quiet_s": busy, "slowest_s": r.slowest_call_s or None,
                             "why": f"one generate call running for {busy:.0f} s (stalled at {deadline:.0f} s: "
                                    f"its slowest call took {r.slowest_call_s:.1f} s)"})
         return sorted(out, key=lambda q: q["replica_id"])
@@ -168,3 +168,11 @@ class RegistryState:
             "nodes": {r.replica_id: r.node_id for r in self.live(now)},
             "tokens_total": self.tokens_total(),
         }
+
+
+def went_on(noticed: dict[str, dict], replaced: set[str], worth: Callable[[float, float | None], bool]) -> list[dict]:
+    """Of the replicas noticed busy in one generate call (replica id -> the last `quiet` entry
+    seen for it), those that finished it by themselves after a stall worth recording
+    (``worth(quiet_s, slowest_s)``: config/liveness.py worth_recording): outcome 'stalled'."""
+    return [q for rid, q in sorted(noticed.items())
+            if rid not in replaced and not q["replace"] and worth(q["quiet_s"], q.get("slowest_s"))]

@@ -174,10 +174,18 @@ def generate_checked(parts: RunParts, step: int, version: int, prompts: list[Pro
     or an error (never a partial or stale batch)."""
     rc = parts.cfg.rollout
     what = f"generate ({call})"
+    healed = getattr(parts.rollout, "healed_events", None)
+    seen = len(healed) if healed is not None else 0
     samples = with_retries(lambda: parts.rollout.generate(prompts, params, version), what,
                            rc.max_retries, rc.retry_backoff_s,
                            _recorder(parts, "rollout", step, f"generate ({call}, adapter v{version})",
                                      replaced=getattr(parts.rollout, "replaced_events", None)))
+    if healed is not None and parts.recoveries is not None:
+        for _, q in healed[seen:]:  # stalled past half its deadline, then went on: an outage all the same
+            parts.recoveries.record("rollout", step, f"rollout replica {q['replica_id']} made no progress for "
+                                    f"{q['quiet_s']:.0f} s in generate ({call}), then went on by itself",
+                                    q["quiet_s"], outcome="stalled", outage_s=q["quiet_s"],
+                                    replica_id=q["replica_id"], node_id=q["node_id"], why=q["why"])
     if len(samples) != len(prompts):
         raise RuntimeError(f"rollout returned {len(samples)} samples for {len(prompts)} prompts")
     samples = sorted(samples, key=lambda s: s.prompt_index)

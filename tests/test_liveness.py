@@ -87,6 +87,26 @@ def test_registry_names_silent_and_stuck_replicas_and_forgets_them_once_replaced
     assert state.quiet(46.0, live.deadline_s, live.notice_due) == []
 
 
+def test_a_replica_that_stalled_and_went_on_is_kept_when_it_came_near_its_deadline():
+    """registry.went_on: of the replicas noticed busy in one generate call, those that finished it
+    by themselves after at least half their deadline (worth_recording) are the 'stalled' entries;
+    a replaced one, a notice far from its deadline, and a 'replace' entry are not."""
+    from rollout.registry import went_on
+
+    live = LivenessConfig(factor=4, floor_s=20, notice_s=5)
+    state = RegistryState(keep=2, liveness_s=30)
+    for rid, busy in (("near", 12.0), ("far", 8.0), ("killed", 15.0), ("fresh", 11.0)):
+        state.heartbeat(rid, f"app#R#{rid}", 1, 0, now=50.0, busy_s=busy, slowest_call_s=2.0)
+    state.heartbeat("fresh", "app#R#fresh", 1, 0, now=50.0, busy_s=11.0)  # nothing measured: floor 20
+    noticed = {q["replica_id"]: q for q in state.quiet(50.0, live.deadline_s, live.notice_due)}
+    assert set(noticed) == {"near", "far", "killed", "fresh"} and not any(q["replace"] for q in noticed.values())
+    assert noticed["near"]["slowest_s"] == 2.0 and noticed["fresh"]["slowest_s"] is None
+    # deadline max(20, 4 x 2) = 20: near (12) and fresh (11) reached half of it, far (8) did not
+    healed = went_on(noticed, replaced={"killed"}, worth=live.worth_recording)
+    assert [q["replica_id"] for q in healed] == ["fresh", "near"]
+    assert went_on({"x": {**noticed["near"], "replace": True}}, set(), live.worth_recording) == []
+
+
 class _StallingJob:
     """A LearnerJob's driver-side surface, scripted: ``outcomes`` per step() call."""
 
