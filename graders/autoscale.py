@@ -68,6 +68,9 @@ class ScaleTally:
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REPLICA_STATES, 0))
     events: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
     history: list[tuple[float, int]] = field(default_factory=list)
+    # Spells with no running replica that have ended: (unix start, seconds), until taken.
+    empty_spells: list[tuple[float, float]] = field(default_factory=list)
+    empty_since: float | None = None
     _last: int | None = None
 
     def observe(self, replica_states: Mapping, now: float) -> dict[str, int]:
@@ -79,6 +82,11 @@ class ScaleTally:
             self.events[direction] += n
         if running != self._last and len(self.history) < HISTORY_LIMIT:
             self.history.append((now, running))
+        if running == 0 and self._last and self.empty_since is None:  # every replica gone
+            self.empty_since = now
+        elif running > 0 and self.empty_since is not None:  # serving again
+            self.empty_spells.append((self.empty_since, now - self.empty_since))
+            self.empty_since = None
         self.counts, self._last = counts, running
         return step
 
@@ -146,9 +154,10 @@ class ReplicaWatch:
     counted as replicas gone."""
 
     def __init__(self, app_name: str, deployment: str, bounds: tuple[int, int], poll_s: float,
-                 read: Callable[[], Mapping | None] | None = None) -> None:
+                 read: Callable[[], Mapping | None] | None = None, clock: Callable[[], float] = time.time) -> None:
         self.tally = ScaleTally(bounds=bounds)
         self._read = read or (lambda: serve_replica_states(app_name, deployment))
+        self._clock = clock
         self._poll_s = poll_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -164,7 +173,14 @@ class ReplicaWatch:
             if states is None:
                 self.failed_reads += 1
                 return
-            self.tally.observe(states, time.time())
+            went_empty = self.tally.empty_since is None
+            self.tally.observe(states, self._clock())
+            went_empty = went_empty and self.tally.empty_since is not None
+        if went_empty:  # a console line now; the outage is recorded once the app serves again
+            import logging
+
+            logging.getLogger("counterpoint").warning("the grader app has no running replica (Serve is starting "
+                                                      "new ones); scoring waits for them")
 
     def start(self) -> ReplicaWatch:
         self.poll()
@@ -184,6 +200,12 @@ class ReplicaWatch:
     def snapshot(self) -> dict:
         with self._lock:
             return self.tally.snapshot()
+
+    def take_empty_spells(self) -> list[tuple[float, float]]:
+        """The ended spells with no running replica not taken before: (unix start, seconds)."""
+        with self._lock:
+            spells, self.tally.empty_spells = self.tally.empty_spells, []
+            return spells
 
     def summary(self) -> dict:
         with self._lock:

@@ -66,6 +66,9 @@ class RunParts:
     collect: Callable[..., tuple["Rollouts", list[Any]]] | None = None  # None = collect_flat
     archive: Callable[["RoundRecord"], None] | None = None  # the round to disk before the update
     recoveries: Any = None  # services.recovery.RecoveryLog: what a retry saved (None = not recorded)
+    # The grader app's ended spells with no running replica, not taken before: (unix start,
+    # seconds) (graders/autoscale.py ReplicaWatch.take_empty_spells; None: an external grader).
+    grader_outages: Callable[[], list[tuple[float, float]]] | None = None
 
 
 @dataclass
@@ -249,9 +252,21 @@ def score_checked(parts: RunParts, step: int, items: list[tuple[str, str]], chun
         errors = [f"{rpc} {err}" for _, rpc, err in new]
         parts.recoveries.record("grader", step, retried_what(f"ScoreBatch (step {step})", errors),
                                 time.monotonic() - new[0][0], errors=errors)
+    record_grader_outages(parts, step)
     if len(replies) != len(items):
         raise RuntimeError(f"grader returned {len(replies)} scores for {len(items)} completions")
     return replies
+
+
+def record_grader_outages(parts: RunParts, step: int) -> None:
+    """Each spell the grader app had no running replica (all of them died and Serve started
+    others) as a grader recovery entry lasting that long: calls routed around it left no retry
+    to record. Taken on the step loop's thread, so the receipt is written from one thread."""
+    if parts.grader_outages is None or parts.recoveries is None:
+        return
+    for _, seconds in parts.grader_outages():
+        parts.recoveries.record("grader", step, f"the grader app had no running replica for {seconds:.1f} s; "
+                                "Serve started new ones", seconds, outage_s=seconds)
 
 
 def collect_flat(parts: RunParts, step: int, version: int, timer: PhaseTimer,

@@ -20,7 +20,7 @@ from services.archive import recover, supersede_after
 from evals.heldout import heldout_section
 from config import RunConfig, config_from_dict, config_with_overrides, resolved, with_absolute_paths
 from services.recovery import RecoveryLog, first_line, resume_what
-from services.orchestrator import RoundRecord, RunParts, StepRecord, run_steps
+from services.orchestrator import RoundRecord, RunParts, StepRecord, record_grader_outages, run_steps
 from services.cluster import check_placement, nodes, placement_record
 from services.launch import (check_resources, learner_starts_beside_rollout, start_grader, start_ray, start_rollout,
                              stop_token_report, watch_grader)
@@ -339,7 +339,7 @@ def train(opts: TrainOptions) -> RunDir:
         adapter, init = start_rollout_and_learner(at, parts, stack, stages)
         metrics, grader_watch = start_metrics(at, parts, stack, ray_metrics)
         eval_before(at, parts, init, adapter, stages)
-        loop = loop_parts(at, parts, stack, cases, sampler, metrics, adapter)
+        loop = loop_parts(at, parts, stack, cases, sampler, metrics, adapter, grader_watch)
         record_driver_recovery(at)
         run_recorded(at, parts, loop, metrics, grader_watch)
         finish(at, parts, loop.version, list(cases))
@@ -494,7 +494,8 @@ def eval_before(at: Attempt, parts: Services, init, adapter, stages) -> None:
     stages.done("eval before")
 
 
-def loop_parts(at: Attempt, parts: Services, stack: ExitStack, cases, sampler, metrics, adapter) -> RunParts:
+def loop_parts(at: Attempt, parts: Services, stack: ExitStack, cases, sampler, metrics, adapter,
+               grader_watch=None) -> RunParts:
     """What the step loop runs on: the services, the recorder, and flat or tree rounds."""
     from services.progress import StepProgress
 
@@ -509,7 +510,8 @@ def loop_parts(at: Attempt, parts: Services, stack: ExitStack, cases, sampler, m
     recorder = StepRecorder(at.run, metrics, progress, parts.task)
     return RunParts(cfg=cfg, cases=cases, sampler=sampler, grader=parts.grader, rollout=parts.rollout,
                     learner=parts.learner, record=recorder, archive=recorder.archive, version=adapter.version,
-                    collect=collect, recoveries=at.recoveries)
+                    collect=collect, recoveries=at.recoveries,
+                    grader_outages=grader_watch.take_empty_spells if grader_watch is not None else None)
 
 
 def record_driver_recovery(at: Attempt) -> None:
@@ -535,6 +537,7 @@ def run_recorded(at: Attempt, parts: Services, loop: RunParts, metrics, grader_w
                              error=first_line(err))
         raise NodeLost(stopped) from err
     finally:
+        record_grader_outages(loop, len(run.trained_steps()))  # one that ended after the last ScoreBatch
         receipt.update(metric_series=run.metric_series(), prometheus_series=metrics.series_counts(),
                        steps_trained=run.trained_steps(),
                        retries={"grader": parts.grader.retries})  # failed grader calls the client re-sent

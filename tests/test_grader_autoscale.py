@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 from contextlib import ExitStack
 
 import pytest
@@ -97,6 +98,35 @@ def test_watch_skips_a_failed_read_rather_than_count_replicas_gone():
         watch.poll()
     assert watch.snapshot()["events"] == {"up": 1, "down": 0}
     assert watch.summary()["failed_reads"] == 2
+
+
+def test_a_spell_with_no_running_replica_is_timed_and_taken_once():
+    """Every replica gone (killed: Serve starts others) until one runs again is one spell, timed
+    from the read that saw none running to the read that saw one; the baseline and a failed read
+    start none, and the spells are handed out once (ReplicaWatch.take_empty_spells)."""
+    reads = iter([{"RUNNING": 0, "STARTING": 2}, {"RUNNING": 2}, {"RUNNING": 0, "STOPPING": 2}, None,
+                  {"RUNNING": 0, "STARTING": 2}, {"RUNNING": 1, "STARTING": 1}, {"RUNNING": 2}])
+    clock = iter([100.0, 101.0, 102.5, 104.0, 109.0, 110.0])  # a failed read reads no clock
+    watch = ReplicaWatch("app", "Grader", (2, 2), poll_s=3600, read=lambda: next(reads), clock=lambda: next(clock))
+    for _ in range(7):
+        watch.poll()
+    # the baseline (0 running while the app starts) is no spell; 102.5 -> 109.0 is one
+    assert watch.take_empty_spells() == [(102.5, 6.5)]
+    assert watch.take_empty_spells() == []
+
+
+def test_grader_outages_become_recovery_entries_on_the_step_loop():
+    from services.orchestrator import record_grader_outages
+    from services.recovery import RecoveryLog
+
+    log = RecoveryLog(attempt=1)
+    spells = [[(1000.0, 6.5)], []]
+    parts = SimpleNamespace(grader_outages=lambda: spells.pop(0), recoveries=log)
+    record_grader_outages(parts, 3)
+    record_grader_outages(parts, 4)
+    (entry,) = log.all()
+    assert (entry["part"], entry["step"], entry["outcome"], entry["outage_s"]) == ("grader", 3, "recovered", 6.5)
+    assert entry["what"] == "the grader app had no running replica for 6.5 s; Serve started new ones"
 
 
 # --- a real Serve app, real clients, a real Prometheus ----------------------------------------

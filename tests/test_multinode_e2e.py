@@ -337,7 +337,8 @@ def test_rollout_replica_and_grader_replica_killed_mid_call_inside_a_run(cluster
     (a `generate` retried, every live replica then at the adapter version it was asked for; the
     frozen replica named, found quiet within a poll of rollout.replica_liveness_s, and the outage
     counted from its last report) and
-    a grader entry for step j (ScoreBatch errors, then an answer); /metrics counts both in
+    a grader entry for step j (ScoreBatch errors, then an answer) and one for the spell the app ran
+    no replica (its outage, with a console line when it began); /metrics counts them in
     counterpoint_recoveries_total{part}; no sample of any step carries another adapter version
     than the one the step asked for; the replaced replicas have new pids."""
     name = "faults"
@@ -421,9 +422,17 @@ def test_rollout_replica_and_grader_replica_killed_mid_call_inside_a_run(cluster
     assert "made no progress" in log.read_text() and "killing it" in log.read_text()  # on the console
     _assert_every_update_moved(run)
     grader = [r for r in recs if r["part"] == "grader"]
-    assert [r["step"] for r in grader] == [j] and grader[0]["details"]["errors"], recs
-    for part in ("rollout", "grader"):
-        assert f'counterpoint_recoveries_total{{part="{part}"}} 1.0' in scraped, scraped[-3000:]
+    retried = [r for r in grader if r["details"].get("errors")]
+    assert [r["step"] for r in retried] == [j], recs
+    # Both replicas were killed: the app ran none until Serve's new ones did, an outage of its
+    # own (recorded at the first ScoreBatch, or the run's end, after a read saw one running again).
+    (empty,) = [r for r in grader if r["what"].startswith("the grader app had no running replica for ")]
+    assert empty["step"] >= j and empty["outcome"] == "recovered" and 0 < empty["outage_s"] < 120, empty
+    assert len(grader) == 2, recs
+    assert "the grader app has no running replica" in log.read_text()  # the console line
+    assert 'counterpoint_recoveries_total{part="rollout"} 1.0' in scraped, scraped[-3000:]
+    # scraped once the retry was recorded; the outage entry may come later
+    assert re.search(r'counterpoint_recoveries_total\{part="grader"\} [12]\.0', scraped), scraped[-3000:]
     # no sample carries a stale version: every row of step s was sampled with the version the
     # step asked for (metrics.jsonl: the version live after step s-1; step 1: the init's)
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
