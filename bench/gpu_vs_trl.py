@@ -76,9 +76,23 @@ SHAPES: dict[str, dict[str, Any]] = {
                        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
     "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    # Qwen3-14B's and Qwen3-32B's shapes (their config.json). Their bf16 checkpoints (29.5 and 65.5 GB)
+    # would not fit the lent H200's 64 GiB disk beside the rest, and need not exist: the replica
+    # draws random weights (model.load_format=dummy) and the learner maps them (CONFIG_ONLY).
+    "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),  # CPU dry runs
 }
+# Shapes built as config.json + tokenizer only: `counterpoint train` runs them with the replica's
+# random weights lent to the learner (CONFIG_ONLY_SETS); TRL, which loads a checkpoint, cannot.
+CONFIG_ONLY = ("qwen3-14b", "qwen3-32b")
+CONFIG_ONLY_SETS = ("model.load_format=dummy", "share_base_weights=true", "rollout.vllm_lora=unmerged")
+# vLLM's share of the card where the weights alone exceed configs/gpu-bench.yaml's 0.35 (49 GiB):
+# 32B's 61 GiB of bf16 weights and ~20 GiB of KV cache; the learner maps the weights and takes the rest.
+SHAPE_SETS = {"qwen3-32b": ("rollout.gpu_memory_utilization=0.62",)}
 # (model, prompts per step), most wanted first: a deadline drops the last ones.
 RUNS = [("qwen3-4b", 1), ("qwen3-0.6b", 1), ("qwen3-4b", 4), ("qwen3-0.6b", 4)]
 GROUP_SIZE = 8
@@ -94,8 +108,9 @@ SHOWN_PHASES = ("gen", "score", "update_actor", "update_weights")  # the report'
 
 
 # ---------------------------------------------------------------- shared inputs
-def build_model(shape: str, tokenizer_dir: Path, out: Path, device: str) -> Path:
-    """A random-init Qwen3 of ``shape`` in bf16 with the carried tokenizer, saved once to ``out``."""
+def build_model(shape: str, tokenizer_dir: Path, out: Path, device: str, weights: bool | None = None) -> Path:
+    """A random-init Qwen3 of ``shape`` in bf16 with the carried tokenizer, saved once to ``out``;
+    without its weights (config and tokenizer only) for CONFIG_ONLY shapes unless ``weights``."""
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
@@ -107,6 +122,17 @@ def build_model(shape: str, tokenizer_dir: Path, out: Path, device: str) -> Path
     config = Qwen3Config(vocab_size=VOCAB, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                          dtype="bfloat16", **SHAPES[shape])
+    if (shape in CONFIG_ONLY) if weights is None else not weights:  # the config, generation config, tokenizer
+        from transformers import GenerationConfig
+
+        tmp = out.with_name(out.name + ".tmp")
+        config.save_pretrained(tmp)
+        holder = type("Holder", (), {"generation_config": GenerationConfig.from_model_config(config)})()
+        _align_generation_config(holder, tok)
+        holder.generation_config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        tmp.rename(out)
+        return out
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -457,7 +483,10 @@ def trl(args) -> dict[str, Any]:
             continue
         marks.enter("start")
         try:
-            model_dir = build_model(model, args.tokenizer, args.models / model, device)
+            # TRL loads a checkpoint: a CONFIG_ONLY shape is written with its weights, apart
+            model_dir = build_model(model, args.tokenizer,
+                                    args.models / (f"{model}-weights" if model in CONFIG_ONLY else model), device,
+                                    weights=True)
             steps = args.steps if prompts == 1 else args.trl_steps_4x8
             tok = AutoTokenizer.from_pretrained(str(model_dir))
             lm = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device)
@@ -602,7 +631,9 @@ def train_side(args) -> dict[str, Any]:
                 save(result, args.out)
                 continue
             name = f"gpu-bench-{model}-{prompts}x{GROUP_SIZE}-{mode}-{int(time.time())}"
-            sets = train_overrides(model_dir, prompts, mode, args.steps + args.skip + 1, args.runs) + list(args.set)
+            sets = (train_overrides(model_dir, prompts, mode, args.steps + args.skip + 1, args.runs)
+                    + (list(CONFIG_ONLY_SETS) if model in CONFIG_ONLY else []) + list(SHAPE_SETS.get(model, ()))
+                    + list(args.set))
             cmd = [sys.executable, "-m", "services.cli", "train", "--config", str(args.config), "--run-name", name,
                    *sum((["--set", x] for x in sets), [])]
             row["command"] = "counterpoint " + " ".join(cmd[3:])

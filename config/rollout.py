@@ -37,6 +37,14 @@ class ModelConfig(BaseModel):
         "plus generation_config's and the tokenizer's eos.",
     )
     tiny_seed: int = Field(0, description="Weight seed of the 'tiny-random' model.")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto",
+        description="'auto' reads the checkpoint. 'dummy' (vLLM's name) gives the rollout replica random "
+        "weights of the model's shape, seeded, and reads no checkpoint: the directory needs only "
+        "config.json and the tokenizer. For benches of shapes whose checkpoint would not fit a disk "
+        "(a 32B model is 64 GB); the learner then maps the replica's weights, so a run requires "
+        "share_base_weights to hold (config/run.py).",
+    )
 
 
 class RolloutConfig(BaseModel):

@@ -243,6 +243,18 @@ class RunConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _random_weights_are_shared(self) -> "RunConfig":
+        # Random weights exist only in the replica that drew them: a learner that loaded its own
+        # copy would read a checkpoint that is not there, or train a different random model.
+        if self.model.load_format == "dummy":
+            shares, why = self.shares_base_weights()
+            if not shares:
+                raise ValueError("model.load_format=dummy draws the base weights in the rollout replica and reads "
+                                 f"no checkpoint, so the learner must map them, but the base is not shared: {why} "
+                                 "(set share_base_weights=true with one replica and one learner worker on one device)")
+        return self
+
+    @model_validator(mode="after")
     def _learner_reproduces_the_sampling_distribution(self) -> "RunConfig":
         # The engines return log-probs of the distribution they sampled from, after temperature,
         # top-k and top-p (vLLM's processed_logprobs, the hf engines' warped logits); the learner

@@ -22,12 +22,11 @@ from model.adapter import CHECKSUM_MOD, AdapterPayload
 
 def load_base_model(model_cfg, device: torch.device | str = "cpu"):
     """The frozen base model from a config.rollout.ModelConfig (local dir via resolve_model)."""
-    from transformers import AutoModelForCausalLM
+    from model.base import load_causal_lm, resolve_model
 
-    from model.base import resolve_model, torch_dtype
-
-    path = resolve_model(model_cfg)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(model_cfg.dtype))
+    # model.load_format=dummy: the random weights an hf engine draws too (a run shares the
+    # replica's instead: config/run.py; tests compare the two)
+    model = load_causal_lm(resolve_model(model_cfg), model_cfg)
     model.config.use_cache = False
     for p in model.parameters():
         p.requires_grad_(False)

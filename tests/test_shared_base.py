@@ -190,3 +190,33 @@ def test_an_offer_that_does_not_fit_falls_back_to_an_own_copy_with_the_reason(tm
     assert learner.base_weights == {"mode": "own", "reason": "the vllm replica's weights are on GPU GPU-0000, the learner on cpu"}
     with pytest.raises(ShareRefused, match="GPU-0000"):
         PolicyLearner.for_run(cfg, shared_base=bad, share_required=True)
+
+
+def test_random_weights_an_hf_replica_draws_are_lent_to_the_learner(tmp_path):
+    """model.load_format=dummy (the 14B/32B benches' way to a shape without a checkpoint): the
+    directory holds config.json and the tokenizer only; an hf engine draws the random weights
+    (model/base.py load_causal_lm: vLLM's dummy range and seed), and a learner that maps them
+    trains bit for bit like a learner that drew the same weights itself."""
+    import shutil
+
+    from config.rollout import RolloutConfig
+    from rollout.engines.hf import HFEngine
+
+    shape = tmp_path / "tiny-shape"
+    shutil.copytree(tiny_dir(), shape, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", ".counterpoint-build.json"))
+    assert not list(shape.glob("*.safetensors"))  # no checkpoint to read
+    cfg = RunConfig.model_validate({
+        **run_config(shape, "float32").model_dump(),
+        "model": {"name_or_path": str(shape), "dtype": "float32", "load_format": "dummy"},
+        "rollout": {"engine": "hf", "temperature": 0.7}, "share_base_weights": True})
+    engine = HFEngine(shape, cfg.model, RolloutConfig(engine="hf", temperature=0.7))
+    weights = [p for p in engine.model.parameters()]
+    assert all(float(p.abs().max()) <= 1.001e-3 for p in weights) and float(weights[1].abs().max()) > 0  # vLLM's range
+    shared = PolicyLearner.for_run(cfg, shared_base=engine.export_base(), share_required=True)
+    own = PolicyLearner.for_run(cfg)  # the same draw, held itself
+    assert shared.base_weights["mode"] == "shared" and own.base_weights["mode"] == "own"
+    for k in range(2):
+        m_own, m_shared = own.step(batch(k))[0], shared.step(batch(k))[0]
+        compare(m_own, m_shared, "float32", exact=True)
+        assert m_own["grad_norm"] > 0
+    adapters_equal(own, shared)

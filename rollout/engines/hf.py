@@ -17,7 +17,7 @@ from transformers.generation.logits_process import LogitsProcessor
 
 from model.adapter_dir import validate_payload, write_payload
 from config.rollout import ModelConfig, RolloutConfig
-from model.base import torch_dtype
+from model.base import load_causal_lm
 from rollout.engines.base import Engine, finish_reason
 from model.base import stop_token_ids
 from model.adapter import AdapterPayload
@@ -35,15 +35,13 @@ class HFEngine(Engine):
     kind = "hf"
 
     def __init__(self, model_dir: Path, model_cfg: ModelConfig, rollout_cfg: RolloutConfig):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.model_dir = Path(model_dir)
         self.rollout_cfg = rollout_cfg
         self.device = "cuda" if rollout_cfg.num_gpus > 0 and torch.cuda.is_available() else "cpu"
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=torch_dtype(model_cfg.dtype)
-        ).to(self.device)
+        self.model = load_causal_lm(model_dir, model_cfg).to(self.device)
         self.model.eval()
         self.stop = stop_token_ids(model_dir, model_cfg.eos_token_ids)
         self.pad_id = (

@@ -441,13 +441,12 @@ class HFFastEngine(Engine):
 
     def __init__(self, model_dir: Path, model_cfg: "ModelConfig", rollout_cfg: "RolloutConfig",
                  device: str | None = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        from model.base import stop_token_ids, torch_dtype
+        from model.base import load_causal_lm, stop_token_ids
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=torch_dtype(model_cfg.dtype), attn_implementation="sdpa").to(device)
+        model = load_causal_lm(model_dir, model_cfg, attn_implementation="sdpa").to(device)
         self._setup(Path(model_dir), model, AutoTokenizer.from_pretrained(str(model_dir)),
                     stop_token_ids(model_dir, model_cfg.eos_token_ids), rollout_cfg)
 

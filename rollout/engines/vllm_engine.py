@@ -139,6 +139,7 @@ class VllmEngine(Engine):
             logprobs_mode="processed_logprobs",
             enforce_eager=self.settings.enforce_eager,
             generation_config="vllm",  # never take sampling defaults from the model's files
+            load_format=model_cfg.load_format,  # dummy: random weights of the shape, no checkpoint read
         )
         if self.settings.lora == "unmerged":
             kwargs.update(enable_lora=True, max_lora_rank=rollout_cfg.max_lora_rank, max_loras=rollout_cfg.max_loras)
