@@ -253,6 +253,9 @@ def export_base(owner: str, named: Iterable[tuple[str, torch.Tensor]], packed: M
     its fence."""
     tensors, dtype, uuid = {}, None, None
     for name, tensor in named:
+        # vLLM's LoRA wrappers (unmerged LoRA) hold the layer they wrap as `base_layer`: its weight
+        # is the module's own, under the module's name
+        name = name.replace(".base_layer.", ".")
         if tensor.numel() == 0:
             raise ShareRefused(f"{owner} holds {name} as an empty tensor (its kernels keep the weights elsewhere)")
         tensors[name] = tensor_handle(tensor)
@@ -287,7 +290,10 @@ def base_views(expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]], owne
     for name, (shape, dtype) in expected.items():
         source, part = owner_source(name, packed)
         if source not in owned:
-            raise ShareRefused(f"the replica's weights have no {source} for the learner's {name}")
+            near = [o for o in owned if o.rsplit(".", 2)[-2:] == source.rsplit(".", 2)[-2:]][:3]
+            raise ShareRefused(f"the replica's weights have no {source} for the learner's {name}"
+                               + (f" (it holds {', '.join(near)})" if near else f" ({len(owned)} tensors, e.g. "
+                                                                                f"{', '.join(list(owned)[:3])})"))
         tensor = owned[source]
         if tensor.dtype != dtype:
             raise ShareRefused(f"{source} is {tensor.dtype} in the replica, the learner wants {dtype}")

@@ -183,6 +183,21 @@ def test_fused_rows_map_to_the_transformers_modules():
         base_views({"embed.weight": ((7, 3), torch.float32)}, {"embed.weight": embed}, packed)
 
 
+def test_an_unmerged_lora_replicas_wrapped_layers_are_exported_under_the_modules_names():
+    """vLLM with unmerged LoRA wraps each layer it may adapt and holds the original as
+    `base_layer` (the 14B bench's first run: 'no model.embed_tokens.weight'): the export names each
+    weight as the module's own, so the learner finds it."""
+    from model.shared_base import export_base, open_export
+
+    qkv, embed = torch.ones(12, 2), torch.zeros(10, 2)
+    export = export_base("vllm", [("model.layers.0.self_attn.qkv_proj.base_layer.weight", qkv),
+                                  ("model.embed_tokens.base_layer.weight", embed)], {}, None)
+    assert set(export.tensors) == {"model.layers.0.self_attn.qkv_proj.weight", "model.embed_tokens.weight"}
+    owned = open_export(export, "cpu")
+    with pytest.raises(ShareRefused, match=r"no lm_head.weight for the learner's lm_head.weight \(2 tensors, e.g. "):
+        base_views({"lm_head.weight": ((10, 2), torch.float32)}, owned, {})
+
+
 def test_an_offer_that_does_not_fit_falls_back_to_an_own_copy_with_the_reason(tmp_path):
     cfg = run_config(tiny_dir(), "float32")
     bad = BaseExport(owner="vllm", owner_pid=1, device_uuid="GPU-0000", dtype="float32", tensors={})
