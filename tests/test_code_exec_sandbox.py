@@ -146,7 +146,10 @@ def test_fork_bomb_contained(box):
     assert box.run("print(1)", None)[0].outcome == "ok"  # the sandbox still works
 
 
-def test_memory_bomb_is_a_memory_error(box):
+def test_memory_bomb_is_a_memory_error():
+    # The allocation loop touches all memory_mb before it fails: a wall limit longer than the
+    # other tests' 3 s, so a loaded 2-core CI box cannot turn the MemoryError into a timeout.
+    box = sb.Sandbox(_cfg(timeout_s=30.0))
     res, _, _ = box.run("x = bytearray(64 * 2**30)", None)
     assert (res.outcome, res.exc_type) == ("error", "MemoryError")
     res, _, _ = box.run("chunks = []\nwhile True:\n    chunks.append(bytearray(32 * 2**20))\n", None)
