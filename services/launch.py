@@ -38,6 +38,7 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
     if cfg.trainer.ray_address:
         context = _init_keeping_sigterm(ray, address=cfg.trainer.ray_address, **kwargs)
         _link_session_logs(context, logs)
+        stack.callback(_leave_joined_cluster, ray)  # last: after this run's apps are deleted
         return None
     from config.runtime_env import bind_local_cluster_to_loopback
 
@@ -64,6 +65,20 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
     _cluster_started_here = True
     stack.callback(_shutdown)
     return f"127.0.0.1:{metrics_port}"
+
+
+def _leave_joined_cluster(ray) -> None:
+    """Disconnect from a joined cluster, Serve's handles first. Left to the interpreter's exit,
+    Ray's atexit shutdown ran while the handles' router thread still pushed metrics: it then
+    called ray.init() from that thread (Ray's auto-init) and printed '--- Logging error ---'
+    tracebacks to a console already closed. The cluster and its Serve stay up."""
+    from ray.serve.context import _get_global_client  # Serve has no public call for this
+
+    with suppress(Exception):  # leaving must never fail a run that finished
+        client = _get_global_client(raise_if_no_controller_running=False)
+        if client is not None:
+            client.shutdown_cached_handles()
+    ray.shutdown()
 
 
 STARTUP_TIMEOUT = "timed out during startup"  # Ray's words when its raylet misses its fixed 30 s
