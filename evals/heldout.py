@@ -210,6 +210,15 @@ def write_heldout_eval(path: Path, result: HeldoutResult, params: SamplingParams
     return write_eval(path, header, items)
 
 
+# The config keys `counterpoint replicate` sets itself for every arm, refused in its --set and
+# --grid (services/replicate.py) and left out of the replicate command printed for a run.
+REPLICATE_OWNS = {"seed": "the seed is --seeds", "run_name": "replicate names each arm",
+                  "trainer.runs_dir": "replicate places each arm under --out",
+                  "eval.seed": "each arm's eval samples with the arm's seed",
+                  "eval.before_and_after": "replicate evaluates every flat arm before and after training "
+                                           "(a tree cell takes it from the config file)"}
+
+
 def replicate_command(argv: Sequence[str], seed: int, n_seeds: int = 5, out: str = "runs/replicate") -> list[str]:
     """The commands that put an interval across seeds on this run's gain: `counterpoint replicate`
     with the same config and overrides (seed and naming left to replicate), then `compare --paired`
@@ -220,7 +229,7 @@ def replicate_command(argv: Sequence[str], seed: int, n_seeds: int = 5, out: str
         value = args[i + 1]
         if arg in ("--config", "-c"):
             config = value
-        elif arg == "--set" and value.split("=", 1)[0] not in ("seed", "run_name", "trainer.runs_dir"):
+        elif arg == "--set" and value.split("=", 1)[0].strip() not in REPLICATE_OWNS:
             sets += ["--set", value]
     for arg in args:
         if arg.startswith("--config="):

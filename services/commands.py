@@ -222,13 +222,12 @@ def replicate_command(
     grid: list[str] = typer.Option([], "--grid", help="KEY=v1,v2: one grid axis over a config key (repeatable); "
                                    "every cell of the cartesian product is run for every seed and aggregated "
                                    "(grid.json, grid.png)."),
-    before: bool = typer.Option(True, "--before/--no-before", help="With --grid: evaluate the base model once "
-                                "per seed (and eval settings) so flat cells report after - before."),
     last_k: Optional[int] = typer.Option(None, "--last-k", min=1, help="With --grid: tree figures averaged over "
                                          "the last K rounds (default: evals.grid.LAST_K)."),
 ) -> None:
-    """Train N runs that differ only in seed, each followed by the same held-out eval; with
-    --grid, every cell of a grid over config keys, each cell's figures across seeds."""
+    """Train N runs that differ only in seed, each evaluated on the same held-out prompts before
+    and after training (inside the run); with --grid, every cell of a grid over config keys, each
+    cell's figures across seeds."""
     from rich.console import Console
 
     from config import ConfigError, load_config, resolved
@@ -244,28 +243,27 @@ def replicate_command(
     if len(seed_list) < 1 or len(set(seed_list)) != len(seed_list):
         typer.echo(f"error: --seeds must list distinct seeds, got {seeds!r}", err=True)
         raise typer.Exit(2)
-    try:  # every cell's config, for every seed, before anything runs
-        cells, modes, before_keys = check_grid(config, set_, grid, seed_list)
+    eval_sets = [*([f"eval.generations={generations}"] if generations else []),
+                 *([f"eval.max_tokens={max_new_tokens}"] if max_new_tokens else [])]
+    try:  # every cell's config, for every seed, as its arms will run it, before anything runs
+        cells, modes = check_grid(config, set_, grid, seed_list, eval_sets)
     except (ValueError, ConfigError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     out.mkdir(parents=True, exist_ok=True)
     receipt = Receipt(out / "replicate.json", kind="replicate", run_name=out.name)
     receipt.start(config=resolved(cfg), seeds={"seeds": seed_list},
-                  notes={"pin_init": pin_init, "parallel": parallel, "overrides": set_,
-                         **({"grid": {"options": grid, "before": before, "cells": [
+                  notes={"pin_init": pin_init, "parallel": parallel, "overrides": set_, "eval": eval_sets,
+                         **({"grid": {"options": grid, "cells": [
                              {"cell": c.name, "overrides": list(c.overrides), "rollout_mode": modes[c.name]}
                              for c in cells]}} if grid else {})})
     with receipt.guard():
-        plan = ReplicatePlan(config, seed_list, out, list(set_), pin_init, address, parallel,
-                             [*(["--generations", str(generations)] if generations else []),
-                              *(["--max-new-tokens", str(max_new_tokens)] if max_new_tokens else [])],
-                             cells, modes, before_keys, before=bool(grid) and before)
-        arms, befores = replicate(plan)
-        receipt.update(artifacts={"arms": as_records(arms), "before_evals": as_records(befores)})
+        plan = ReplicatePlan(config, seed_list, out, list(set_), pin_init, address, parallel, eval_sets, cells, modes)
+        arms = replicate(plan)
+        receipt.update(artifacts={"arms": as_records(arms)})
         if grid:
             artifacts = grid_report(out, cells, arms, last_k)
-            receipt.update(artifacts={"arms": as_records(arms), "before_evals": as_records(befores), **artifacts})
+            receipt.update(artifacts={"arms": as_records(arms), **artifacts})
     Console().print(arms_table(arms))
     if grid:
         import sys
@@ -282,11 +280,7 @@ def replicate_command(
     if failed:
         which = f"arms {', '.join(failed)}" if grid else f"seeds {failed}"
         typer.echo(f"{len(failed)} of {len(arms)} arms failed ({which}); see the table and logs", err=True)
-    bad_before = [str(b.out) for b in befores if b.status != "completed"]
-    if bad_before:
-        typer.echo(f"{len(bad_before)} base-model eval(s) failed ({', '.join(bad_before)}): no after - before "
-                   "for the arms they pair with", err=True)
-    if failed or bad_before:
+    if failed:
         raise typer.Exit(1)
 
 

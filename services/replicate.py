@@ -1,28 +1,30 @@
-"""`counterpoint replicate`: N training runs that differ only in seed, each followed by the same
-held-out eval, so `counterpoint compare` can put an interval over runs; with `--grid`, the same
-for every cell of a grid over config keys, aggregated per cell across seeds (evals/grid.py).
+"""`counterpoint replicate`: N training runs that differ only in seed, each evaluated on the same
+held-out prompts before and after training, so `counterpoint compare` can put an interval over
+runs; with `--grid`, the same for every cell of a grid over config keys, aggregated per cell
+across seeds (evals/grid.py).
 
-Each arm is its own `counterpoint train` + `counterpoint eval --run` subprocess: a failed arm
-is reported (and recorded in the replicate receipt), never hidden, and never takes the other
-arms down. With `--pin-init` every arm (of a cell) starts from the first arm's saved init adapter,
-so the seed varies only sampling and data order; each arm's receipt says which init it used.
-Arms run one after another on one box, or `--parallel K` at a time against a cluster
+Each arm is one `counterpoint train` subprocess: a failed arm is reported (and recorded in the
+replicate receipt), never hidden, and never takes the other arms down. A flat arm evaluates
+inside its run (eval.before_and_after, the eval section's prompts and sampling, the eval seed the
+arm's seed): the starting policy before the first step (heldout_before.jsonl) and the trained
+adapter after the last (heldout_after.jsonl), on the replicas and grader the run already holds,
+where a separate `counterpoint eval` paid a second start-up per arm and a third per seed for the
+base model. With `--pin-init` every arm (of a cell) starts from the first arm's saved init
+adapter, so the seed varies only sampling and data order; each arm's receipt says which init it
+used. Arms run one after another on one box, or `--parallel K` at a time against a cluster
 (`--address`), each arm's Ray driver joining it.
 
 A grid (`--grid learner.lr=3e-5,1e-4 --grid learner.advantage=...`) is the cartesian product of
 its axes; cell i is named c<i>_<key>-<value>... and its arms <cell>__seed<s>. Every cell's config
-is loaded and checked for every seed before anything runs. Tree cells (trainer.rollout_mode
-"tree") get no `counterpoint eval` (their held-out figures are each round's honest_test_metric
-and, with eval.before_and_after, the run's own before/after drafts on the test rows);
-flat cells get one base-model eval per seed and eval settings ("before"), shared by every cell
-whose model, grader, rollout, eval and prefix settings are the same, so after − before needs no
-extra training.
+is loaded and checked for every seed, with the settings replicate adds, before anything runs.
+Tree cells (trainer.rollout_mode "tree") get none of those eval settings: their held-out figures
+are each round's honest_test_metric and, with eval.before_and_after in their config, the run's
+own before/after drafts on the test rows.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import subprocess
 import sys
@@ -31,9 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Keys replicate sets itself for every arm: a grid over them would be overwritten or collide.
-OWNED_KEYS = {"seed": "the seed is --seeds", "run_name": "replicate names each arm",
-              "trainer.runs_dir": "replicate places each arm under --out"}
+from evals.heldout import REPLICATE_OWNS as OWNED_KEYS  # keys replicate sets itself for every arm
 
 
 class GridSpecError(ValueError):
@@ -65,17 +65,6 @@ class Arm:
 
 
 @dataclass
-class BeforeEval:
-    """One base-model eval (no adapter) that flat arms' after − before is taken against."""
-
-    seed: int
-    overrides: list[str]
-    out: Path
-    status: str = "pending"
-    error: str | None = None
-
-
-@dataclass
 class ReplicatePlan:
     config: Path
     seeds: list[int]
@@ -84,11 +73,9 @@ class ReplicatePlan:
     pin_init: bool = False
     address: str | None = None
     parallel: int = 1
-    eval_args: list[str] = field(default_factory=list)
+    eval_sets: list[str] = field(default_factory=list)  # eval.KEY=V every flat arm's in-run eval takes
     cells: list[Cell] = field(default_factory=lambda: [Cell("")])
     modes: dict[str, str] = field(default_factory=dict)  # cell name -> trainer.rollout_mode
-    before_keys: dict[str, str] = field(default_factory=dict)  # flat cell name -> base-eval settings key
-    before: bool = False
 
 
 # ------------------------------------------------------------------------------- grid spec (pure)
@@ -114,6 +101,9 @@ def parse_grid(specs: list[str], sets: list[str] = ()) -> list[tuple[str, list[s
     and the keys replicate sets itself."""
     axes: list[tuple[str, list[str]]] = []
     set_keys = [s.partition("=")[0].strip() for s in sets]
+    for key in set_keys:
+        if key in OWNED_KEYS:
+            raise GridSpecError(f"--set {key}: {OWNED_KEYS[key]}")
     for spec in specs:
         key, eq, raw = spec.partition("=")
         key = key.strip()
@@ -163,15 +153,10 @@ def arm_name(cell: Cell, seed: int) -> str:
     return f"{cell.name}__seed{seed}" if cell.name else f"seed{seed}"
 
 
-BEFORE_SECTIONS = ("model", "grader", "rollout", "eval")
-
-
-def before_key(resolved_config: dict[str, Any]) -> str:
-    """What a base-model eval depends on (so cells that vary only training share it): the model,
-    grader, rollout and eval sections and the prefix mode of the resolved config."""
-    part = {k: resolved_config[k] for k in BEFORE_SECTIONS}
-    part["prefix_mode"] = resolved_config["trainer"]["prefix_mode"]
-    return json.dumps(part, sort_keys=True)
+def flat_eval_sets(seed: int, eval_sets: list[str]) -> list[str]:
+    """What a flat arm's run adds to its config: the in-run eval before and after training,
+    sampled with the arm's seed and replicate's eval settings."""
+    return ["eval.before_and_after=true", f"eval.seed={seed}", *eval_sets]
 
 
 def one_line(err: Exception) -> str:
@@ -182,28 +167,29 @@ def one_line(err: Exception) -> str:
     return text
 
 
-def check_grid(config: Path, sets: list[str], specs: list[str], seeds: list[int]
-               ) -> tuple[list[Cell], dict[str, str], dict[str, str]]:
-    """Load every cell's config for every seed and run the checks that need no service, so bad
-    grid input fails in one line before any arm runs. Returns the cells, each cell's
-    trainer.rollout_mode and each cell's base-eval settings key (before_key)."""
-    from config import ConfigError, load_config, resolved
+def check_grid(config: Path, sets: list[str], specs: list[str], seeds: list[int], eval_sets: list[str] = ()
+               ) -> tuple[list[Cell], dict[str, str]]:
+    """Load every cell's config for every seed, as its arms will run it (a flat cell with the
+    in-run eval settings), and run the checks that need no service, so bad grid input fails in
+    one line before any arm runs. Returns the cells and each cell's trainer.rollout_mode."""
+    from config import ConfigError, load_config
     from services.preflight import PreflightError, preflight
 
     cells = grid_cells(parse_grid(specs, sets))
     modes: dict[str, str] = {}
-    keys: dict[str, str] = {}
     for cell in cells:
         for seed in seeds:
             try:
                 cfg = load_config(config, [*sets, *cell.overrides, f"seed={seed}"])
+                if cfg.trainer.rollout_mode != "tree":
+                    cfg = load_config(config, [*sets, *cell.overrides, f"seed={seed}",
+                                               *flat_eval_sets(seed, list(eval_sets))])
                 preflight(cfg, ports=False)
             except (ConfigError, PreflightError, ValueError) as err:
                 where = f"grid cell {cell.name} ({' '.join(cell.overrides)})" if cell.name else "config"
                 raise GridSpecError(f"{where}: {one_line(err)}") from None
         modes[cell.name] = cfg.trainer.rollout_mode
-        keys[cell.name] = before_key(resolved(cfg))
-    return cells, modes, keys
+    return cells, modes
 
 
 def grid_report(out_dir: Path, cells: list[Cell], arms: list[Arm], last_k: int | None = None) -> dict[str, str]:
@@ -242,6 +228,8 @@ def _common(plan: ReplicatePlan, seed: int, overrides: list[str]) -> list[str]:
 def run_arm(plan: ReplicatePlan, arm: Arm, init_adapter: Path | None) -> Arm:
     log = plan.out_dir / f"{arm.name}.log"
     common = _common(plan, arm.seed, arm.overrides)
+    if arm.mode != "tree":
+        common += sum((["--set", s] for s in flat_eval_sets(arm.seed, plan.eval_sets)), [])
     train = [*_cli(), "train", "--config", str(plan.config), "--run-name", arm.run_dir.name,
              "--set", f"trainer.runs_dir={arm.run_dir.parent}", "--set", "trainer.metrics_port=0", *common]
     if init_adapter is not None:
@@ -251,44 +239,26 @@ def run_arm(plan: ReplicatePlan, arm: Arm, init_adapter: Path | None) -> Arm:
         arm.init_adapter = "seeded"
     try:
         _run(train, log)
-        if arm.eval_file is not None:
-            _run([*_cli(), "eval", "--config", str(plan.config), *common, "--run", str(arm.run_dir),
-                  "--seed", str(arm.seed), "--out", str(arm.eval_file), *plan.eval_args], log)
         arm.status = "completed"
     except Exception as err:  # one failed arm is reported, the others go on
         arm.status, arm.error = "failed", str(err)
     return arm
 
 
-def run_before(plan: ReplicatePlan, before: BeforeEval) -> BeforeEval:
-    """The base model (no adapter) evaluated with an arm's settings and seed."""
-    log = before.out.with_suffix(".log")
-    try:
-        _run([*_cli(), "eval", "--config", str(plan.config), *_common(plan, before.seed, before.overrides),
-              "--seed", str(before.seed), "--out", str(before.out), *plan.eval_args], log)
-        before.status = "completed"
-    except Exception as err:  # reported; the arms' after-figures stand without it
-        before.status, before.error = "failed", str(err)
-    return before
+def plan_arms(plan: ReplicatePlan) -> list[Arm]:
+    """Every arm, cells × seeds, cell-major; a flat arm's eval files are its run's own."""
+    from records.run_dir import RunDir
 
-
-def plan_arms(plan: ReplicatePlan) -> tuple[list[Arm], list[BeforeEval]]:
-    """Every arm (cells × seeds, cell-major) and the base-model evals the flat ones pair with."""
     arms: list[Arm] = []
-    befores: dict[tuple[str, int], BeforeEval] = {}
     for cell in plan.cells:
         mode = plan.modes.get(cell.name, "flat")
         for s in plan.seeds:
-            name = arm_name(cell, s)
-            arm = Arm(s, plan.out_dir / "runs" / name, None if mode == "tree" else plan.out_dir / f"eval_{name}.jsonl",
-                      cell=cell.name, overrides=list(cell.overrides), mode=mode)
-            if plan.before and mode != "tree":
-                key = (plan.before_keys.get(cell.name, ""), s)
-                if key not in befores:
-                    befores[key] = BeforeEval(s, list(cell.overrides), plan.out_dir / f"eval_before_{name}.jsonl")
-                arm.before_file = befores[key].out
-            arms.append(arm)
-    return arms, list(befores.values())
+            run = RunDir(plan.out_dir / "runs" / arm_name(cell, s))
+            flat = mode != "tree"
+            arms.append(Arm(s, run.root, run.heldout_path("after") if flat else None, cell=cell.name,
+                            overrides=list(cell.overrides), mode=mode,
+                            before_file=run.heldout_path("before") if flat else None))
+    return arms
 
 
 def _cell_arms(plan: ReplicatePlan, arms: list[Arm]) -> list[tuple[Arm, Path]]:
@@ -304,18 +274,17 @@ def _cell_arms(plan: ReplicatePlan, arms: list[Arm]) -> list[tuple[Arm, Path]]:
     return [(arm, init) for arm in arms[1:]]
 
 
-def replicate(plan: ReplicatePlan) -> tuple[list[Arm], list[BeforeEval]]:
+def replicate(plan: ReplicatePlan) -> list[Arm]:
     plan.out_dir.mkdir(parents=True, exist_ok=True)
-    arms, befores = plan_arms(plan)
+    arms = plan_arms(plan)
     jobs: list[tuple[Arm, Path | None]] = [(arm, None) for arm in arms]
     if plan.pin_init:
         jobs = []
         for cell in plan.cells:  # an init adapter is pinned per cell (a cell may change the LoRA shape)
             jobs += _cell_arms(plan, [a for a in arms if a.cell == cell.name])
     with ThreadPoolExecutor(max_workers=max(1, plan.parallel)) as pool:
-        list(pool.map(lambda b: run_before(plan, b), befores))
         list(pool.map(lambda job: run_arm(plan, *job), jobs))
-    return arms, befores
+    return arms
 
 
 def arms_table(arms: list[Arm]):

@@ -104,7 +104,7 @@ def test_without_a_before_eval_there_is_no_difference(tmp_path: Path) -> None:
 
 def test_replicate_command_keeps_config_and_overrides_but_not_seed_or_naming() -> None:
     argv = ["counterpoint", "train", "-c", "my configs/a.yaml", "--set", "learner.lr=1e-4", "--set", "seed=9",
-            "--set", "run_name=x", "--run-name", "y"]
+            "--set", "run_name=x", "--run-name", "y", "--set", "eval.before_and_after=true", "--set", "eval.seed=3"]
     assert replicate_command(argv, seed=9, n_seeds=3) == [
         "counterpoint replicate --config 'my configs/a.yaml' --seeds 9,10,11 --out runs/replicate "
         "--set learner.lr=1e-4",

@@ -23,8 +23,8 @@ from search.round import grow_round
 from search.tree import Generation
 from records.exec_result import ExecResult
 from records.run_dir import RunDir
-from services.replicate import (Arm, Cell, GridSpecError, ReplicatePlan, arm_name, before_key, check_grid,
-                                grid_cells, parse_grid, plan_arms)
+from services.replicate import (Arm, Cell, GridSpecError, ReplicatePlan, arm_name, check_grid, grid_cells,
+                                parse_grid, plan_arms)
 from services.tree_round import tree_round_record
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,11 +104,8 @@ def test_bad_grid_options_are_refused(specs, sets, message):
 
 
 def test_every_cell_config_is_checked_before_anything_runs():
-    cells, modes, keys = check_grid(SMOKE, ["trainer.steps=1"], ["learner.lr=1e-3,1e-4", "learner.beta=0,0.04"], [1, 2])
+    cells, modes = check_grid(SMOKE, ["trainer.steps=1"], ["learner.lr=1e-3,1e-4", "learner.beta=0,0.04"], [1, 2])
     assert len(cells) == 4 and set(modes.values()) == {"flat"}
-    assert len(set(keys.values())) == 1  # learner keys do not change what the base model is evaluated with
-    _, _, keys = check_grid(SMOKE, [], ["rollout.temperature=1.0,0.7"], [1])
-    assert len(set(keys.values())) == 2  # a sampling key does
 
     def refusal(*args) -> str:
         with pytest.raises(GridSpecError) as err:
@@ -123,21 +120,30 @@ def test_every_cell_config_is_checked_before_anything_runs():
     assert "trainer.steps" in refusal([], ["trainer.steps=1,0"], [1])  # a bound of the schema
     # A cell that only the cross-field check refuses (tree rollouts need the code-exec grader).
     assert "code-exec" in refusal([], ["trainer.rollout_mode=flat,tree"], [1])
+    # A flat cell is checked as its arms run it, with the in-run eval replicate adds: that eval
+    # is held-out only, so a config evaluating the train split is refused before any arm runs.
+    text = refusal(["eval.split=train"], ["learner.lr=1e-3,1e-4"], [1], ["eval.generations=2"])
+    assert text.startswith("grid cell c1_lr-1e-3") and "eval.before_and_after" in text
+    assert "eval.max_tokens" in refusal([], [], [1], ["eval.max_tokens=0"])
 
 
-def test_plan_shares_one_base_eval_per_seed_and_settings(tmp_path):
+@pytest.mark.parametrize("key", ["seed", "eval.seed", "eval.before_and_after", "trainer.runs_dir"])
+def test_keys_replicate_sets_itself_are_refused_in_set(key):
+    with pytest.raises(GridSpecError, match=f"--set {key}: "):
+        check_grid(SMOKE, [f"{key}=1"], [], [1])
+
+
+def test_plan_gives_each_flat_arm_its_own_runs_before_and_after_evals(tmp_path):
     cells = grid_cells(parse_grid(["learner.lr=1e-3,1e-4"]))
-    plan = ReplicatePlan(SMOKE, [1, 2], tmp_path, cells=cells, modes={c.name: "flat" for c in cells},
-                         before_keys={c.name: "same" for c in cells}, before=True)
-    arms, befores = plan_arms(plan)
+    plan = ReplicatePlan(SMOKE, [1, 2], tmp_path, cells=cells, modes={c.name: "flat" for c in cells})
+    arms = plan_arms(plan)
     assert [(a.cell, a.seed) for a in arms] == [(cells[0].name, 1), (cells[0].name, 2),
                                                  (cells[1].name, 1), (cells[1].name, 2)]
-    assert [b.seed for b in befores] == [1, 2]
-    assert arms[0].before_file == arms[2].before_file == befores[0].out
-    assert arms[1].run_dir == tmp_path / "runs" / f"{cells[0].name}__seed2"
-    tree = ReplicatePlan(SMOKE, [1], tmp_path, cells=cells, modes={c.name: "tree" for c in cells}, before=True)
-    arms, befores = plan_arms(tree)
-    assert befores == [] and all(a.eval_file is None and a.before_file is None for a in arms)
+    run = tmp_path / "runs" / f"{cells[0].name}__seed2"
+    assert (arms[1].run_dir, arms[1].before_file, arms[1].eval_file) == (
+        run, run / "heldout_before.jsonl", run / "heldout_after.jsonl")
+    tree = ReplicatePlan(SMOKE, [1], tmp_path, cells=cells, modes={c.name: "tree" for c in cells})
+    assert all(a.eval_file is None and a.before_file is None for a in plan_arms(tree))
 
 
 # ------------------------------------------------------------------------------- flat arms
@@ -332,11 +338,5 @@ def test_an_unreadable_arm_is_noted_not_fatal(tmp_path):
     assert cell["metrics"]["round_best_final/tabular-binary"]["n"] == 1
 
 
-def test_before_key_ignores_training_keys(tmp_path):
-    from config import load_config, resolved
-
-    base = before_key(resolved(load_config(SMOKE, ["learner.lr=1e-4", "trainer.steps=1"])))
-    assert base == before_key(resolved(load_config(SMOKE, ["learner.lr=1e-3"])))
-    assert base != before_key(resolved(load_config(SMOKE, ["eval.generations=2"])))
-    assert base != before_key(resolved(load_config(SMOKE, ["trainer.prefix_mode=forced_opening"])))
+def test_arm_name_is_its_run_directory(tmp_path):
     assert Arm(1, tmp_path / "runs" / "x__seed1", None).name == "x__seed1"

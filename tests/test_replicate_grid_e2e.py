@@ -1,12 +1,14 @@
 """End to end on configs/smoke.yaml with the real services: one `counterpoint replicate --grid
---pin-init` run, 2 cells × 2 seeds of two steps each (every arm a real train + eval subprocess, plus
-one base-model eval per seed; the second arm of the second cell made to fail), shared by two tests:
-the grid's files (the receipt, grid.json, grid.png and the table) and the pinned init (each cell's
-second arm starts from its first arm's saved init adapter; the failed arm is reported); and bad grid
-input refused in one line before any arm runs.
+--pin-init` run, 2 cells × 2 seeds of two steps each (every arm a real train subprocess that
+evaluates the held-out prompts before and after training inside its run; the second arm of the
+second cell made to fail), shared by two tests: the grid's files (the receipt, grid.json, grid.png
+and the table) and the pinned init (each cell's second arm starts from its first arm's saved init
+adapter; the failed arm is reported); and bad grid input refused in one line before any arm runs.
 
 The two runs this replaces (a --grid run, ~5-8 min, and a --pin-init run over seeds 7,8,9, ~3 min)
-were the suite's largest repeated set-up; --pin-init pins per cell, so one grid run exercises both."""
+were the suite's largest repeated set-up; --pin-init pins per cell, so one grid run exercises both.
+Its arms once ran a separate `counterpoint eval` each, and one per seed for the base model: five
+more start-ups of a grader and a replica (~3 min); tests/test_eval_e2e.py runs that command."""
 
 from __future__ import annotations
 
@@ -44,8 +46,7 @@ def grid_run(tmp_path_factory, ray_head) -> tuple[Path, subprocess.CompletedProc
     (out / "runs" / "c2_lr-1e-4__seed2").write_text("not a directory")
     done = cli("replicate", "--config", "configs/smoke.yaml", "--seeds", "1,2", "--out", str(out),
                "--grid", "learner.lr=1e-3,1e-4", "--pin-init", "--set", f"trainer.steps={STEPS}",
-               "--set", "eval.limit=4", "--set", "eval.before_and_after=false",
-               "--generations", "2", "--max-new-tokens", "8", "--address", ray_head.address,
+               "--set", "eval.limit=4", "--generations", "2", "--max-new-tokens", "8", "--address", ray_head.address,
                timeout=870, env=ray_head.env)  # inside pytest's 900 s
     return out, done
 
@@ -60,16 +61,15 @@ def test_replicate_grid_on_smoke(grid_run):
     receipt = json.loads((out / "replicate.json").read_text())
     assert receipt["kind"] == "replicate" and receipt["status"] == "completed"
     assert receipt["seeds"] == {"seeds": [1, 2]} and receipt["notes"]["pin_init"] is True
+    assert receipt["notes"]["eval"] == ["eval.generations=2", "eval.max_tokens=8"]
     grid = receipt["notes"]["grid"]
-    assert grid["options"] == ["learner.lr=1e-3,1e-4"] and grid["before"] is True
+    assert grid["options"] == ["learner.lr=1e-3,1e-4"]
     assert [(c["cell"], c["overrides"], c["rollout_mode"]) for c in grid["cells"]] == [
         (name, [o], "flat") for name, o in CELLS.items()]
     arms = receipt["artifacts"]["arms"]
     assert [(a["cell"], a["seed"], a["status"]) for a in arms] == [
         (c, s, "failed" if (c, s) == ("c2_lr-1e-4", 2) else "completed") for c in CELLS for s in (1, 2)], arms
     assert "exited" in arms[3]["error"] and "c2_lr-1e-4__seed2.log" in arms[3]["error"]
-    befores = receipt["artifacts"]["before_evals"]
-    assert [(b["seed"], b["status"]) for b in befores] == [(1, "completed"), (2, "completed")]  # shared by cells
     assert receipt["artifacts"]["grid_json"] == str(out / "grid.json")
 
     done_arms = [a for a in arms if a["status"] == "completed"]
@@ -80,11 +80,20 @@ def test_replicate_grid_on_smoke(grid_run):
         assert run["status"] == "completed" and run["steps_trained"] == list(range(1, STEPS + 1))
         assert run["config"]["learner"]["lr"] == float(CELLS[a["cell"]].split("=")[1])
         assert run["config"]["seed"] == a["seed"] and run["config"]["trainer"]["steps"] == STEPS
-        assert a["before_file"] == str(out / f"eval_before_c1_lr-1e-3__seed{a['seed']}.jsonl")
-        after = read_eval(a["eval_file"])
-        assert after.header.run == str(run_dir) and after.header.generation.seed == a["seed"]
-        assert after.header.prompt_set.n_items == 4 and after.header.generation.generations == 2
-        assert read_eval(a["before_file"]).header.adapter is None  # the base model
+        assert run["config"]["eval"]["before_and_after"] is True and run["config"]["eval"]["seed"] == a["seed"]
+        # The run's own evals, before and after training, with the arm's seed and replicate's settings.
+        assert (a["before_file"], a["eval_file"]) == (str(run_dir / "heldout_before.jsonl"),
+                                                      str(run_dir / "heldout_after.jsonl"))
+        assert run["heldout"]["after"]["eval_file"] == a["eval_file"]
+        after, before = read_eval(a["eval_file"]), read_eval(a["before_file"])
+        for ev in (after, before):
+            assert ev.header.run == str(run_dir) and ev.header.generation.seed == a["seed"]
+            assert ev.header.prompt_set.n_items == 4 and ev.header.generation.generations == 2
+            assert ev.header.generation.max_new_tokens == 8
+        # Before: the base model where the arm seeded its init (identity), the pinned init adapter
+        # (version 1) where it was given one; after: the last step's adapter.
+        assert before.header.adapter == f"rollout adapter v{0 if a['seed'] == 1 else 1}"
+        assert after.header.adapter == f"rollout adapter v{STEPS + 1}"
 
     report = read_grid_json(out / "grid.json")
     assert [c["cell"] for c in report["cells"]] == list(CELLS)
@@ -148,11 +157,11 @@ def test_replicate_pins_the_init_and_survives_a_failed_arm(grid_run):
     assert run_c2["init_adapter"] == "seeded (adapters/init)" and run_c2["seeds"]["seed"] == 1
     for s in (1, 2):
         assert runs[s]["status"] == "completed" and runs[s]["steps_trained"] == list(range(1, STEPS + 1))
-        ev = read_eval(out / f"eval_{c1}__seed{s}.jsonl")
+        ev = read_eval(out / "runs" / f"{c1}__seed{s}" / "heldout_after.jsonl")
         assert ev.header.generation.generations == 2 and len(ev.items) == ev.header.prompt_set.n_items > 0
         assert all(len(item.completions) == 2 for item in ev.items)
     # Both arms were evaluated on the same prompts with the same settings: compare accepts them.
-    done = cli("compare", str(out / f"eval_{c1}__seed1.jsonl"), str(out / f"eval_{c1}__seed2.jsonl"), "--seed", "1")
+    done = cli("compare", *(str(out / "runs" / f"{c1}__seed{s}" / "heldout_after.jsonl") for s in (1, 2)), "--seed", "1")
     assert done.returncode == 0, done.stderr
     assert "95% interval" in done.stdout
 
