@@ -149,6 +149,13 @@ class RolloutConfig(BaseModel):
         "graceful_shutdown_wait_loop_s; it sleeps this long at least once). Serve's own 2 s made every "
         "run's end, and every replica Serve replaced, wait 2 s more than its calls needed."
     )
+    start_attempts: int = Field(
+        1, ge=1, description="Replica start-ups that may fail before the rollout app's first start "
+        "is given up (Serve's max_constructor_retry_count; its own default tries each replica 3 "
+        "times). A replica that cannot build its engine (a setting the engine refuses, too little "
+        "memory) fails the same way again, and each attempt loads the model anew: minutes at 27-70B. "
+        "A replica that died after the app ran is replaced however often it takes."
+    )
     max_ongoing_requests: int = Field(
         8, ge=1, description="Ray Serve's limit of generate requests in flight per replica (its engine "
         "thread takes them one at a time; the rest wait there instead of at Serve's router)."

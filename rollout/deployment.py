@@ -322,6 +322,7 @@ def rollout_app(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, registry, se
         num_replicas=rollout_cfg.replicas,
         max_ongoing_requests=rollout_cfg.max_ongoing_requests,
         graceful_shutdown_wait_loop_s=rollout_cfg.shutdown_poll_s,
+        max_constructor_retry_count=rollout_cfg.start_attempts,  # failures Serve takes before giving up
         ray_actor_options={
             "num_cpus": rollout_cfg.num_cpus,
             "num_gpus": rollout_cfg.num_gpus,

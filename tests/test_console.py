@@ -192,6 +192,11 @@ def test_a_replica_failing_in_its_constructor_shows_its_cause_and_the_log_paths(
     assert Path(full.removeprefix("full log: ")).is_file()
     service = [Path(line.split(": ", 1)[1]) for line in lines if line.startswith("service log with a traceback: ")]
     assert service and all(p.is_file() and p.is_relative_to(run / "logs" / "ray") for p in service)
+    # One start of the replica, not Serve's three: the same engine would refuse the same setting
+    # again (rollout.start_attempts, default 1).
+    controller = "".join(p.read_text() for p in (run / "logs" / "ray" / "serve").glob("controller_*.log"))
+    starts = [ln for ln in controller.splitlines() if "Starting Replica(" in ln and "deployment='RolloutReplica'" in ln]
+    assert len(starts) == 1, controller[-3000:]
 
 
 def test_ray_prefixed_lines_from_the_main_thread_go_to_the_log(tmp_path: Path):
