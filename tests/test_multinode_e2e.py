@@ -315,7 +315,7 @@ def _recoveries(run: Path) -> list[dict]:
 FAULT_STEPS = 6
 
 
-def test_rollout_replica_and_grader_replica_killed_mid_call_inside_a_run(cluster: Cluster):
+def test_rollout_replica_and_grader_replica_killed_mid_call_inside_a_run(cluster: Cluster, placed: Path):
     """One run, two faults, each on its own node:
 
     - the rollout replica is frozen (SIGSTOP) while it generates step k (the first busy moment
@@ -340,7 +340,10 @@ def test_rollout_replica_and_grader_replica_killed_mid_call_inside_a_run(cluster
     a grader entry for step j (ScoreBatch errors, then an answer) and one for the spell the app ran
     no replica (its outage, with a console line when it began); /metrics counts them in
     counterpoint_recoveries_total{part}; no sample of any step carries another adapter version
-    than the one the step asked for; the replaced replicas have new pids."""
+    than the one the step asked for; the replaced replicas have new pids. Nothing was lost: the
+    retried calls sampled and scored what the first attempts would have, so the steps this run
+    shares with the uninterrupted `placed` run (the same config but for the fault settings and
+    its length) have the same rows and the same adapter."""
     name = "faults"
     run = cluster.runs / name
     log = cluster.base / f"{name}.log"
@@ -443,6 +446,13 @@ def test_rollout_replica_and_grader_replica_killed_mid_call_inside_a_run(cluster
                 for x in f.read_text().splitlines()]
         assert rows and {r["adapter_version"] for r in rows} == {live_after[s - 1]}, (s, {r["adapter_version"] for r in rows})
     assert live_after[k - 1] == asked
+    shared = len((placed / "metrics.jsonl").read_text().splitlines())  # smoke's steps, FAULT_STEPS > shared >= k
+    assert k <= shared < FAULT_STEPS
+    for s in range(1, shared + 1):
+        assert [(r["prompt_messages"], r["response_token_ids"], r["reward"]) for r in _rows(run, s)] == [
+            (r["prompt_messages"], r["response_token_ids"], r["reward"]) for r in _rows(placed, s)], f"step {s} differs"
+    assert (run / "adapters" / f"step_{shared}" / "adapter_model.safetensors").read_bytes() == (
+        placed / "adapters" / f"step_{shared}" / "adapter_model.safetensors").read_bytes(), "the faults changed training"
 
 
 def _rows(run: Path, step: int) -> list[dict]:
