@@ -15,7 +15,7 @@ import typer
 
 from graders.voice_leading import progressions  # light: the generator's defaults
 
-app = typer.Typer(no_args_is_help=True, help="Verifiers: serve over gRPC, score JSONL.")
+app = typer.Typer(no_args_is_help=True, help="Verifiers: serve over gRPC, score JSONL.", rich_markup_mode=None)
 
 TaskOpt = Annotated[Optional[str], typer.Option(help="Verifier task: voice-leading | code-exec (graders/tasks.py).")]
 VoicesOpt = Annotated[Optional[int], typer.Option(help="Voices per chord (2-4).")]

@@ -20,7 +20,8 @@ from typing import Annotated, Optional
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, help="Generation engines and the Serve deployment.")
+app = typer.Typer(no_args_is_help=True, help="Generation engines and the Serve deployment.",
+                  rich_markup_mode=None)
 
 ModelOpt = Annotated[
     Optional[str],

@@ -15,6 +15,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
+    rich_markup_mode=None,  # help texts name config keys as [eval.seed]: text, not Rich markup
 )
 
 

@@ -184,3 +184,14 @@ def test_help_names_the_options(runner):
         assert option in compare_help.stdout
     shape_help = runner.invoke(eval_app, ["prior-shape", "--help"])
     assert "--out-json" in shape_help.stdout and "--out-png" in shape_help.stdout
+
+
+@pytest.mark.parametrize("command", ["eval", "replicate"])
+def test_help_keeps_the_config_keys_the_options_stand_for(runner, command):
+    """The options' help names their config key in brackets ([eval.seed]); Rich markup once took
+    those for style tags and printed 'Sampling seed .'."""
+    from services.cli import app as counterpoint
+
+    text = " ".join(runner.invoke(counterpoint, [command, "--help"], terminal_width=200).stdout.split())
+    assert "[eval.generations]" in text and "[eval.max_tokens, else rollout's]" in text, text
+
