@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evals.heldout import REPLICATE_OWNS as OWNED_KEYS  # keys replicate sets itself for every arm
+from evals.heldout import REPLICATE_OWNS  # the keys replicate sets itself for every arm
 
 
 class GridSpecError(ValueError):
@@ -98,12 +98,12 @@ def _split_values(text: str) -> list[str]:
 def parse_grid(specs: list[str], sets: list[str] = ()) -> list[tuple[str, list[str]]]:
     """--grid KEY=v1,v2 options as (key, values) axes. Refuses a malformed option, an empty or
     repeated value, a key given twice (or inside another axis' key), a key also given by --set,
-    and the keys replicate sets itself."""
+    and the keys replicate sets itself, in --grid or in --set."""
     axes: list[tuple[str, list[str]]] = []
     set_keys = [s.partition("=")[0].strip() for s in sets]
     for key in set_keys:
-        if key in OWNED_KEYS:
-            raise GridSpecError(f"--set {key}: {OWNED_KEYS[key]}")
+        if key in REPLICATE_OWNS:
+            raise GridSpecError(f"--set {key}: {REPLICATE_OWNS[key]}")
     for spec in specs:
         key, eq, raw = spec.partition("=")
         key = key.strip()
@@ -114,8 +114,8 @@ def parse_grid(specs: list[str], sets: list[str] = ()) -> list[tuple[str, list[s
             raise GridSpecError(f"--grid {spec!r}: an empty value")
         if len(set(values)) != len(values):
             raise GridSpecError(f"--grid {spec!r}: a value is repeated")
-        if key in OWNED_KEYS:
-            raise GridSpecError(f"--grid {key}: {OWNED_KEYS[key]}, not a grid key")
+        if key in REPLICATE_OWNS:
+            raise GridSpecError(f"--grid {key}: {REPLICATE_OWNS[key]}, not a grid key")
         for other in [k for k, _ in axes]:
             if _overlap(key, other):
                 raise GridSpecError(f"--grid {key}: overlaps --grid {other} (one axis per key)")
