@@ -29,8 +29,14 @@ only from the shortest prompt on (``logits_to_keep``): an overestimate, on the s
 Not counted: CUDA graphs' memory pools (learner.cuda_graphs, off by default), peft's float32
 input casts of a bf16 model without autocast, DeepSpeed's buffers.
 
-The choice: no checkpointing whenever one longest row fits without it (the token budget is then
-what fits without it); otherwise checkpointing, and the budget of that mode. ``fits`` says
+The choice: no checkpointing only where it splits the update into no more micro-batches than
+checkpointing does (``rows`` rows of the longest length, at most ``max_rows`` per micro-batch);
+otherwise checkpointing, and the budget of that mode. Measured on an H200 (bench/results/memory.md,
+2026-12-02, Qwen3-4B 1x8 rows of 584 tokens in 7.8 GiB): without checkpointing the plan's 4
+micro-batches took 2.0-7.2 s a step, one checkpointed micro-batch of all 8 rows ~0.8 s. A
+checkpointed micro-batch costs one more forward (~1/3 more compute); every further micro-batch
+pays the whole pass's fixed costs again at a smaller, slower batch. With ``rows`` = 1 (the
+default) this is the old rule: no checkpointing whenever one longest row fits without it. ``fits`` says
 whether one longest row fits at all; a row longer than the budget runs alone anyway
 (learner/microbatch.py), so a plan that does not fit is reported, not refused.
 
@@ -125,11 +131,13 @@ def fixed_bytes(shape: ModelShape, trainable: int, budget_bytes: int, logprob_ch
 
 
 def memory_plan(shape: ModelShape, rank: int, trainable: int, budget_bytes: int, longest: int,
-                logprob_chunk_tokens: int, checkpointing: bool | None = None) -> MemoryPlan:
+                logprob_chunk_tokens: int, checkpointing: bool | None = None, rows: int = 1,
+                max_rows: int | None = None) -> MemoryPlan:
     """Checkpointing and the micro-batch token budget for a device of ``budget_bytes`` that holds
     the model ``shape`` with ``trainable`` LoRA parameters of rank ``rank``, for rows of at most
     ``longest`` tokens. ``checkpointing``: given (learner.gradient_checkpointing true/false), only
-    the token budget is planned; None (auto) chooses it too."""
+    the token budget is planned; None (auto) chooses it too, for an update of ``rows`` rows of
+    which a micro-batch takes at most ``max_rows`` (None: no bound but the tokens)."""
     if budget_bytes <= 0 or longest < 1:
         raise ValueError(f"memory_plan needs a positive budget and row length, got {budget_bytes} and {longest}")
     fixed = fixed_bytes(shape, trainable, budget_bytes, logprob_chunk_tokens)
@@ -138,9 +146,14 @@ def memory_plan(shape: ModelShape, rank: int, trainable: int, budget_bytes: int,
         per = per_token_bytes(shape, rank, ckpt, logprob_chunk_tokens)
         return max(0, (budget_bytes - fixed) // per), per
 
+    def micro_batches(n: int) -> int:
+        per_batch = max(1, min(max_rows or rows, n // longest))
+        return -(-rows // per_batch)
+
     ckpt = checkpointing
     if ckpt is None:
-        ckpt = tokens(False)[0] < longest
+        plain = tokens(False)[0]
+        ckpt = plain < longest or micro_batches(tokens(True)[0]) < micro_batches(plain)
     n, per = tokens(ckpt)
     return MemoryPlan(gradient_checkpointing=ckpt, micro_batch_tokens=max(1, n), fits=n >= longest,
                       budget_bytes=budget_bytes, fixed_bytes=fixed, per_token_bytes=per)

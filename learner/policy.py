@@ -250,11 +250,14 @@ class PolicyLearner:
         longest = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
         if cfg.micro_batch_tokens == "auto":
             need = longest  # the plan chooses the budget: one row must fit
+            # checkpointing=auto weighs the micro-batches of this worker's rows in either mode
+            shape = dict(rows=max(1, rows), max_rows=cfg.micro_batch_size)
         else:
             need = max(tokens, longest) if tokens is not None else min(cfg.micro_batch_size, rows) * longest
+            shape = {}
         plan = memory_plan(self.memory_shape, cfg.lora.r, self.lora_trainable, self.memory_budget, need,
                            self.logprob_chunk,
-                           None if cfg.gradient_checkpointing == "auto" else cfg.gradient_checkpointing)
+                           None if cfg.gradient_checkpointing == "auto" else cfg.gradient_checkpointing, **shape)
         if not plan.fits and (self.last_plan is None or self.last_plan.fits):
             log.warning("learner: by its memory plan one micro-batch of %d tokens does not fit %.1f GiB even "
                         "with gradient checkpointing (%s); the update may run out of memory", need,

@@ -116,6 +116,8 @@ class LearnerNeeds:
     micro_batch_tokens: int  # one micro-batch's padded tokens (learner/policy.py PolicyLearner.plan's need)
     logprob_chunk_tokens: int
     checkpointing: bool | None  # None = auto
+    rows: int = 1  # one worker's rows of a step, which checkpointing=auto weighs (micro_batch_tokens=auto)
+    max_rows: int | None = None  # learner.micro_batch_size, the most rows per micro-batch
 
 
 @dataclass(frozen=True)
@@ -219,7 +221,8 @@ def split_memory(budget_gib: float, model: str, shape: ModelShape, replica: Repl
     learner_gib = _floor2((budget - contexts - outside) / GIB - rollout_gib)
     plan = memory_plan(shape, learner.rank, trainable, int(learner_gib * GIB) + (weights if shared_weights else 0),
                        learner.micro_batch_tokens,
-                       learner.logprob_chunk_tokens, learner.checkpointing)
+                       learner.logprob_chunk_tokens, learner.checkpointing, rows=learner.rows,
+                       max_rows=learner.max_rows)
     return MemorySplit(
         budget_gib=budget_gib, rollout_gib=rollout_gib, learner_gib=learner_gib,
         rollout_outside_gib=round(outside / GIB, 2), contexts_gib=round(contexts / GIB, 2),
@@ -257,7 +260,8 @@ def split_for_run(cfg: RunConfig, model_config: Mapping[str, Any], w0_on_device:
         rank=lc.lora.r, targets=lc.lora.target_modules if isinstance(lc.lora.target_modules, str)
         else tuple(lc.lora.target_modules), micro_batch_tokens=need,
         logprob_chunk_tokens=CUDA_LOGPROB_CHUNK_TOKENS if lc.logprob_chunk_tokens == "auto" else lc.logprob_chunk_tokens,
-        checkpointing=None if lc.gradient_checkpointing == "auto" else lc.gradient_checkpointing)
+        checkpointing=None if lc.gradient_checkpointing == "auto" else lc.gradient_checkpointing,
+        **(dict(rows=math.ceil(sequences / lc.workers), max_rows=lc.micro_batch_size) if mbt == "auto" else {}))
     shape = model_shape(model_config, DTYPE_BYTES[cfg.model.dtype])
     return split_memory(cfg.gpu_memory_gib, Path(cfg.model.name_or_path).name, shape, replica, learner,
                         shared_weights=cfg.shares_base_weights()[0])

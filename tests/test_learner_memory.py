@@ -282,6 +282,22 @@ def test_the_plan_turns_checkpointing_on_only_for_steps_that_need_it(tmp_path):
     assert not checkpointed and tokens > 4 * longest and rows == 4
     run_steps(learner, 1)
     assert not learner.peft_model.is_gradient_checkpointing
+    # in between: one row fits without checkpointing, but the step's 6 rows take more micro-batches
+    # that way than checkpointed (micro_batch_size 4 bounds both): the plan checkpoints, where the
+    # old rule (one row fits: no checkpointing) would not
+    def rows_at(b, ckpt):
+        return memory_plan(learner.memory_shape, 4, shape_trainable, b, longest, 0,
+                           checkpointing=ckpt).micro_batch_tokens // longest
+
+    middle = budget
+    while not 1 <= rows_at(middle, False) < min(4, rows_at(middle, True)) or -(-6 // rows_at(middle, False)) <= \
+            -(-6 // min(4, rows_at(middle, True))):
+        middle += 1024
+        assert rows_at(middle, False) < 4, "no budget where checkpointing saves a micro-batch"
+    assert not plan_at(middle).gradient_checkpointing  # rows=1: the old rule
+    simulated_cuda_plan(learner, middle)
+    assert learner.plan(batch, len(batch)) == (
+        True, memory_plan(learner.memory_shape, 4, shape_trainable, middle, longest, 0, True).micro_batch_tokens, 4)
     # a configured value is kept: the plan then only sizes what is 'auto'
     forced = policy(tmp_path, gradient_checkpointing=False, micro_batch_tokens=50)
     simulated_cuda_plan(forced, budget)
@@ -334,6 +350,26 @@ def test_memory_plan_given_checkpointing_and_larger_micro_batches():
         assert tokens == sorted(tokens) and tokens[-1] > tokens[0], ckpt
     with pytest.raises(ValueError, match="positive"):
         memory_plan(QWEN3_4B, 32, QWEN3_4B_LORA32, 0, 584, 256)
+
+
+@pytest.mark.parametrize("budget_gib, rows, max_rows, checkpointing, micro_batches", [
+    # the 24 GB recipe's learner on an H200 (gradient_checkpointing=auto, 1x8 rows of 584 tokens):
+    # without checkpointing 3 rows a micro-batch (3 micro-batches), with it all 8 in one
+    (24.0, 8, None, True, 1),
+    (139.0, 8, None, False, 1),  # a whole H200: all 8 fit without it, nothing to gain
+    (24.0, 3, None, False, 1),  # 3 rows fit one plain micro-batch as well as one checkpointed
+    (24.0, 8, 2, False, 4),  # micro_batch_size 2 bounds both modes to 4 micro-batches: no checkpointing
+    (24.0, 1, None, False, 1),  # rows=1: the old rule (one row fits without it)
+])
+def test_auto_checkpointing_takes_the_mode_with_fewer_micro_batches(budget_gib, rows, max_rows, checkpointing,
+                                                                      micro_batches):
+    plan = memory_plan(QWEN3_4B, 32, QWEN3_4B_LORA32, int(budget_gib * GIB), 584, 256, rows=rows, max_rows=max_rows)
+    assert plan.gradient_checkpointing is checkpointing
+    per_batch = min(max_rows or rows, plan.micro_batch_tokens // 584)
+    assert -(-rows // per_batch) == micro_batches
+    # the same budget given a mode plans that mode's tokens
+    given = memory_plan(QWEN3_4B, 32, QWEN3_4B_LORA32, int(budget_gib * GIB), 584, 256, checkpointing=checkpointing)
+    assert given.micro_batch_tokens == plan.micro_batch_tokens
 
 
 def test_the_estimate_is_above_what_an_h200_measured():

@@ -76,6 +76,12 @@ SPLITS = [
     (8, QWEN3_06B, {}, {}, (2.65, 3.98, 8, False, 722)),  # 0.6B: one row without checkpointing at 8 ...
     (12, QWEN3_06B, {}, {}, (2.65, 7.98, 8, False, 2220)),  # ... three at 12
     (6, QWEN3_06B, {}, {}, 6.2),
+    # checkpointing=auto weighing the step's 8 rows (micro_batch_tokens=auto): checkpointing where it
+    # takes them in fewer micro-batches, not only where one row would not fit without it
+    (12, QWEN3_06B, {}, {"rows": 8}, (2.65, 7.98, 8, True, 7151)),  # 3 rows a plain micro-batch; all 8 checkpointed
+    (40, QWEN3_4B, {}, {"rows": 8}, (9.19, 28.98, 8, True, 16482)),  # 4 plain; 8 checkpointed
+    (40, QWEN3_4B, {}, {"rows": 8, "max_rows": 4}, (9.19, 28.98, 8, False, 2773)),  # 4 a micro-batch either way
+    (60, QWEN3_4B, {}, {"rows": 8}, (9.19, 48.98, 8, False, 5680)),  # all 8 fit one plain micro-batch
 ]
 
 
@@ -99,7 +105,7 @@ def test_split_table(budget, config, replica, learner, expected):
     assert split.minimum_gib <= budget + 0.05 and split.learner_gib >= split.learner_minimum_gib - 0.01
     trainable = lora_params(shape, lrn.rank, lrn.targets)
     plan = memory_plan(shape, lrn.rank, trainable, int(split.learner_gib * GIB), lrn.micro_batch_tokens,
-                       lrn.logprob_chunk_tokens, lrn.checkpointing)
+                       lrn.logprob_chunk_tokens, lrn.checkpointing, rows=lrn.rows, max_rows=lrn.max_rows)
     assert plan.fits and 1 <= split.kv_sequences <= split.step_sequences
     # the KV cache reaches the step's sequences before the learner gets more than its minimum
     if split.kv_sequences < split.step_sequences:
