@@ -57,7 +57,8 @@ from typing import Any, Callable
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from bench.gpu_vs_trl import GROUP_SIZE, ROOT, TRAIN_CONFIG, read_jsonl, train_figures, train_overrides  # noqa: E402
+from bench.gpu_vs_trl import (CONFIG_ONLY, CONFIG_ONLY_SETS, GROUP_SIZE, ROOT, TRAIN_CONFIG, read_jsonl,  # noqa: E402
+                              train_figures, train_overrides)
 
 SYSTEMS = ("trl_vllm", "counterpoint_train")
 TRL_FLAGS = ("--vllm-gpu-util", "0.09", "--checkpointing", "--accumulate")
@@ -457,8 +458,10 @@ def trl_settings(flags: list[str], prompts: int) -> str:
 def run_counterpoint(model: str, prompts: int, args, out: Path, timeout: float) -> dict[str, Any]:
     tag = f"counterpoint_train-{model}-{prompts}x{GROUP_SIZE}"
     name = f"memory-{model}-{prompts}x{GROUP_SIZE}-{args.mode}-{int(time.time())}"
+    # a shape without a checkpoint (14B, 32B): the replica draws the weights, the learner maps them
+    shape_sets = CONFIG_ONLY_SETS if model in CONFIG_ONLY else ()
     sets = [*train_overrides(args.models / model, prompts, args.mode, args.steps + 2, args.runs),
-            *COUNTERPOINT_SETS, *args.set]
+            *COUNTERPOINT_SETS, *shape_sets, *args.set]
     cmd = [sys.executable, "-m", "services.cli", "train", "--config", str(args.config), "--run-name", name,
            *sum((["--set", x] for x in sets), [])]
     run = args.runs / name
@@ -473,7 +476,8 @@ def run_counterpoint(model: str, prompts: int, args, out: Path, timeout: float) 
     if rc != 0:  # where the cause is: the end of the driver's log
         driver = run / "logs" / "driver.log"
         show_tail(driver if driver.is_file() else out / f"{tag}.log", f"{name} exit {rc}")
-    settings = ", ".join([f"{Path(args.config).name}", f"trainer.mode={args.mode}", *COUNTERPOINT_SETS, *args.set,
+    settings = ", ".join([f"{Path(args.config).name}", f"trainer.mode={args.mode}", *COUNTERPOINT_SETS, *shape_sets,
+                          *args.set,
                           f"merged W0 on {os.environ.get(W0_ENV) or 'host'}", base_weights_of(run)])
     return finish(model, prompts, "counterpoint_train", settings, sampler, train_transitions(watch.steps), s_step,
                   ["counterpoint", *cmd[3:]], rc, error, out / f"{tag}.samples.jsonl" if args.samples else None)
@@ -526,6 +530,10 @@ def run(args) -> int:
         left = deadline - time.monotonic() - sum(RESERVE_S[s] for _, _, s in plan[i + 1:])
         if left < 60:
             print(f"[memory] {model} {prompts}x{GROUP_SIZE} {system}: skipped, the call's budget is spent", flush=True)
+            continue
+        if system == "trl_vllm" and model in CONFIG_ONLY:
+            print(f"[memory] {model} {prompts}x{GROUP_SIZE} trl_vllm: skipped, TRL loads a checkpoint and this shape "
+                  "has none (bench/gpu_vs_trl.py CONFIG_ONLY)", flush=True)
             continue
         runner = run_trl if system == "trl_vllm" else run_counterpoint
         rows.append(runner(model, prompts, args, out, left))

@@ -241,6 +241,7 @@ class BaseExport:
     tensors: dict[str, tuple]  # the owner's parameter name -> tensor_handle
     packed: dict[str, tuple[str, ...]] = field(default_factory=dict)  # fused name -> part names, in order
     fence: tuple | None = None  # Fence.handles()
+    elsewhere: dict[str, str] = field(default_factory=dict)  # parameters with no memory to map -> their device
 
     def describe(self) -> str:
         where = f"GPU {self.device_uuid}" if self.device_uuid else "host memory"
@@ -250,12 +251,18 @@ class BaseExport:
 def export_base(owner: str, named: Iterable[tuple[str, torch.Tensor]], packed: Mapping[str, Iterable[str]],
                 fence: Fence | None) -> BaseExport:
     """The owner's side: handles to its parameters (name -> tensor), its fused-module map and
-    its fence."""
-    tensors, dtype, uuid = {}, None, None
+    its fence. ``named`` should list every name of a parameter held under several
+    (``named_parameters(remove_duplicate=False)``): a tied output head is then exported under its
+    own name too, and the learner computes with what the owner does. A parameter on the meta
+    device holds no memory: it is listed in ``elsewhere``, and refused only if a learner needs it."""
+    tensors, elsewhere, dtype, uuid = {}, {}, None, None
     for name, tensor in named:
         # vLLM's LoRA wrappers (unmerged LoRA) hold the layer they wrap as `base_layer`: its weight
         # is the module's own, under the module's name
         name = name.replace(".base_layer.", ".")
+        if tensor.is_meta:
+            elsewhere[name] = "meta"
+            continue
         if tensor.numel() == 0:
             raise ShareRefused(f"{owner} holds {name} as an empty tensor (its kernels keep the weights elsewhere)")
         tensors[name] = tensor_handle(tensor)
@@ -263,7 +270,7 @@ def export_base(owner: str, named: Iterable[tuple[str, torch.Tensor]], packed: M
             dtype, uuid = str(tensor.dtype).removeprefix("torch."), device_uuid(tensor.device)
     return BaseExport(owner=owner, owner_pid=os.getpid(), device_uuid=uuid, dtype=dtype or "float32",
                       tensors=tensors, packed={k: tuple(v) for k, v in packed.items()},
-                      fence=fence.handles() if fence is not None else None)
+                      fence=fence.handles() if fence is not None else None, elsewhere=elsewhere)
 
 
 # ------------------------------------------------------------------------------ the learner's model
@@ -281,7 +288,8 @@ def owner_source(name: str, packed: Mapping[str, tuple[str, ...]]) -> tuple[str,
 
 
 def base_views(expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]], owned: Mapping[str, torch.Tensor],
-               packed: Mapping[str, tuple[str, ...]]) -> dict[str, torch.Tensor]:
+               packed: Mapping[str, tuple[str, ...]], elsewhere: Mapping[str, str] | None = None
+               ) -> dict[str, torch.Tensor]:
     """For each parameter the transformers model expects (name -> (shape, dtype)), a view of the
     owner's tensors with that shape: the tensor itself, its leading rows (a padded vocabulary),
     or its block of rows of a fused weight. ShareRefused, naming the first that does not fit."""
@@ -289,6 +297,9 @@ def base_views(expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]], owne
     views = {}
     for name, (shape, dtype) in expected.items():
         source, part = owner_source(name, packed)
+        if source not in owned and source in (elsewhere or {}):
+            raise ShareRefused(f"the replica holds {source} on the {elsewhere[source]} device, with no memory for the "
+                               f"learner's {name} to map")
         if source not in owned:
             near = [o for o in owned if o.rsplit(".", 2)[-2:] == source.rsplit(".", 2)[-2:]][:3]
             raise ShareRefused(f"the replica's weights have no {source} for the learner's {name}"
@@ -349,7 +360,7 @@ def shared_model(model_dir, dtype: torch.dtype, export: BaseExport, device: torc
     tied = dict(getattr(model, "_tied_weights_keys", None) or {}) if getattr(config, "tie_word_embeddings", False) else {}
     expected = {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters() if name not in tied}
     owned = open_export(export, device)
-    for name, view in base_views(expected, owned, export.packed).items():
+    for name, view in base_views(expected, owned, export.packed, export.elsewhere).items():
         _set_parameter(model, name, view)
     if tied:
         model.tie_weights()

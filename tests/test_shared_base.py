@@ -198,6 +198,30 @@ def test_an_unmerged_lora_replicas_wrapped_layers_are_exported_under_the_modules
         base_views({"lm_head.weight": ((10, 2), torch.float32)}, owned, {})
 
 
+def test_a_tied_head_is_exported_under_its_name_and_a_meta_parameter_only_refused_if_needed():
+    """The 14B/32B benches on vLLM 0.26 (2026-12-03): the learner found no lm_head.weight among the
+    replica's 322 tensors, and another export failed pickling a parameter with no memory
+    ('_share_filename_: only available on CPU', a meta tensor's). A head that is the embedding is
+    exported under both names (named_parameters(remove_duplicate=False)), so the learner's head maps
+    what the owner computes the logits with; a meta parameter is listed, not mapped."""
+    from model.shared_base import export_base, open_export
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(10, 2)
+    model.head = torch.nn.Linear(2, 10, bias=False)
+    model.head.weight = model.embed.weight  # tied
+    model.spare = torch.nn.Linear(2, 2, bias=False, device="meta")
+    assert [n for n, _ in model.named_parameters()] == ["embed.weight", "spare.weight"]
+    export = export_base("vllm", model.named_parameters(remove_duplicate=False), {}, None)
+    assert set(export.tensors) == {"embed.weight", "head.weight"} and export.elsewhere == {"spare.weight": "meta"}
+    owned = open_export(export, "cpu")
+    views = base_views({"head.weight": ((10, 2), torch.float32)}, owned, {}, export.elsewhere)
+    assert views["head.weight"].data_ptr() == model.embed.weight.data_ptr()  # the owner's memory, mapped
+    with pytest.raises(ShareRefused, match=r"^the replica holds spare.weight on the meta device, with no memory for "
+                                           r"the learner's spare.weight to map$"):
+        base_views({"spare.weight": ((2, 2), torch.float32)}, owned, {}, export.elsewhere)
+
+
 def test_an_offer_that_does_not_fit_falls_back_to_an_own_copy_with_the_reason(tmp_path):
     cfg = run_config(tiny_dir(), "float32")
     bad = BaseExport(owner="vllm", owner_pid=1, device_uuid="GPU-0000", dtype="float32", tensors={})

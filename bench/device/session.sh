@@ -19,6 +19,8 @@
 #                        (0.09, checkpointing, then the --sets) back to back (bench/memory.py); 4B 1x8
 #                        fits one call, 4x8 another. COUNTERPOINT_MERGED_W0=device in the
 #                        environment keeps merged LoRA's W0 on the GPU as before
+#   probe MODEL [--lora] [--gpu-util F]   what a vLLM engine's model holds as a learner maps it: names
+#                        (tied too), meta tensors, the output head (bench/vllm_params_probe.py; random weights)
 #   shared [MODEL]       a vLLM replica lends its weights to a learner over CUDA IPC, checked against a
 #                        learner with its own copy (bench/shared_base_gpu.py; ~2 min at 4B)
 set -uo pipefail
@@ -134,6 +136,17 @@ PY
     python3 bench/memory.py run --shapes "$S" --out-dir "$OUT" --tokenizer "$TOK" --models "$MODELS" --runs "$RUNS" \
       --samples "$@" 2>&1 | tee "$OUT/memory-${S//[:,]/-}.log" | grep -E "^\[memory\]|Error" | cut -c 1-1500
     ls "$OUT"/memory.json >/dev/null || exit 1 ;;
+  probe)
+    M=$1; shift
+    python3 - "$TOK" "$MODELS" "$M" <<'PY' || exit 1
+import sys
+from pathlib import Path
+sys.path.insert(0, ".")
+from bench.gpu_vs_trl import build_model
+build_model(sys.argv[3], Path(sys.argv[1]), Path(sys.argv[2]) / sys.argv[3], "cuda")
+PY
+    python3 bench/vllm_params_probe.py --model "$MODELS/$M" "$@" 2>&1 | tee "$OUT/probe-$M.log" \
+      | grep -E "^PROBE|tie_word|Error" | cut -c 1-3000 ;;
   shared)  # shared [MODEL]: a vLLM replica lends its weights to a learner over CUDA IPC (bench/shared_base_gpu.py)
     M=${1:-qwen3-4b}
     python3 - "$TOK" "$MODELS" "$M" <<'PY' || exit 1

@@ -241,4 +241,6 @@ class MergedLoraExtension:
                 self._counterpoint_write(lambda: None)
         packed = getattr(model, "packed_modules_mapping", None) or {}
         # pickled here: vLLM's engine-core replies are msgpack, which takes bytes but not our objects
-        return pickle.dumps(export_base("vllm", model.named_parameters(), packed, shared[0]))
+        # every name of a tied parameter (an output head that is the embedding), so that the learner's
+        # head maps what vLLM computes the logits with
+        return pickle.dumps(export_base("vllm", model.named_parameters(remove_duplicate=False), packed, shared[0]))
