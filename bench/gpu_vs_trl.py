@@ -126,6 +126,9 @@ def build_model(shape: str, tokenizer_dir: Path, out: Path, device: str, weights
         from transformers import GenerationConfig
 
         tmp = out.with_name(out.name + ".tmp")
+        # what a checkpoint's config names (save_pretrained of a model writes it): without it vLLM 0.26
+        # built a pooling model, with no output head (bench/vllm_params_probe.py, 2026-12-03)
+        config.architectures = ["Qwen3ForCausalLM"]
         config.save_pretrained(tmp)
         holder = type("Holder", (), {"generation_config": GenerationConfig.from_model_config(config)})()
         _align_generation_config(holder, tok)

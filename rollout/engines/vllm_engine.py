@@ -140,6 +140,9 @@ class VllmEngine(Engine):
             enforce_eager=self.settings.enforce_eager,
             generation_config="vllm",  # never take sampling defaults from the model's files
             load_format=model_cfg.load_format,  # dummy: random weights of the shape, no checkpoint read
+            # a sampler, never a pooling model: vLLM 0.26 built one for a config.json that named no
+            # architecture, whose output head (and so the learner's shared lm_head) was missing
+            runner="generate",
         )
         if self.settings.lora == "unmerged":
             kwargs.update(enable_lora=True, max_lora_rank=rollout_cfg.max_lora_rank, max_loras=rollout_cfg.max_loras)
