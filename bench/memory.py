@@ -513,6 +513,13 @@ def finish(model, prompts, system, settings, sampler: Sampler, transitions, s_st
 RESERVE_S = {"trl_vllm": 180.0, "counterpoint_train": 200.0}
 
 
+def earlier_rows(out: Path) -> list[dict[str, Any]]:
+    """Rows an earlier invocation wrote into the same --out-dir: they stay when this one writes
+    (a device call that runs several shapes one after another lost its first row that way)."""
+    path = out / "memory.json"
+    return json.loads(path.read_text())["rows"] if path.is_file() else []
+
+
 def run(args) -> int:
     out: Path = args.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -525,6 +532,7 @@ def run(args) -> int:
     before = gpu_pids()
     if before:
         print(f"[memory] already on the GPU, left out of every run: {sorted(before)}", flush=True)
+    earlier = earlier_rows(out)
     rows = []
     for i, (model, prompts, system) in enumerate(plan):
         left = deadline - time.monotonic() - sum(RESERVE_S[s] for _, _, s in plan[i + 1:])
@@ -540,7 +548,7 @@ def run(args) -> int:
         stray = wait_for_gpu_free(before)
         if stray:
             print(f"[memory] still on the GPU after the run: {sorted(stray)}", flush=True)
-        write(rows, command, out, found)
+        write([*earlier, *rows], command, out, found)
     return 0 if rows and all(r["exit"] == 0 and not r["error"] for r in rows) else 1
 
 

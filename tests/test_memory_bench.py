@@ -11,6 +11,7 @@ import os
 import stat
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -216,3 +217,14 @@ def test_a_counterpoint_row_says_whether_the_base_was_shared(tmp_path):
     assert base_weights_of(tmp_path) == "base weights shared with the replica"
     (tmp_path / "run.json").write_text(json.dumps({"base_weights": {"mode": "own", "reason": "share_base_weights=false"}}))
     assert base_weights_of(tmp_path) == "learner's own base copy (share_base_weights=false)"
+
+
+def test_a_second_invocation_into_one_out_dir_keeps_the_first_ones_rows(tmp_path):
+    """2026-12-03, call 14: the 14B run's memory.json overwrote the 32B run's, written a minute
+    before into the same $OUT."""
+    from bench.memory import earlier_rows, write
+
+    assert earlier_rows(tmp_path) == []
+    first = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "memory.json").read_text())["rows"][:1]
+    write(first, "first call", tmp_path, {})
+    assert earlier_rows(tmp_path) == first
