@@ -95,6 +95,16 @@ class GraderConfig(BaseModel):
         "a push, so it takes one to two intervals. Ray marks the field deprecated in favour of "
         "RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S, which Ray 2.60 does not read yet.",
     )
+    replica_liveness_s: float = Field(
+        10.0, gt=0,
+        description="A grader replica that answered the driver's pings before and then leaves one "
+        "unanswered this long is frozen (alive to the OS and to Ray, as a SIGSTOPped process is): the "
+        "driver kills it and Serve starts another (graders/autoscale.py ReplicaPinger; "
+        "rollout.replica_liveness_s is the rollout's). The ping is Serve's own health-check call on the "
+        "replica's event loop, which scoring does not hold (Serve runs the sync RPC methods in a "
+        "thread pool); it is sent every grader.replica_poll_s. Serve's own health check would stop "
+        "such a replica only after 3 failed checks and a graceful wait, about a minute.",
+    )
     replica_poll_s: float = Field(
         1.0, gt=0,
         description="How often the process that started the grader app (the trainer's driver, "

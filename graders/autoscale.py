@@ -146,6 +146,85 @@ def serve_replica_states(app_name: str, deployment: str) -> Mapping | None:
     return app.deployments[deployment].replica_states
 
 
+def quiet_replicas(last_answer: Mapping[str, float], pending_since: Mapping[str, float], now: float,
+                   liveness_s: float) -> list[tuple[str, float]]:
+    """The replicas to count as frozen: each answered a ping before (``last_answer``: when) and has
+    left the one sent at ``pending_since`` unanswered for ``liveness_s``; (replica id, seconds
+    since its last answer), the quietest first. A replica that never answered is left alone:
+    a starting replica's constructor may hold its event loop, and Serve handles start failures."""
+    quiet = [(rid, now - last_answer[rid]) for rid, sent in pending_since.items()
+             if rid in last_answer and now - sent >= liveness_s]
+    return sorted(quiet, key=lambda q: -q[1])
+
+
+def grader_replica_actors(app_name: str, deployment: str) -> dict[str, object]:
+    """{replica id: actor handle} of the deployment's live replicas (Serve names each replica's
+    actor ``SERVE_REPLICA::<app>#<deployment>#<id>`` in the "serve" namespace)."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
+    return {a["name"].removeprefix("SERVE_REPLICA::"): ray.get_actor(a["name"], namespace="serve")
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a.get("namespace") == "serve" and a["name"].startswith(prefix)}
+
+
+class ReplicaPinger:
+    """The driver's liveness check of the grader replicas: every poll, a ping (Serve's
+    ``check_health`` on the replica actor) to each replica without one outstanding; a replica
+    that answered before and leaves a ping unanswered ``liveness_s`` is killed (``ray.kill``;
+    Serve starts its successor) and kept in ``replaced`` as (when, {replica_id, quiet_s, why}),
+    which the step loop records with the call it held (services/orchestrator.py)."""
+
+    def __init__(self, app_name: str, deployment: str, liveness_s: float,
+                 list_replicas: Callable[[], Mapping[str, object]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.liveness_s = liveness_s
+        self._list = list_replicas or (lambda: grader_replica_actors(app_name, deployment))
+        self._clock = clock
+        self.last_answer: dict[str, float] = {}
+        self._pending: dict[str, tuple[object, float]] = {}  # replica id -> (ping ref, when sent)
+        self.replaced: list[tuple[float, dict]] = []
+
+    def poll(self) -> list[dict]:
+        import ray
+
+        now = self._clock()
+        replicas = self._list()
+        for rid in list(self._pending):
+            ref, _ = self._pending[rid]
+            if rid not in replicas:  # gone (Serve stopped it): forget it
+                del self._pending[rid]
+                self.last_answer.pop(rid, None)
+                continue
+            ready, _ = ray.wait([ref], timeout=0)
+            if ready:
+                del self._pending[rid]
+                try:
+                    ray.get(ready[0])
+                    self.last_answer[rid] = now
+                except Exception:  # noqa: BLE001 - a dying replica: Serve's to replace, not a freeze
+                    self.last_answer.pop(rid, None)
+        killed = []
+        pending_since = {rid: sent for rid, (_, sent) in self._pending.items()}
+        for rid, quiet_s in quiet_replicas(self.last_answer, pending_since, now, self.liveness_s):
+            why = f"no answer to a ping for {now - pending_since[rid]:.0f} s (grader.replica_liveness_s=" \
+                  f"{self.liveness_s:g})"
+            import logging
+
+            logging.getLogger("counterpoint").warning(
+                "grader replica %s made no progress: %s; killing it (Serve starts its successor)", rid, why)
+            ray.kill(replicas[rid], no_restart=True)
+            del self._pending[rid]
+            self.last_answer.pop(rid, None)
+            event = {"replica_id": rid, "quiet_s": round(quiet_s, 3), "why": why}
+            self.replaced.append((now, event))
+            killed.append(event)
+        for rid, actor in replicas.items():
+            if rid not in self._pending:
+                self._pending[rid] = (actor.check_health.remote(), now)
+        return killed
+
+
 class ReplicaWatch:
     """Reads a grader app's replica states every ``poll_s`` into a ScaleTally.
 
@@ -154,8 +233,11 @@ class ReplicaWatch:
     counted as replicas gone."""
 
     def __init__(self, app_name: str, deployment: str, bounds: tuple[int, int], poll_s: float,
-                 read: Callable[[], Mapping | None] | None = None, clock: Callable[[], float] = time.time) -> None:
+                 read: Callable[[], Mapping | None] | None = None, clock: Callable[[], float] = time.time,
+                 pinger: ReplicaPinger | None = None) -> None:
         self.tally = ScaleTally(bounds=bounds)
+        self.pinger = pinger
+        self._taken = 0  # pinger.replaced entries handed to take_replaced
         self._read = read or (lambda: serve_replica_states(app_name, deployment))
         self._clock = clock
         self._poll_s = poll_s
@@ -176,6 +258,12 @@ class ReplicaWatch:
             went_empty = self.tally.empty_since is None
             self.tally.observe(states, self._clock())
             went_empty = went_empty and self.tally.empty_since is not None
+        if self.pinger is not None:
+            try:
+                with self._lock:
+                    self.pinger.poll()
+            except Exception:  # noqa: BLE001 - like a failed read: the next poll tries again
+                self.failed_reads += 1
         if went_empty:  # a console line now; the outage is recorded once the app serves again
             import logging
 
@@ -207,6 +295,15 @@ class ReplicaWatch:
             spells, self.tally.empty_spells = self.tally.empty_spells, []
             return spells
 
+    def take_replaced(self) -> list[tuple[float, dict]]:
+        """The frozen replicas the pinger killed since the last call: (time.monotonic(), entry)."""
+        if self.pinger is None:
+            return []
+        with self._lock:
+            new = self.pinger.replaced[self._taken:]
+            self._taken = len(self.pinger.replaced)
+            return list(new)
+
     def summary(self) -> dict:
         with self._lock:
             return {**self.tally.summary(), "failed_reads": self.failed_reads}
@@ -220,5 +317,6 @@ def watch_app(cfg, app_name: str | None = None) -> ReplicaWatch:
     from graders.serve_app import DEPLOYMENT_NAME, deployment_options
 
     scaling = deployment_options(cfg)["autoscaling_config"]
-    return ReplicaWatch(app_name or cfg.app_name, DEPLOYMENT_NAME,
-                        (scaling["min_replicas"], scaling["max_replicas"]), cfg.replica_poll_s).start()
+    app = app_name or cfg.app_name
+    return ReplicaWatch(app, DEPLOYMENT_NAME, (scaling["min_replicas"], scaling["max_replicas"]), cfg.replica_poll_s,
+                        pinger=ReplicaPinger(app, DEPLOYMENT_NAME, cfg.replica_liveness_s)).start()

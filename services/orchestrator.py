@@ -69,6 +69,9 @@ class RunParts:
     # The grader app's ended spells with no running replica, not taken before: (unix start,
     # seconds) (graders/autoscale.py ReplicaWatch.take_empty_spells; None: an external grader).
     grader_outages: Callable[[], list[tuple[float, float]]] | None = None
+    # The grader replicas the driver killed for leaving a ping unanswered, not taken before:
+    # (time.monotonic(), {replica_id, quiet_s, why}) (ReplicaWatch.take_replaced; None: external).
+    grader_replaced: Callable[[], list[tuple[float, dict]]] | None = None
 
 
 @dataclass
@@ -246,16 +249,34 @@ def score_checked(parts: RunParts, step: int, items: list[tuple[str, str]], chun
     events = getattr(parts.grader, "retry_events", None)
     seen = len(events) if events is not None else 0
     replies = score_spread(parts.grader, items, chunk)
+    killed = parts.grader_replaced() if parts.grader_replaced is not None else []
     if events is not None and len(events) > seen and parts.recoveries is not None:
         # the grader client retried some chunk of this batch (a replica died under it) and answered
         new = list(events[seen:])
         errors = [f"{rpc} {err}" for _, rpc, err in new]
-        parts.recoveries.record("grader", step, retried_what(f"ScoreBatch (step {step})", errors),
-                                time.monotonic() - new[0][0], errors=errors)
+        record_grader_retry(parts, step, retried_what(f"ScoreBatch (step {step})", errors),
+                            time.monotonic() - new[0][0], killed, errors=errors)
+    elif killed and parts.recoveries is not None:  # a frozen replica killed with no call of ours on it
+        record_grader_retry(parts, step, f"ScoreBatch (step {step}) answered", 0.0, killed)
     record_grader_outages(parts, step)
     if len(replies) != len(items):
         raise RuntimeError(f"grader returned {len(replies)} scores for {len(items)} completions")
     return replies
+
+
+def record_grader_retry(parts: RunParts, step: int, what: str, seconds: float, killed: list[tuple[float, dict]],
+                        **details: Any) -> None:
+    """One grader recovery entry; ``killed``: the frozen replicas the driver killed meanwhile
+    (graders/autoscale.py ReplicaPinger), named, with the outage counted from their last answer."""
+    outage = None
+    if killed:
+        details["replaced_quiet"] = [{"replica_id": q["replica_id"], "why": q["why"], "quiet_s": q["quiet_s"]}
+                                     for _, q in killed]
+        last_answer = min(when - q["quiet_s"] for when, q in killed)
+        outage = max(seconds, time.monotonic() - last_answer)
+        what = f"{what}; grader replica {', '.join(q['replica_id'] for _, q in killed)} made no progress and " \
+               "was replaced"
+    parts.recoveries.record("grader", step, what, seconds, outage_s=outage, **details)
 
 
 def record_grader_outages(parts: RunParts, step: int) -> None:

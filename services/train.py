@@ -511,7 +511,8 @@ def loop_parts(at: Attempt, parts: Services, stack: ExitStack, cases, sampler, m
     return RunParts(cfg=cfg, cases=cases, sampler=sampler, grader=parts.grader, rollout=parts.rollout,
                     learner=parts.learner, record=recorder, archive=recorder.archive, version=adapter.version,
                     collect=collect, recoveries=at.recoveries,
-                    grader_outages=grader_watch.take_empty_spells if grader_watch is not None else None)
+                    grader_outages=grader_watch.take_empty_spells if grader_watch is not None else None,
+                    grader_replaced=grader_watch.take_replaced if grader_watch is not None else None)
 
 
 def record_driver_recovery(at: Attempt) -> None:

@@ -13,6 +13,7 @@ pushes the in-flight counts every metrics_interval_s, here 1 s, so a scale step 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from types import SimpleNamespace
@@ -127,6 +128,36 @@ def test_grader_outages_become_recovery_entries_on_the_step_loop():
     (entry,) = log.all()
     assert (entry["part"], entry["step"], entry["outcome"], entry["outage_s"]) == ("grader", 3, "recovered", 6.5)
     assert entry["what"] == "the grader app had no running replica for 6.5 s; Serve started new ones"
+
+
+def test_quiet_replicas_are_those_that_answered_once_then_left_a_ping_unanswered():
+    from graders.autoscale import quiet_replicas
+
+    last = {"a": 100.0, "b": 100.0, "c": 109.0}
+    pending = {"a": 101.0, "b": 106.0, "c": 110.0, "new": 100.0}  # "new" never answered: left alone
+    assert quiet_replicas(last, pending, now=111.0, liveness_s=5.0) == [("a", 11.0), ("b", 11.0)]
+    assert quiet_replicas(last, pending, now=105.9, liveness_s=5.0) == []
+    assert quiet_replicas(last, {}, now=500.0, liveness_s=5.0) == []  # nothing outstanding: all answered
+
+
+def test_a_frozen_replica_the_driver_killed_is_named_in_the_grader_entry():
+    """services/orchestrator.py: the replicas the pinger killed reach the step's grader entry,
+    with the outage counted from their last answer (the ScoreBatch's own retry seconds count
+    from its first error only)."""
+    from services.orchestrator import record_grader_retry
+    from services.recovery import RecoveryLog
+
+    log = RecoveryLog(attempt=1)
+    parts = SimpleNamespace(recoveries=log)
+    now = time.monotonic()
+    killed = [(now - 2.0, {"replica_id": "grader#GraderDeployment#x1", "quiet_s": 6.0, "why": "no answer"})]
+    record_grader_retry(parts, 4, "ScoreBatch (step 4) retried", 1.5, killed, errors=["ScoreBatch UNAVAILABLE"])
+    (entry,) = log.all()
+    assert entry["what"] == ("ScoreBatch (step 4) retried; grader replica grader#GraderDeployment#x1 made no "
+                             "progress and was replaced")
+    assert entry["seconds"] == 1.5 and 8.0 <= entry["outage_s"] < 9.0  # 6 s quiet before the kill, 2 s since
+    assert entry["details"]["replaced_quiet"] == [{"replica_id": "grader#GraderDeployment#x1", "why": "no answer",
+                                                   "quiet_s": 6.0}]
 
 
 # --- a real Serve app, real clients, a real Prometheus ----------------------------------------
@@ -322,6 +353,8 @@ def test_voice_leading_grader_scales_up_and_down(ray_cluster):
         start_wall = time.time()
         run = _scale_up_and_down(cfg.grader.app_name, client.address, ask, answered_by)
         _check_metrics_and_panel(prom, watch, start_wall)
+        # every replica answered the driver's pings while it scored under load: none taken for frozen
+        assert watch.pinger.last_answer and watch.take_replaced() == []
     print("voice-leading:", run)
 
 
@@ -362,3 +395,53 @@ def test_code_exec_grader_scales_up_and_down(ray_cluster, tmp_path_factory):
         run = _scale_up_and_down(cfg.grader.app_name, client.address, ask, answered_by)
         _check_metrics_and_panel(prom, watch, start_wall)
     print("code-exec:", run)
+
+
+def test_a_frozen_grader_replica_is_killed_by_the_driver_and_serve_replaces_it(ray_cluster):
+    """A SIGSTOPped grader replica is alive to the OS, to Ray and to Serve (whose health check
+    would stop it after 3 failed checks and a graceful wait). The driver's pinger finds it
+    within grader.replica_liveness_s of its last answer and kills it; Serve starts another, and
+    the ScoreBatch that was held on the frozen replica is retried and answered."""
+    import os
+    import signal
+
+    import psutil
+
+    from graders.voice_leading import score
+    from services.launch import start_grader, watch_grader
+    from services.metrics import TrainerMetrics
+
+    cfg = RunConfig(grader={"replicas": 1, "app_name": "grader-frozen", "num_cpus": 0.2, "replica_poll_s": 0.5,
+                            "replica_liveness_s": 3.0, "timeout_s": 60.0, "max_retries": 4})
+    with ExitStack() as stack:
+        from ray import serve
+
+        client = start_grader(cfg, stack)
+        stack.callback(serve.delete, cfg.grader.app_name)
+        watch = watch_grader(cfg, stack, TrainerMetrics(port=0).registry)
+        cases = client.cases(4)
+        pairs = [(c.id, '[{"measure": 1, "degrees": [0, 1]}]') for c in cases]
+        expected = [score(c.progression, pairs[0][1]).verdict for c in cases]
+        assert [s.verdict for s in client.score_batch(pairs)] == expected
+        deadline = time.monotonic() + 30
+        while not watch.pinger.last_answer and time.monotonic() < deadline:
+            time.sleep(0.2)
+        (rid,) = watch.pinger.last_answer
+        # the replica's process, by the title Ray gives a Serve replica's worker
+        (frozen,) = [p for p in psutil.process_iter(["cmdline"])
+                     if any("ServeReplica:grader-frozen:" in part for part in (p.info["cmdline"] or []))]
+        os.kill(frozen.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            got = [s.verdict for s in client.score_batch(pairs)]  # held on the frozen replica, then retried
+            took = time.monotonic() - t0
+        finally:
+            with contextlib.suppress(psutil.Error):
+                frozen.kill()
+        assert got == expected
+        (when, entry), = watch.take_replaced()
+        assert entry["replica_id"] == rid and "grader.replica_liveness_s=3" in entry["why"], entry
+        assert 3.0 <= entry["quiet_s"] <= 3.0 + 2.0, entry  # found within a poll or two of the deadline
+        assert when - t0 < 10.0 and took < 60.0, (when - t0, took)  # long before Serve's own check would
+        assert not frozen.is_running() or frozen.status() == psutil.STATUS_ZOMBIE
+        assert watch.take_replaced() == []  # handed out once

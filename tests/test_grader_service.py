@@ -399,7 +399,8 @@ def test_driver_scores_a_step_in_concurrent_chunks_in_order(server):
                   list(range(len(texts))))
     with CountingClient(server.address) as client:
         parts = SimpleNamespace(cfg=SimpleNamespace(grader=GraderConfig(replicas=3)), grader=client,
-                                    recoveries=None, grader_outages=None)  # an external grader
+                                    recoveries=None, grader_outages=None,
+                                    grader_replaced=None)  # an external grader
         got = driver_score(parts, ro)
         batches = list(client.batches)
         one_by_one = [client.score(c, t) for c, t in zip(case_ids, texts)]

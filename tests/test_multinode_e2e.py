@@ -325,20 +325,22 @@ def test_rollout_replica_and_grader_replica_killed_mid_call_inside_a_run(cluster
       a replacement on the rollout node, which loads the latest adapter before it takes traffic,
       and the driver's generate call is retried and answered.
     - both grader replicas are frozen (SIGSTOP: replicas that hang) when step j's generation
-      starts. Once the rollout replica has gone idle (its generation answered, so step j's
-      ScoreBatch is waiting on the frozen replicas) and one grader call deadline
-      (grader.timeout_s=5) has passed, they are SIGKILLed. The timed-out call is retried by the
-      grader client (grader.max_retries=6) and answered by the replicas Serve starts instead.
+      starts, so step j's ScoreBatch goes to frozen replicas. They leave the driver's pings
+      unanswered, and once grader.replica_liveness_s=5 has passed the driver kills them
+      (graders/autoscale.py ReplicaPinger); nothing else does: the test only waits, and Serve's
+      own health check would take about a minute. The call held on them fails and is retried by
+      the grader client (grader.max_retries=6), answered by the replicas Serve starts instead.
       (A replica killed while it merely holds the request queued is invisible to the client:
-      Serve's router re-routes a request no replica accepted; a smoke ScoreBatch runs for a
-      few ms, too short to be caught executing.)
+      Serve's router re-routes a request no replica accepted; the entry then names the killed
+      replicas without errors.)
 
     Proof that each recovery path ran: run.json's `recoveries` holds a rollout entry for step k
     (a `generate` retried, every live replica then at the adapter version it was asked for; the
     frozen replica named, found quiet within a poll of rollout.replica_liveness_s, and the outage
     counted from its last report) and
-    a grader entry for step j (ScoreBatch errors, then an answer) and one for the spell the app ran
-    no replica (its outage, with a console line when it began); /metrics counts them in
+    a grader entry for step j naming both frozen replicas, found quiet within a poll of
+    grader.replica_liveness_s, the outage counted from their last answer, and one for the spell
+    the app ran no replica (its outage, with a console line when it began); /metrics counts them in
     counterpoint_recoveries_total{part}; no sample of any step carries another adapter version
     than the one the step asked for; the replaced replicas have new pids. Nothing was lost: the
     retried calls sampled and scored what the first attempts would have, so the steps this run
@@ -349,7 +351,7 @@ def test_rollout_replica_and_grader_replica_killed_mid_call_inside_a_run(cluster
     log = cluster.base / f"{name}.log"
     until = time.monotonic() + BUDGET_S
     proc = subprocess.Popen(CLI + ["train", "--config", str(_config(cluster, name)), "--run-name", name,
-                                   "--set", f"trainer.steps={FAULT_STEPS}", "--set", "grader.timeout_s=5",
+                                   "--set", f"trainer.steps={FAULT_STEPS}", "--set", "grader.replica_liveness_s=5",
                                    "--set", "grader.max_retries=6"],
                             cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=ray_env(),
                             start_new_session=True)
@@ -384,16 +386,19 @@ def test_rollout_replica_and_grader_replica_killed_mid_call_inside_a_run(cluster
         assert replica.pid != rollout_killed  # Serve's replacement, on the rollout node
         for g in graders:
             g.send_signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
         try:
             assert _wait_busy(replica, within_s=60), f"step {j}'s generation never started"
             assert _wait_idle(replica, quiet_s=1.0, within_s=120), f"step {j}'s generation never ended"
-            assert len(_trained(run)) == j - 1
-            time.sleep(6.0)  # past one grader.timeout_s: the ScoreBatch attempt in flight has failed
-            assert len(_trained(run)) == j - 1
+            assert len(_trained(run)) == j - 1  # its ScoreBatch waits on the frozen replicas
+            # the driver kills them; nothing else does
+            _wait(lambda: all(not psutil.pid_exists(g.pid) or g.status() == psutil.STATUS_ZOMBIE for g in graders),
+                  until, proc, "the driver to kill the frozen grader replicas", log)
         finally:
             for g in graders:
                 with contextlib.suppress(psutil.Error):
                     g.kill()
+        print(f"frozen grader replicas gone after {time.monotonic() - frozen_at:.1f} s")
         grader_killed = {g.pid for g in graders}
         entry = _wait(lambda: [r for r in _recoveries(run) if r["part"] == "grader"], until, proc,
                       "the grader recovery entry", log)
@@ -425,8 +430,16 @@ def test_rollout_replica_and_grader_replica_killed_mid_call_inside_a_run(cluster
     assert "made no progress" in log.read_text() and "killing it" in log.read_text()  # on the console
     _assert_every_update_moved(run)
     grader = [r for r in recs if r["part"] == "grader"]
-    retried = [r for r in grader if r["details"].get("errors")]
-    assert [r["step"] for r in retried] == [j], recs
+    (held,) = [r for r in grader if r["details"].get("replaced_quiet")]
+    assert held["step"] == j and held["what"].endswith("made no progress and was replaced"), held
+    grader_liveness_s = receipt["config"]["grader"]["replica_liveness_s"]
+    assert len(held["details"]["replaced_quiet"]) == 2, held  # both frozen replicas, named
+    for q in held["details"]["replaced_quiet"]:
+        # found within a poll or two (grader.replica_poll_s=1) of its unanswered ping's deadline
+        assert grader_liveness_s <= q["quiet_s"] <= grader_liveness_s + 4.0, q
+        assert q["replica_id"].startswith(f"{GRADER_APP}#") and "grader.replica_liveness_s=5" in q["why"], q
+    assert held["outage_s"] >= max(q["quiet_s"] for q in held["details"]["replaced_quiet"]), held
+    assert "grader replica" in log.read_text() and "made no progress" in log.read_text()  # on the console
     # Both replicas were killed: the app ran none until Serve's new ones did, an outage of its
     # own (recorded at the first ScoreBatch, or the run's end, after a read saw one running again).
     (empty,) = [r for r in grader if r["what"].startswith("the grader app had no running replica for ")]
