@@ -227,3 +227,52 @@ def test_vllm_cpu_engine_runs_lora_through_the_grouped_ops(vllm_engine):
 
     for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice", "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice"):
         assert getattr(punica_cpu, name) is getattr(vllm_cpu_lora, name), name
+
+
+def test_a_config_that_names_no_architecture_still_samples_from_the_causal_lm(vllm_engine, tmp_path):
+    """vLLM reads a Qwen3 config.json without `architectures` (the bench's config-only 14B/32B
+    shapes had none) as a pooling model (Qwen3Model): LLM.generate refuses it, and on the H200
+    its output head was a StageMissingLayer, which the learner mapping the replica could not
+    find. The engine asks for a sampler (runner="generate"): the model then samples, with the
+    log-probs transformers computes from the same directory."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from model.base import _align_generation_config
+
+    REPO = Path(__file__).resolve().parents[1]
+    tok = AutoTokenizer.from_pretrained(str(vllm_engine.model_dir))
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+                         tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, dtype="float32")
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    _align_generation_config(model, tok)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    tok.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved.pop("architectures") == ["Qwen3ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    engine = make_engine(ModelConfig(name_or_path=str(tmp_path), dtype="float32"), ROLLOUT, kind="vllm", seed=0)
+    samples = engine.generate(PROMPTS, PARAMS, adapter_version=0)
+    _check_shape(samples, PARAMS, 0)
+    # transformers' log-probs of the same tokens, in a process of its own: vLLM, having built its
+    # Qwen3 here, leaves transformers' Qwen3 classes wrapped by its compile decorator in this one
+    rows = [{"prompt": s.prompt_token_ids, "tokens": s.token_ids} for s in samples]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    code = ("import json, sys, torch; from transformers import AutoModelForCausalLM; "
+            "from learner.passes import response_logprobs; "
+            f"rows = json.load(open({str(tmp_path / 'rows.json')!r})); "
+            f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, dtype=torch.float32).eval(); "
+            f"lp = response_logprobs(m, [r['prompt'] for r in rows], [r['tokens'] for r in rows], pad_id=2, "
+            f"temperature={PARAMS.temperature}); print(json.dumps([[float(x) for x in row] for row in lp]))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    trainer = json.loads(done.stdout.strip().splitlines()[-1])
+    stats = parity_stats([s.logprobs for s in samples], trainer)
+    assert stats.ppl_ratio == pytest.approx(1.0, abs=0.02) and stats.max_abs_diff < 1e-3
