@@ -397,6 +397,7 @@ def test_code_exec_grader_scales_up_and_down(ray_cluster, tmp_path_factory):
     print("code-exec:", run)
 
 
+@pytest.mark.slow
 def test_a_frozen_grader_replica_is_killed_by_the_driver_and_serve_replaces_it(ray_cluster):
     """A SIGSTOPped grader replica is alive to the OS, to Ray and to Serve (whose health check
     would stop it after 3 failed checks and a graceful wait). The driver's pinger finds it
