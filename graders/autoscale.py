@@ -23,6 +23,7 @@ replicas").
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -30,6 +31,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+log = logging.getLogger("counterpoint")
 
 REPLICAS = "counterpoint_grader_replicas"
 BOUNDS = "counterpoint_grader_replica_bounds"
@@ -157,15 +160,17 @@ def quiet_replicas(last_answer: Mapping[str, float], pending_since: Mapping[str,
     return sorted(quiet, key=lambda q: -q[1])
 
 
-def grader_replica_actors(app_name: str, deployment: str) -> dict[str, object]:
-    """{replica id: actor handle} of the deployment's live replicas (Serve names each replica's
-    actor ``SERVE_REPLICA::<app>#<deployment>#<id>`` in the "serve" namespace)."""
+SERVE_REPLICA_PREFIX = "SERVE_REPLICA::"  # Serve's name for a replica's actor, in the "serve" namespace
+
+
+def grader_replica_names(app_name: str, deployment: str) -> list[str]:
+    """The replica ids of the deployment's live replicas (Serve names each replica's actor
+    ``SERVE_REPLICA::<app>#<deployment>#<id>`` in the "serve" namespace)."""
     import ray
 
-    prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
-    return {a["name"].removeprefix("SERVE_REPLICA::"): ray.get_actor(a["name"], namespace="serve")
-            for a in ray.util.list_named_actors(all_namespaces=True)
-            if a.get("namespace") == "serve" and a["name"].startswith(prefix)}
+    prefix = f"{SERVE_REPLICA_PREFIX}{app_name}#{deployment}#"
+    return [a["name"].removeprefix(SERVE_REPLICA_PREFIX) for a in ray.util.list_named_actors(all_namespaces=True)
+            if a.get("namespace") == "serve" and a["name"].startswith(prefix)]
 
 
 class ReplicaPinger:
@@ -176,52 +181,55 @@ class ReplicaPinger:
     which the step loop records with the call it held (services/orchestrator.py)."""
 
     def __init__(self, app_name: str, deployment: str, liveness_s: float,
-                 list_replicas: Callable[[], Mapping[str, object]] | None = None,
+                 list_replicas: Callable[[], list[str]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.liveness_s = liveness_s
-        self._list = list_replicas or (lambda: grader_replica_actors(app_name, deployment))
+        self._list = list_replicas or (lambda: grader_replica_names(app_name, deployment))
         self._clock = clock
         self.last_answer: dict[str, float] = {}
+        self._actors: dict[str, object] = {}  # replica id -> actor handle, looked up once
         self._pending: dict[str, tuple[object, float]] = {}  # replica id -> (ping ref, when sent)
         self.replaced: list[tuple[float, dict]] = []
+
+    def _forget(self, rid: str) -> None:
+        for known in (self._actors, self._pending, self.last_answer):
+            known.pop(rid, None)
 
     def poll(self) -> list[dict]:
         import ray
 
         now = self._clock()
-        replicas = self._list()
-        for rid in list(self._pending):
-            ref, _ = self._pending[rid]
-            if rid not in replicas:  # gone (Serve stopped it): forget it
-                del self._pending[rid]
+        live = set(self._list())
+        for rid in [r for r in self._actors if r not in live]:  # gone (Serve stopped it)
+            self._forget(rid)
+        refs = {ref: rid for rid, (ref, _) in self._pending.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0) if refs else ([], [])
+        for ref in ready:
+            rid = refs[ref]
+            del self._pending[rid]
+            try:
+                ray.get(ref)
+                self.last_answer[rid] = now
+            except Exception:  # noqa: BLE001 - a dying replica: Serve's to replace, not a freeze
                 self.last_answer.pop(rid, None)
-                continue
-            ready, _ = ray.wait([ref], timeout=0)
-            if ready:
-                del self._pending[rid]
-                try:
-                    ray.get(ready[0])
-                    self.last_answer[rid] = now
-                except Exception:  # noqa: BLE001 - a dying replica: Serve's to replace, not a freeze
-                    self.last_answer.pop(rid, None)
         killed = []
         pending_since = {rid: sent for rid, (_, sent) in self._pending.items()}
         for rid, quiet_s in quiet_replicas(self.last_answer, pending_since, now, self.liveness_s):
             why = f"no answer to a ping for {now - pending_since[rid]:.0f} s (grader.replica_liveness_s=" \
                   f"{self.liveness_s:g})"
-            import logging
-
-            logging.getLogger("counterpoint").warning(
-                "grader replica %s made no progress: %s; killing it (Serve starts its successor)", rid, why)
-            ray.kill(replicas[rid], no_restart=True)
-            del self._pending[rid]
-            self.last_answer.pop(rid, None)
+            log.warning("grader replica %s made no progress: %s; killing it (Serve starts its successor)", rid, why)
+            ray.kill(self._actors[rid], no_restart=True)
+            self._forget(rid)
             event = {"replica_id": rid, "quiet_s": round(quiet_s, 3), "why": why}
             self.replaced.append((now, event))
             killed.append(event)
-        for rid, actor in replicas.items():
-            if rid not in self._pending:
-                self._pending[rid] = (actor.check_health.remote(), now)
+        for rid in live - set(self._pending) - {e["replica_id"] for e in killed}:
+            if rid not in self._actors:
+                try:
+                    self._actors[rid] = ray.get_actor(SERVE_REPLICA_PREFIX + rid, namespace="serve")
+                except ValueError:  # gone since the listing
+                    continue
+            self._pending[rid] = (self._actors[rid].check_health.remote(), now)
         return killed
 
 
@@ -265,10 +273,7 @@ class ReplicaWatch:
             except Exception:  # noqa: BLE001 - like a failed read: the next poll tries again
                 self.failed_reads += 1
         if went_empty:  # a console line now; the outage is recorded once the app serves again
-            import logging
-
-            logging.getLogger("counterpoint").warning("the grader app has no running replica (Serve is starting "
-                                                      "new ones); scoring waits for them")
+            log.warning("the grader app has no running replica (Serve is starting new ones); scoring waits for them")
 
     def start(self) -> ReplicaWatch:
         self.poll()

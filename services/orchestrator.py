@@ -219,14 +219,8 @@ def _recorder(parts: RunParts, part: str, step: int, call: str,
                 details["replica_versions"] = held()
             except Exception as err:  # a record: never the reason a recovered step fails
                 details["replica_versions"] = f"unknown ({first_line(err)})"
-        what, outage = retried_what(call, errors), None
         killed = list(replaced[seen:]) if replaced is not None else []
-        if killed:
-            details["replaced_quiet"] = [{"replica_id": q["replica_id"], "node_id": q["node_id"], "why": q["why"],
-                                          "quiet_s": round(q["quiet_s"], 3)} for _, q in killed]
-            last_progress = min(when - q["quiet_s"] for when, q in killed)
-            outage = max(seconds, time.monotonic() - last_progress)
-            what = f"{what}; replica {', '.join(q['replica_id'] for _, q in killed)} made no progress and was replaced"
+        what, outage = with_replaced(retried_what(call, errors), seconds, killed, details, "replica")
         parts.recoveries.record(part, step, what, seconds, outage_s=outage, **details)
 
     return record
@@ -264,18 +258,27 @@ def score_checked(parts: RunParts, step: int, items: list[tuple[str, str]], chun
     return replies
 
 
+def with_replaced(what: str, seconds: float, killed: list[tuple[float, dict]], details: dict[str, Any],
+                  noun: str) -> tuple[str, float | None]:
+    """A recovery's ``what`` and ``outage_s`` given the replicas the driver killed for making no
+    progress meanwhile, (when, {replica_id, quiet_s, why[, node_id]}): they are named, listed in
+    ``details['replaced_quiet']``, and the outage counts from their last progress. No kill: the
+    outage is unknown beyond ``seconds`` (None)."""
+    if not killed:
+        return what, None
+    details["replaced_quiet"] = [{k: round(q[k], 3) if k == "quiet_s" else q[k]
+                                  for k in ("replica_id", "node_id", "why", "quiet_s") if k in q} for _, q in killed]
+    last_progress = min(when - q["quiet_s"] for when, q in killed)
+    names = ", ".join(q["replica_id"] for _, q in killed)
+    return (f"{what}; {noun} {names} made no progress and was replaced",
+            max(seconds, time.monotonic() - last_progress))
+
+
 def record_grader_retry(parts: RunParts, step: int, what: str, seconds: float, killed: list[tuple[float, dict]],
                         **details: Any) -> None:
     """One grader recovery entry; ``killed``: the frozen replicas the driver killed meanwhile
-    (graders/autoscale.py ReplicaPinger), named, with the outage counted from their last answer."""
-    outage = None
-    if killed:
-        details["replaced_quiet"] = [{"replica_id": q["replica_id"], "why": q["why"], "quiet_s": q["quiet_s"]}
-                                     for _, q in killed]
-        last_answer = min(when - q["quiet_s"] for when, q in killed)
-        outage = max(seconds, time.monotonic() - last_answer)
-        what = f"{what}; grader replica {', '.join(q['replica_id'] for _, q in killed)} made no progress and " \
-               "was replaced"
+    (graders/autoscale.py ReplicaPinger)."""
+    what, outage = with_replaced(what, seconds, killed, details, "grader replica")
     parts.recoveries.record("grader", step, what, seconds, outage_s=outage, **details)
 
 

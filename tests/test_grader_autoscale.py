@@ -446,3 +446,20 @@ def test_a_frozen_grader_replica_is_killed_by_the_driver_and_serve_replaces_it(r
         assert when - t0 < 10.0 and took < 60.0, (when - t0, took)  # long before Serve's own check would
         assert not frozen.is_running() or frozen.status() == psutil.STATUS_ZOMBIE
         assert watch.take_replaced() == []  # handed out once
+
+
+def test_the_rollouts_replaced_replicas_read_the_same_with_their_node():
+    """services/orchestrator.py with_replaced serves both parts: a rollout replica's entry keeps
+    its node, rounds quiet_s, and says 'replica'; nothing killed leaves the entry as it was."""
+    from services.orchestrator import with_replaced
+
+    now = time.monotonic()
+    details: dict = {}
+    killed = [(now, {"replica_id": "r1", "node_id": "n1", "why": "no report for 11 s", "quiet_s": 11.23456,
+                     "replace": True})]
+    what, outage = with_replaced("generate (step 2) retried", 3.0, killed, details, "replica")
+    assert what == "generate (step 2) retried; replica r1 made no progress and was replaced"
+    assert details == {"replaced_quiet": [{"replica_id": "r1", "node_id": "n1", "why": "no report for 11 s",
+                                           "quiet_s": 11.235}]}
+    assert 11.2 <= outage < 12.0
+    assert with_replaced("x", 3.0, [], {}, "replica") == ("x", None)

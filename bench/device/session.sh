@@ -56,6 +56,9 @@ fi
 
 bench() { python3 bench/gpu_vs_trl.py "$@" --tokenizer "$TOK" --models "$MODELS" --runs "$RUNS"; }
 choice() { [ -f /tmp/cp-choice.env ] && cat /tmp/cp-choice.env; }
+build() {  # build MODEL: the random-init shape under $MODELS, once (bench/gpu_vs_trl.py build_model)
+  python3 -c 'import sys; from pathlib import Path; sys.path.insert(0, "."); from bench.gpu_vs_trl import build_model; build_model(sys.argv[3], Path(sys.argv[1]), Path(sys.argv[2]) / sys.argv[3], "cuda")' "$TOK" "$MODELS" "$1"
+}
 
 case "$STAGE" in
   none) ;;
@@ -138,24 +141,12 @@ PY
     ls "$OUT"/memory.json >/dev/null || exit 1 ;;
   probe)
     M=$1; shift
-    python3 - "$TOK" "$MODELS" "$M" <<'PY' || exit 1
-import sys
-from pathlib import Path
-sys.path.insert(0, ".")
-from bench.gpu_vs_trl import build_model
-build_model(sys.argv[3], Path(sys.argv[1]), Path(sys.argv[2]) / sys.argv[3], "cuda")
-PY
+    build "$M" || exit 1
     python3 bench/vllm_params_probe.py --model "$MODELS/$M" "$@" 2>&1 | tee "$OUT/probe-$M.log" \
       | grep -E "^PROBE|tie_word|Error" | cut -c 1-3000 ;;
   shared)  # shared [MODEL]: a vLLM replica lends its weights to a learner over CUDA IPC (bench/shared_base_gpu.py)
     M=${1:-qwen3-4b}
-    python3 - "$TOK" "$MODELS" "$M" <<'PY' || exit 1
-import sys
-from pathlib import Path
-sys.path.insert(0, ".")
-from bench.gpu_vs_trl import build_model
-build_model(sys.argv[3], Path(sys.argv[1]), Path(sys.argv[2]) / sys.argv[3], "cuda")
-PY
+    build "$M" || exit 1
     python3 bench/shared_base_gpu.py --model "$MODELS/$M" --tokenizer "$TOK" --out "$OUT/shared-base-$M.json" 2>&1 \
       | tee "$OUT/shared-base-$M.log" | grep -E "^\{|shared base check|Error|error" | cut -c 1-1500 ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
