@@ -234,13 +234,20 @@ def test_a_config_that_names_no_architecture_still_samples_from_the_causal_lm(vl
     shapes had none) as a pooling model (Qwen3Model): LLM.generate refuses it, and on the H200
     its output head was a StageMissingLayer, which the learner mapping the replica could not
     find. The engine asks for a sampler (runner="generate"): the model then samples, with the
-    log-probs transformers computes from the same directory."""
+    log-probs transformers computes from the same directory.
+
+    vLLM builds that model through its Transformers backend, which decorates transformers' own
+    Qwen3Model class for torch.compile in place: afterwards no Qwen3 can be built outside a vLLM
+    config in that process. So the engine runs in a child process (stop 43's CI: every test of
+    test_vllm_merge.py after this one failed), and this process checks it stayed clean."""
     import json
     import subprocess
     import sys
     from pathlib import Path
+    from types import SimpleNamespace
 
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers.models.qwen3 import modeling_qwen3
 
     from model.base import _align_generation_config
 
@@ -258,21 +265,21 @@ def test_a_config_that_names_no_architecture_still_samples_from_the_causal_lm(vl
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved.pop("architectures") == ["Qwen3ForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(saved))
-    engine = make_engine(ModelConfig(name_or_path=str(tmp_path), dtype="float32"), ROLLOUT, kind="vllm", seed=0)
-    samples = engine.generate(PROMPTS, PARAMS, adapter_version=0)
+    code = (
+        "import json, sys; from config.runtime_env import apply_defaults; apply_defaults(); "
+        "from config.rollout import ModelConfig; from rollout.engines import make_engine; "
+        "from tests.test_rollout_engines import ROLLOUT, PROMPTS, PARAMS; "
+        f"engine = make_engine(ModelConfig(name_or_path={str(tmp_path)!r}, dtype='float32'), ROLLOUT, kind='vllm', seed=0); "
+        "samples = engine.generate(PROMPTS, PARAMS, adapter_version=0); "
+        "print(json.dumps([dict(prompt_index=s.prompt_index, sample_index=s.sample_index, "
+        "adapter_version=s.adapter_version, prompt_token_ids=list(s.prompt_token_ids), token_ids=list(s.token_ids), "
+        "logprobs=list(s.logprobs), finish_reason=s.finish_reason) for s in samples]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    samples = [SimpleNamespace(**row) for row in json.loads(done.stdout.strip().splitlines()[-1])]
     _check_shape(samples, PARAMS, 0)
-    # transformers' log-probs of the same tokens, in a process of its own: vLLM, having built its
-    # Qwen3 here, leaves transformers' Qwen3 classes wrapped by its compile decorator in this one
-    rows = [{"prompt": s.prompt_token_ids, "tokens": s.token_ids} for s in samples]
-    (tmp_path / "rows.json").write_text(json.dumps(rows))
-    code = ("import json, sys, torch; from transformers import AutoModelForCausalLM; "
-            "from learner.passes import response_logprobs; "
-            f"rows = json.load(open({str(tmp_path / 'rows.json')!r})); "
-            f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, dtype=torch.float32).eval(); "
-            f"lp = response_logprobs(m, [r['prompt'] for r in rows], [r['tokens'] for r in rows], pad_id=2, "
-            f"temperature={PARAMS.temperature}); print(json.dumps([[float(x) for x in row] for row in lp]))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    trainer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert modeling_qwen3.Qwen3Model.__init__.__module__ == modeling_qwen3.__name__
+    trainer = _recompute(tmp_path, samples, PARAMS.temperature)
     stats = parity_stats([s.logprobs for s in samples], trainer)
     assert stats.ppl_ratio == pytest.approx(1.0, abs=0.02) and stats.max_abs_diff < 1e-3
