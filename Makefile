@@ -39,8 +39,12 @@ prometheus:
 run: setup
 	$(VENV)/bin/counterpoint train --config configs/voice-leading.yaml
 
+# Two workers (pytest-xdist), each taking whole files (module fixtures set up once), the
+# end-to-end files first (tests/conftest.py): a `counterpoint` run keeps ~1.4 of the 2 cores busy
+# and waits the rest (Ray's start-up, sleeps, timeouts), which the other worker's tests fill.
+TEST_WORKERS ?= 2
 test: setup prometheus
-	$(PY) -m pytest -q -ra --durations=25 tests
+	$(PY) -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # For iteration: the tests that start no Ray, vLLM, model or child process (markers `slow` and
 # `subprocess`, tests/conftest.py), about a minute here. CP_TEST_NO_SPAWN=1 makes any process a

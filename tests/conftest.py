@@ -170,7 +170,23 @@ SUBPROCESS_TESTS = {
 }
 
 
+def _item_rank(item) -> int:
+    if item.path.name.endswith("_e2e.py"):
+        return 0
+    return 1 if item.get_closest_marker("slow") else 2
+
+
 def pytest_collection_modifyitems(config, items):
+    # Files in the order they are run: the `counterpoint` end-to-end files (minutes each) first,
+    # then the other files with a test that starts Ray, vLLM or a model, then the rest. `make
+    # test` runs two pytest-xdist workers, each taking whole files in this order (--dist
+    # loadfile): the longest first, so the seconds-long files fill in at the end instead of one
+    # long file running alone. The sort is stable and by file: a file's tests stay together and
+    # in order (its module fixtures are set up once).
+    file_rank: dict[Path, int] = {}
+    for item in items:
+        file_rank[item.path] = min(file_rank.get(item.path, 2), _item_rank(item))
+    items.sort(key=lambda item: file_rank[item.path])
     checked = set()
     for item in items:
         names = SUBPROCESS_TESTS.get(item.path.name)
