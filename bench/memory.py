@@ -41,9 +41,11 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import datetime as dt
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -476,11 +478,43 @@ def run_counterpoint(model: str, prompts: int, args, out: Path, timeout: float) 
     if rc != 0:  # where the cause is: the end of the driver's log
         driver = run / "logs" / "driver.log"
         show_tail(driver if driver.is_file() else out / f"{tag}.log", f"{name} exit {rc}")
+    replica_memory(run, out / f"{tag}.replica-memory.json")
     settings = ", ".join([f"{Path(args.config).name}", f"trainer.mode={args.mode}", *COUNTERPOINT_SETS, *shape_sets,
                           *args.set,
                           f"merged W0 on {os.environ.get(W0_ENV) or 'host'}", base_weights_of(run)])
     return finish(model, prompts, "counterpoint_train", settings, sampler, train_transitions(watch.steps), s_step,
                   ["counterpoint", *cmd[3:]], rc, error, out / f"{tag}.samples.jsonl" if args.samples else None)
+
+
+# vLLM's own account of its memory, from the replica's log: the weights it loaded, the KV cache
+# it sized from gpu_memory_utilization, and the CUDA graphs it captured after
+VLLM_MEMORY_LINES = re.compile(r"Model loading took|KV cache|Graph capturing|CUDA graph|memory profiling|"
+                               r"torch peak|non-torch|gpu_memory_utilization|Available")
+
+
+def replica_memory(run: Path, dest: Path) -> dict[str, Any]:
+    """Where the replica's GPU memory went, beside nvidia-smi's figure for its process: torch's
+    view (run.json rollout_engine.stats.device_memory_gib, after start-up and after the last
+    adapter) and vLLM's own lines from the run's logs. Written to ``dest`` and printed."""
+    found: dict[str, Any] = {"torch": None, "vllm_log": []}
+    try:
+        found["torch"] = json.loads((run / "run.json").read_text())["rollout_engine"]["stats"].get("device_memory_gib")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    logs = run / "logs"
+    if logs.is_dir():
+        files = [Path(d) / f for d, _, names in os.walk(logs, followlinks=True) for f in names]  # logs/ray: a link
+        for path in sorted(files):
+            if path.is_file() and path.suffix in (".log", ".out", ".err"):
+                with contextlib.suppress(OSError):
+                    found["vllm_log"] += [line.strip()[:300] for line in path.read_text(errors="replace").splitlines()
+                                          if VLLM_MEMORY_LINES.search(line)]
+    found["vllm_log"] = list(dict.fromkeys(found["vllm_log"]))[:40]
+    dest.write_text(json.dumps(found, indent=1) + "\n")
+    print(f"[memory]   replica, torch's view (GiB): {json.dumps(found['torch'])}", flush=True)
+    for line in found["vllm_log"]:
+        print(f"[memory]   vllm: {line}", flush=True)
+    return found
 
 
 def base_weights_of(run: Path) -> str:

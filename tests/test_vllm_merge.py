@@ -267,3 +267,24 @@ def test_adapter_directories_of_dead_engines_are_swept_and_live_ones_kept(tmp_pa
         (d / "v3-x").mkdir(parents=True)
     assert sweep_adapter_roots(tmp_path) == [dead]
     assert not dead.exists() and live.exists() and odd.exists() and other.exists()
+
+
+def test_device_memory_reads_the_allocator_and_counts_each_storage_once():
+    """The replica's memory report (the memory bench prints it beside nvidia-smi's figure): the
+    allocator's current and peak bytes as torch gives them, the weights, and the KV cache, whose
+    layers may be views of one buffer: each storage once."""
+    from rollout.engines.vllm_merge import device_memory
+
+    model = torch.nn.Linear(8, 4, bias=True)  # 32 + 4 float32
+    kv = torch.zeros(2, 3, 16)  # 96 float32, handed as views and again whole
+    stats = {"allocated_bytes.all.current": 11, "reserved_bytes.all.current": 22,
+             "allocated_bytes.all.peak": 33, "reserved_bytes.all.peak": 44}
+    got = device_memory(model, [kv[0], (kv[1], {"again": kv})], stats)
+    assert got == {"allocated": 11, "reserved": 22, "peak_allocated": 33, "peak_reserved": 44,
+                   "weights": (32 + 4) * 4, "kv_cache": 96 * 4}
+    assert device_memory(model, [], {})["kv_cache"] == 0
+
+
+def test_the_extension_reports_no_device_memory_on_the_cpu(tmp_path):
+    worker = StandInWorker(tiny_qwen3(tmp_path), tmp_path)
+    assert worker.counterpoint_device_memory() is None

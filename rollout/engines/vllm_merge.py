@@ -151,6 +151,41 @@ def read_shm(path: str | Path) -> mmap.mmap:
         return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
 
 
+def device_memory(model: torch.nn.Module, kv_caches, stats: dict[str, int]) -> dict[str, int]:
+    """What a replica's process holds on its GPU, in bytes, by torch's caching allocator
+    (``stats``: ``torch.cuda.memory_stats``): allocated and reserved now and at their peaks, and of
+    the allocated memory the model's weights and vLLM's KV cache (each storage once: a layer's K
+    and V may be views of one buffer). nvidia-smi's figure for the process is ``reserved`` plus
+    what torch does not allocate (the CUDA context, cuBLAS and NCCL workspaces); the memory bench
+    puts the two side by side (issue 31: the 24 GB recipe's replica took ~4 GiB more than the
+    split planned)."""
+    def storages(tensors) -> int:
+        seen: dict[int, int] = {}
+        for t in tensors:
+            if not t.is_meta:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    def flat(x):
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                yield from flat(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                yield from flat(y)
+
+    return {
+        "allocated": stats.get("allocated_bytes.all.current", 0),
+        "reserved": stats.get("reserved_bytes.all.current", 0),
+        "peak_allocated": stats.get("allocated_bytes.all.peak", 0),
+        "peak_reserved": stats.get("reserved_bytes.all.peak", 0),
+        "weights": storages(model.parameters()),
+        "kv_cache": storages(flat(kv_caches)),
+    }
+
+
 class MergedLoraExtension:
     """Methods vLLM mixes into its Worker; ``self`` is that worker (model_runner, model_config).
 
@@ -214,6 +249,14 @@ class MergedLoraExtension:
             merged.hold(lora, version)
         torch.cuda.synchronize(device) if device.type == "cuda" else None
         return merged.extra_bytes(), parsed - t, time.perf_counter() - parsed
+
+    def counterpoint_device_memory(self) -> dict[str, int] | None:
+        """``device_memory`` of this worker's GPU; None on the CPU."""
+        model = self.model_runner.get_model()
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            return None
+        return device_memory(model, getattr(self.model_runner, "kv_caches", ()), torch.cuda.memory_stats(device))
 
     def counterpoint_use(self, version: int) -> int:
         """Write W0 (version 0) or the held adapter back into the weights; returns the version."""
