@@ -47,8 +47,31 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def ensure_ray_token() -> Path:
+    """~/.ray/auth_token, written once whatever starts at the same moment. `ray start` writes a
+    fresh token there when none exists, unlocked: on a fresh machine the two pytest-xdist
+    workers' first heads (the shared head, the multi-node cluster's) each wrote their own, and
+    every process that then read the file held the other cluster's token (the first try of
+    `make test` with two workers on a new box: both heads unreachable, every test on them an
+    error). Written here under an exclusive lock, before any node starts."""
+    import fcntl
+
+    from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
+
+    path = Path.home() / ".ray" / "auth_token"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".auth_token.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_file() or not path.read_text().strip():
+            tmp = path.with_name(f".auth_token.{os.getpid()}")
+            tmp.write_text(generate_new_authentication_token())
+            os.replace(tmp, path)
+    return path
+
+
 def start_node(base: Path, name: str, args: list[str], prefix: list[str] = ()) -> subprocess.Popen:
     """`ray start --block ARGS` as a process of its own session; its output in BASE/node-NAME.log."""
+    ensure_ray_token()
     log = open(base / f"node-{name}.log", "w")
     return subprocess.Popen([*prefix, RAY, "start", "--block", "--disable-usage-stats", *args],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO, env=ray_env())
