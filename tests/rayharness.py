@@ -48,24 +48,22 @@ def free_port() -> int:
 
 
 def ensure_ray_token() -> Path:
-    """~/.ray/auth_token, written once whatever starts at the same moment. `ray start` writes a
-    fresh token there when none exists, unlocked: on a fresh machine the two pytest-xdist
-    workers' first heads (the shared head, the multi-node cluster's) each wrote their own, and
-    every process that then read the file held the other cluster's token (the first try of
-    `make test` with two workers on a new box: both heads unreachable, every test on them an
-    error). Written here under an exclusive lock, before any node starts."""
+    """~/.ray/auth_token, made once whatever starts at the same moment. Ray's own set-up of the
+    token (``generate_and_save_token`` when none is found) takes no lock: on a fresh machine the
+    two pytest-xdist workers' first heads (the shared head, the multi-node cluster's) start
+    together, and one or both then fail ("Token authentication is enabled but no authentication
+    token was found"), taking every test on them down. Made here, under an exclusive lock, with
+    Ray's own function, before any node starts."""
     import fcntl
 
-    from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
+    from ray._private.authentication.authentication_token_setup import generate_and_save_token
 
     path = Path.home() / ".ray" / "auth_token"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / ".auth_token.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.is_file() or not path.read_text().strip():
-            tmp = path.with_name(f".auth_token.{os.getpid()}")
-            tmp.write_text(generate_new_authentication_token())
-            os.replace(tmp, path)
+            generate_and_save_token()  # writes `path`
     return path
 
 

@@ -192,7 +192,8 @@ class VllmEngine(Engine):
         self._extra_bytes = 0
         # torch's view of the replica's GPU (vllm_merge.device_memory): after start-up and after
         # the latest adapter was written into the weights; the receipt's rollout_engine has both
-        self._device_memory = {"start": self._measure_device_memory(), "after_last_adapter": None}
+        self._device_memory = {"start": self._measure_device_memory(), "after_last_adapter": None} \
+            if self.settings.cuda else None
         log.info("vLLM engine: %s, started in %.1f s", asdict(self.settings), self._start_s)
         self.log_stop_tokens()
 
@@ -216,8 +217,6 @@ class VllmEngine(Engine):
         return self._version
 
     def _measure_device_memory(self) -> dict | None:
-        if not self.settings.cuda:
-            return None
         try:  # a report, measured on the H200 only by the memory bench: it must never stop a run
             (memory, *_) = self.llm.collective_rpc("counterpoint_device_memory")  # bytes, rank 0's
             return {k: round(v / 2**30, 3) for k, v in memory.items()}
@@ -231,7 +230,7 @@ class VllmEngine(Engine):
                 "adapter_loads": len(self._load_s),
                 "adapter_load_s_median": round(sorted(loads)[len(loads) // 2], 4) if loads else None,
                 "merged_extra_gib": round(self._extra_bytes / 2**30, 2) if self.settings.lora == "merged" else None,
-                "device_memory_gib": self._device_memory if self.settings.cuda else None,
+                "device_memory_gib": self._device_memory,
                 **merge_parts_medians(self._merge_parts_s)}
 
     def load_adapter(self, payload: AdapterPayload) -> None:
@@ -242,7 +241,7 @@ class VllmEngine(Engine):
         else:
             self._add_lora(payload)
         self._load_s.append(time.perf_counter() - t)
-        if self.settings.cuda:
+        if self._device_memory is not None:
             self._device_memory["after_last_adapter"] = self._measure_device_memory()
 
     def _hold_merged(self, payload: AdapterPayload) -> None:

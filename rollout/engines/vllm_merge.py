@@ -159,22 +159,14 @@ def device_memory(model: torch.nn.Module, kv_caches, stats: dict[str, int]) -> d
     what torch does not allocate (the CUDA context, cuBLAS and NCCL workspaces); the memory bench
     puts the two side by side (issue 31: the 24 GB recipe's replica took ~4 GiB more than the
     split planned)."""
+    from torch.utils._pytree import tree_leaves
+
     def storages(tensors) -> int:
         seen: dict[int, int] = {}
         for t in tensors:
-            if not t.is_meta:
+            if isinstance(t, torch.Tensor) and not t.is_meta:
                 seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(seen.values())
-
-    def flat(x):
-        if isinstance(x, torch.Tensor):
-            yield x
-        elif isinstance(x, (list, tuple)):
-            for y in x:
-                yield from flat(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                yield from flat(y)
 
     return {
         "allocated": stats.get("allocated_bytes.all.current", 0),
@@ -182,7 +174,7 @@ def device_memory(model: torch.nn.Module, kv_caches, stats: dict[str, int]) -> d
         "peak_allocated": stats.get("allocated_bytes.all.peak", 0),
         "peak_reserved": stats.get("reserved_bytes.all.peak", 0),
         "weights": storages(model.parameters()),
-        "kv_cache": storages(flat(kv_caches)),
+        "kv_cache": storages(tree_leaves(kv_caches)),
     }
 
 
