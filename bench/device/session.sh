@@ -10,6 +10,8 @@
 #                        (eager with a shared prefix / eager / CUDA graphs) and record the learner
 #                        settings the measurement picks in /tmp/cp-choice.env
 #   none                 only take the piece
+#   build MODEL...       only take the piece and build the random-init shapes (no vLLM needed),
+#                        so that the calls carrying pieces also get the models ready
 #   trl SHAPES [FLAGS]   TRL + vLLM colocate (bench/gpu_vs_trl.py trl --vllm)
 #   loop SHAPES          counterpoint's step loop in one process with the vLLM engine (no Ray)
 #   decode MODEL PROMPTS [--set k=v ...]   where generation time goes (bench/vllm_decode.py)
@@ -62,6 +64,7 @@ build() {  # build MODEL: the random-init shape under $MODELS, once (bench/gpu_v
 
 case "$STAGE" in
   none) ;;
+  build) for M in "$@"; do t0=$(date +%s); build "$M" || exit 1; echo "built $M in $(( $(date +%s) - t0 )) s"; done ;;
   learner)
     nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
     python3 - "$TOK" "$MODELS" <<'PY' || exit 1
