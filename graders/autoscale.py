@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from graders.progress import GraderStalled
+
 log = logging.getLogger("counterpoint")
 
 REPLICAS = "counterpoint_grader_replicas"
@@ -160,6 +162,15 @@ def quiet_replicas(last_answer: Mapping[str, float], pending_since: Mapping[str,
     return sorted(quiet, key=lambda q: -q[1])
 
 
+def stall_of(exc: BaseException) -> GraderStalled | None:
+    """The GraderStalled a replica's health check raised, from the error Ray hands back (an
+    instance of it, or a RayTaskError whose ``cause`` it is); None for any other failure."""
+    for candidate in (exc, getattr(exc, "cause", None)):
+        if isinstance(candidate, GraderStalled):
+            return candidate
+    return None
+
+
 SERVE_REPLICA_PREFIX = "SERVE_REPLICA::"  # Serve's name for a replica's actor, in the "serve" namespace
 
 
@@ -177,7 +188,9 @@ class ReplicaPinger:
     """The driver's liveness check of the grader replicas: every poll, a ping (Serve's
     ``check_health`` on the replica actor) to each replica without one outstanding; a replica
     that answered before and leaves a ping unanswered ``liveness_s`` is killed (``ray.kill``;
-    Serve starts its successor) and kept in ``replaced`` as (when, {replica_id, quiet_s, why}),
+    Serve starts its successor), and so is one whose check fails with GraderStalled (it answers,
+    but its scoring makes no progress: graders/progress.py). Each is kept in ``replaced`` as
+    (when, {replica_id, quiet_s, why}),
     which the step loop records with the call it held (services/orchestrator.py)."""
 
     def __init__(self, app_name: str, deployment: str, liveness_s: float,
@@ -195,6 +208,16 @@ class ReplicaPinger:
         for known in (self._actors, self._pending, self.last_answer):
             known.pop(rid, None)
 
+    def _kill(self, rid: str, now: float, quiet_s: float, why: str) -> dict:
+        import ray
+
+        log.warning("grader replica %s made no progress: %s; killing it (Serve starts its successor)", rid, why)
+        ray.kill(self._actors[rid], no_restart=True)
+        self._forget(rid)
+        event = {"replica_id": rid, "quiet_s": round(quiet_s, 3), "why": why}
+        self.replaced.append((now, event))
+        return event
+
     def poll(self) -> list[dict]:
         import ray
 
@@ -204,25 +227,22 @@ class ReplicaPinger:
             self._forget(rid)
         refs = {ref: rid for rid, (ref, _) in self._pending.items()}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0) if refs else ([], [])
+        killed = []
         for ref in ready:
             rid = refs[ref]
             del self._pending[rid]
             try:
                 ray.get(ref)
                 self.last_answer[rid] = now
-            except Exception:  # noqa: BLE001 - a dying replica: Serve's to replace, not a freeze
+            except Exception as exc:  # noqa: BLE001 - a dying replica: Serve's to replace, not a freeze
                 self.last_answer.pop(rid, None)
-        killed = []
+                stalled = stall_of(exc)
+                if stalled is not None:  # alive, answering, but its scoring makes no progress
+                    killed.append(self._kill(rid, now, stalled.quiet_s, f"{stalled.why} (its health check)"))
         pending_since = {rid: sent for rid, (_, sent) in self._pending.items()}
         for rid, quiet_s in quiet_replicas(self.last_answer, pending_since, now, self.liveness_s):
-            why = f"no answer to a ping for {now - pending_since[rid]:.0f} s (grader.replica_liveness_s=" \
-                  f"{self.liveness_s:g})"
-            log.warning("grader replica %s made no progress: %s; killing it (Serve starts its successor)", rid, why)
-            ray.kill(self._actors[rid], no_restart=True)
-            self._forget(rid)
-            event = {"replica_id": rid, "quiet_s": round(quiet_s, 3), "why": why}
-            self.replaced.append((now, event))
-            killed.append(event)
+            killed.append(self._kill(rid, now, quiet_s, f"no answer to a ping for {now - pending_since[rid]:.0f} s "
+                                     f"(grader.replica_liveness_s={self.liveness_s:g})"))
         for rid in live - set(self._pending) - {e["replica_id"] for e in killed}:
             if rid not in self._actors:
                 try:

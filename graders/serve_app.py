@@ -42,6 +42,7 @@ from typing import Any
 from ray import serve
 
 from config.grader import GraderConfig
+from config.liveness import LivenessConfig
 from graders.ports import port_taken
 
 GRPC_SERVICER_FN = "graders.serve_app.add_grader_to_proxy"
@@ -59,7 +60,7 @@ def add_grader_to_proxy(servicer, server) -> None:
 
 @serve.deployment(name=DEPLOYMENT_NAME)
 class GraderDeployment:
-    def __init__(self, config: dict) -> None:
+    def __init__(self, config: dict, liveness: dict | None = None) -> None:
         from graders.auth import resolve_token
         from graders.metrics import use_ray_metrics
         from graders.service import GraderCore
@@ -71,7 +72,17 @@ class GraderDeployment:
         cfg = GraderConfig(**config)
         replica = serve.get_replica_context().replica_id.unique_id
         self.core = GraderCore(make_task(cfg), replica)
+        # when scoring that makes no progress counts as stalled (graders/progress.py): the run's
+        # liveness section, and never sooner than the client's own timeout for a call
+        self.liveness, self.call_timeout_s = LivenessConfig(**(liveness or {})), cfg.timeout_s
         self.token = resolve_token(cfg.token_env, cfg.token_file)  # checked on gRPC calls
+
+    async def check_health(self) -> None:
+        """Serve's health check, which the driver's pinger sends too (graders/autoscale.py): on
+        the replica's event loop, which scoring does not hold. Raises GraderStalled once scoring
+        has made no progress past its deadline: the pinger then kills the replica at once, and
+        Serve's own check replaces it where no driver watches."""
+        self.core.progress.check(self.liveness, self.call_timeout_s)
 
     def _grpc(self, rpc: str, request, grpc_context):
         from graders.auth import UNAUTHENTICATED_DETAILS, token_ok
@@ -192,16 +203,18 @@ class HandleCore:
         return getattr(pb, REPLY_TYPES[rpc]).FromString(reply)
 
 
-def build_app(cfg: GraderConfig | dict[str, Any]):
+def build_app(cfg: GraderConfig | dict[str, Any], liveness: LivenessConfig | None = None):
     """The bound Serve application for a grader config (or a dict of its fields: `serve run`
-    and RayService call this with their YAML `args`)."""
+    and RayService call this with their YAML `args`). ``liveness``: the run's section, which
+    says when a replica's scoring is stalled (the schema's defaults where none is given)."""
     if not isinstance(cfg, GraderConfig):
         cfg = GraderConfig(**(cfg or {}))
     fields = cfg.model_dump(include={
         "task", "fixture", "heldout_fixture", "voices", "style", "checker", "bars",
-        "token_env", "token_file", "code_exec",
+        "token_env", "token_file", "code_exec", "timeout_s",
     })
-    return GraderDeployment.options(**deployment_options(cfg)).bind(fields)
+    return GraderDeployment.options(**deployment_options(cfg)).bind(
+        fields, (liveness or LivenessConfig()).model_dump())
 
 
 def app_builder(args: dict[str, Any]):
@@ -215,6 +228,7 @@ def start(
     grpc_port: int,
     http_port: int = 8000,
     app_name: str | None = None,
+    liveness: LivenessConfig | None = None,
 ):
     """Deploy the grader app and its gRPC ingress (`cfg.serve_ingress`) on `grpc_port`; returns
     the app's DeploymentHandle once every replica is ready. Ray must be up.
@@ -234,7 +248,7 @@ def start(
         if grpc_port and port_taken(cfg.host, grpc_port):
             raise PortInUse(f"{cfg.host}:{grpc_port} is in use (another grader?)")
         serve.start(proxy_location="Disabled")
-        handle = serve.run(build_app(cfg), name=app_name, route_prefix=None)
+        handle = serve.run(build_app(cfg, liveness), name=app_name, route_prefix=None)
         stop_front(app_name)  # a front left from an earlier start of this app
         _FRONTS[app_name] = start_server(
             HandleCore(handle, cfg.timeout_s), cfg.host, grpc_port, max_workers=front_workers(cfg),
@@ -251,7 +265,7 @@ def start(
             "runtime_env": {"env_vars": {MAX_MESSAGE_ENV: str(cfg.max_message_bytes)}}},
     )
     # An ingress needs a route prefix, also for gRPC (None = no proxy endpoint at all).
-    return serve.run(build_app(cfg), name=app_name, route_prefix=f"/{app_name}")
+    return serve.run(build_app(cfg, liveness), name=app_name, route_prefix=f"/{app_name}")
 
 
 _FRONTS: dict[str, Any] = {}

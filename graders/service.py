@@ -14,6 +14,7 @@ Grader calls without it (`graders.auth`).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import socket
@@ -29,6 +30,7 @@ from graders import metrics, wire
 from graders.auth import UNAUTHENTICATED_DETAILS, token_ok
 from graders.proto import grader_pb2 as pb
 from graders.proto import grader_pb2_grpc as pb_grpc
+from graders.progress import ScoringProgress
 from graders.types import CaseInfo, Health, PoolError, Score
 from graders.tasks import Task
 
@@ -129,6 +131,9 @@ class GraderCore:
         self.replica = replica or f"{socket.gethostname()}:{os.getpid()}"
         self.counters = metrics.Counters()
         self.version = _version()
+        self.progress = ScoringProgress()  # what the replica's health check judges (graders/progress.py)
+        # a task whose cases take long reports each one (Task.score's on_case); others per batch
+        self._on_case = "on_case" in inspect.signature(task.score).parameters
 
     def health_record(self) -> Health:
         info = self.task.info()
@@ -146,7 +151,11 @@ class GraderCore:
 
     def score_records(self, pairs: list[tuple[str, str]]) -> list[Score]:
         """Score (case_id, completion) pairs in order; the task checks every id before scoring."""
-        scores = self.task.score(pairs)
+        self.progress.begin()
+        try:
+            scores = self.task.score(pairs, on_case=self.progress.case_done) if self._on_case else self.task.score(pairs)
+        finally:
+            self.progress.end()
         if len(scores) != len(pairs):
             raise StatusError("INTERNAL", f"task {self.task.name} returned {len(scores)} scores for {len(pairs)}")
         for s in scores:

@@ -40,6 +40,10 @@ from graders.types import CaseInfo, Score, TaskInfo
 
 
 class Task(Protocol):
+    """``score`` may take ``on_case`` (a keyword, optional): a task whose cases take seconds
+    calls it as each case finishes, so the replica's liveness counts cases, not whole batches
+    (graders/progress.py); a task without it is judged per batch."""
+
     name: str
 
     def info(self) -> TaskInfo: ...

@@ -187,7 +187,7 @@ def start_grader(cfg: RunConfig, stack: ExitStack):
         from graders import serve_app
 
         port = free_port()
-        serve_app.start(cfg.grader, grpc_port=port, http_port=free_port())
+        serve_app.start(cfg.grader, grpc_port=port, http_port=free_port(), liveness=cfg.liveness)
         if not _cluster_started_here:  # on a joined cluster the app would outlive the run, holding its CPUs
             stack.callback(_delete_app, cfg.grader.app_name)
         stack.callback(serve_app.stop_front, cfg.grader.app_name)  # the loopback front, if any

@@ -448,6 +448,72 @@ def test_a_frozen_grader_replica_is_killed_by_the_driver_and_serve_replaces_it(r
         assert watch.take_replaced() == []  # handed out once
 
 
+@pytest.mark.slow
+def test_a_grader_replica_whose_scoring_makes_no_progress_is_killed_and_replaced(ray_cluster, tmp_path_factory):
+    """A replica whose scoring never ends (here a script that sleeps past any deadline, under a
+    code-exec limit set too long) is alive to the OS, Ray and Serve and still answers pings: its
+    own health check (graders/progress.py) fails it once its scoring has been quiet for the
+    run's liveness deadline, the driver's pinger kills it at once, and Serve starts another.
+    A batch longer than the deadline whose scripts each finish within it is NOT a stall: the
+    replica counts cases (code-exec's on_case), not whole batches. Both batches go through the
+    app's DeploymentHandle (no client timeout to cut them short), the trainer's own grader path
+    (start_grader, watch_grader) around it."""
+    from ray import serve
+    from ray.exceptions import RayActorError
+
+    from graders.code_exec.build import build_tasks
+    from services.launch import start_grader, watch_grader
+    from services.metrics import TrainerMetrics
+
+    tasks_dir = str(build_tasks(tmp_path_factory.mktemp("ce-wedged") / "tasks", seed=0))
+    floor_s = 15.0
+    cfg = RunConfig(
+        grader={"task": "code-exec", "replicas": 1, "app_name": "grader-wedged", "num_cpus": 0.5,
+                "replica_poll_s": 0.5, "timeout_s": 3.0,
+                "code_exec": {"tasks_dir": tasks_dir, "max_concurrent": 1, "timeout_s": 600, "grace_s": 0.5}},
+        liveness={"floor_s": floor_s, "notice_s": 2.0, "factor": 4.0})
+
+    def script(seconds: float, tag: str) -> str:
+        return f"```python\nimport time\ntime.sleep({seconds})\nprint({tag!r})\n```\n"
+
+    with ExitStack() as stack:
+        client = start_grader(cfg, stack)
+        stack.callback(serve.delete, cfg.grader.app_name)
+        watch = watch_grader(cfg, stack, TrainerMetrics(port=0).registry)
+        handle = serve.get_app_handle(cfg.grader.app_name)
+        deadline = time.monotonic() + 30
+        while not watch.pinger.last_answer and time.monotonic() < deadline:
+            time.sleep(0.2)
+        (rid,) = watch.pinger.last_answer
+        # healthy: 7 scripts of 3 s, one at a time: ~21 s in all, past the 15 s floor, a case every ~3 s
+        t0 = time.monotonic()
+        got = handle.score_batch.remote([("tabular-binary", script(3, f"ok{i}")) for i in range(7)]).result(timeout_s=300)
+        long_batch_s = time.monotonic() - t0
+        assert [s.details["term_tail"].strip() for s in got] == [f"ok{i}" for i in range(7)]
+        assert long_batch_s > floor_s, long_batch_s  # a per-batch rule would have killed it
+        assert watch.take_replaced() == [] and set(watch.pinger.last_answer) == {rid}
+
+        # wedged: one script that sleeps for ten minutes
+        t0 = time.monotonic()
+        stuck = handle.score_batch.remote([("tabular-binary", script(600, "stuck"))])
+        with pytest.raises(RayActorError):
+            stuck.result(timeout_s=120)  # the replica died under the call: the pinger killed it
+        took = time.monotonic() - t0
+        (when, entry), = watch.take_replaced()
+        assert entry["replica_id"] == rid, entry
+        assert "scoring made no progress" in entry["why"] and "its health check" in entry["why"], entry
+        # deadline: max(floor 15 s, 4 x the slowest ~3 s interval, grader.timeout_s 3 s); found within a poll or two
+        assert floor_s <= entry["quiet_s"] <= 4 * 3.0 * 2 + 5.0, entry
+        assert took < 60.0, took  # not the script's 600 s, nor Serve's three failed checks
+        # Serve's successor scores again
+        deadline = time.monotonic() + 120
+        while set(watch.pinger.last_answer) - {rid} == set() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert set(watch.pinger.last_answer) - {rid}, "Serve started no successor"
+        (after,) = client.score_batch([("tabular-binary", script(0, "after"))])
+        assert after.details["term_tail"].strip() == "after"
+
+
 def test_the_rollouts_replaced_replicas_read_the_same_with_their_node():
     """services/orchestrator.py with_replaced serves both parts: a rollout replica's entry keeps
     its node, rounds quiet_s, and says 'replica'; nothing killed leaves the entry as it was."""

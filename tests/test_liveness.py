@@ -107,6 +107,50 @@ def test_a_replica_that_stalled_and_went_on_is_kept_when_it_came_near_its_deadli
     assert went_on({"x": {**noticed["near"], "replace": True}}, set(), live.worth_recording) == []
 
 
+def test_a_grader_replica_counts_cases_and_batches_and_stalls_past_its_deadline():
+    """graders/progress.py: a replica is judged only while a batch is in flight; each case it
+    reports (code-exec's scripts) is progress, so a long batch of short cases is no stall, where
+    one case that never ends is; the deadline is the liveness rule and never below the client's
+    call timeout; the failure survives pickling (it crosses Ray to the pinger)."""
+    import pickle
+
+    from graders.autoscale import stall_of
+    from graders.progress import GraderStalled, ScoringProgress
+
+    now = [100.0]
+    progress = ScoringProgress(clock=lambda: now[0])
+    live = LivenessConfig(factor=4, floor_s=20, notice_s=5)
+    now[0] = 500.0
+    progress.check(live, call_timeout_s=10)  # idle for 400 s: nothing in flight, nothing judged
+    assert progress.quiet_s() == 0.0
+    progress.begin()
+    assert progress.deadline_s(live, 10) == 20  # nothing measured: the floor
+    for _ in range(30):  # a 90 s batch of 3 s cases: far past the floor, but never quiet
+        now[0] += 3.0
+        progress.case_done()
+        progress.check(live, 10)
+    assert progress.cases == 30 and progress.slowest_interval_s == 3.0
+    now[0] += 1.0
+    progress.end()
+    assert progress.quiet_s() == 0.0 and progress.in_flight == 0
+    now[0] += 1000.0  # idle time is no interval
+    progress.begin()
+    progress.begin()  # a second batch while the first is in flight: one replica, one clock
+    now[0] += 19.9
+    progress.check(live, 10)
+    now[0] += 0.1
+    with pytest.raises(GraderStalled, match="no progress for 20 s") as raised:
+        progress.check(live, 10)
+    assert (raised.value.quiet_s, raised.value.deadline_s) == (20.0, 20.0)
+    assert progress.deadline_s(live, 45.0) == 45.0  # never sooner than the client gives a call up
+    progress.check(live, 45.0)
+    assert progress.deadline_s(LivenessConfig(factor=10, floor_s=20, notice_s=5), 10) == 30.0  # 10 x 3 s
+    back = pickle.loads(pickle.dumps(raised.value))
+    assert isinstance(back, GraderStalled) and (back.quiet_s, back.why) == (20.0, raised.value.why)
+    assert stall_of(back) is back and stall_of(SimpleNamespace(cause=back)) is back
+    assert stall_of(RuntimeError("the actor died")) is None
+
+
 class _StallingJob:
     """A LearnerJob's driver-side surface, scripted: ``outcomes`` per step() call."""
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from graders import metrics
 from graders.code_exec.sandbox import IsolationUnavailable, ResourceExhausted
@@ -130,14 +130,23 @@ class CodeExecGraderTask:
         metrics.observe_execution(NAME, r.status, r.exec_time if ran else None, r.queue_wait if ran else None)
         return r
 
-    def score(self, pairs: Sequence[tuple[str, str]]) -> list[Score]:
+    def score(self, pairs: Sequence[tuple[str, str]], on_case: Callable[[], None] | None = None) -> list[Score]:
+        """``on_case``: called as each script finishes (the replica's progress: a batch of
+        scripts takes minutes, each script seconds)."""
         for i, (case_id, _) in enumerate(pairs):  # every id before any script runs
             if case_id not in self.verifier.tasks:
                 where = f"requests[{i}]: " if len(pairs) > 1 else ""
                 raise UnknownCase(f"{where}unknown case_id {case_id!r}; code-exec tasks: "
                                   f"{', '.join(sorted(self.verifier.tasks))}")
+
+        def scored(case_id: str, completion: str) -> ExecResult:
+            result = self.score_one(case_id, completion)
+            if on_case is not None:
+                on_case()
+            return result
+
         try:
-            results = self.verifier.score_many(list(pairs), score=self.score_one)
+            results = self.verifier.score_many(list(pairs), score=scored)
         except ResourceExhausted as exc:
             raise Overloaded(str(exc)) from None
         return [score_record(case_id, r) for (case_id, _), r in zip(pairs, results, strict=True)]
