@@ -488,8 +488,9 @@ def run_counterpoint(model: str, prompts: int, args, out: Path, timeout: float) 
 
 # vLLM's own account of its memory, from the replica's log: the weights it loaded, the KV cache
 # it sized from gpu_memory_utilization, and the CUDA graphs it captured after
-VLLM_MEMORY_LINES = re.compile(r"Model loading took|KV cache|Graph capturing|CUDA graph|memory profiling|"
-                               r"torch peak|non-torch|gpu_memory_utilization|Available")
+# vLLM's own memory lines (its worker's log), not Ray's state dumps or the graph-capture progress bars
+VLLM_MEMORY_LINES = re.compile(r"Model loading took|Available KV cache memory|GPU KV cache size|Graph capturing finished|"
+                               r"Actual usage is|memory profiling|non-torch memory")
 
 
 def replica_memory(run: Path, dest: Path) -> dict[str, Any]:

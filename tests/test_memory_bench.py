@@ -18,8 +18,8 @@ import pytest
 from bench.gpu_vs_trl import PhaseMarks
 from bench.memory import (
     PHASES, ROW_KEYS, Sample, Sampler, TimingWatch, fold_name, make_row, markdown, measure, parse_compute_apps,
-    parse_gpu_used, parse_phase_log, phase_at, report, summarize, train_transitions, trl_settings, validate_row,
-    write,
+    parse_gpu_used, parse_phase_log, phase_at, replica_memory, report, summarize, train_transitions, trl_settings,
+    validate_row, write,
 )
 
 
@@ -228,3 +228,29 @@ def test_a_second_invocation_into_one_out_dir_keeps_the_first_ones_rows(tmp_path
     first = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "memory.json").read_text())["rows"][:1]
     write(first, "first call", tmp_path, {})
     assert earlier_rows(tmp_path) == first
+
+
+def test_the_replica_report_keeps_vllms_memory_lines_and_torchs_view(tmp_path):
+    """replica_memory: run.json's torch view of the replica beside vLLM's own memory lines from the
+    run's logs, and nothing else of those logs (the first GPU report, 2026-12-03, also caught Ray's
+    state dumps and the graph-capture progress bars)."""
+    run = tmp_path / "run"
+    (run / "logs" / "ray").mkdir(parents=True)
+    view = {"start": {"allocated": 8.667, "reserved": 8.75}, "after_last_adapter": {"allocated": 8.913, "reserved": 9.199}}
+    (run / "run.json").write_text(json.dumps({"rollout_engine": {"stats": {"device_memory_gib": view}}}))
+    kept = ["(EngineCore pid=1) INFO [model_runner.py:305] Model loading took 7.56 GiB and 2.8 seconds",
+            "(EngineCore pid=1) INFO [gpu_worker.py:560] Available KV cache memory: 1.01 GiB",
+            "(EngineCore pid=1) INFO [kv_cache_utils.py:2177] GPU KV cache size: 7,344 tokens",
+            "(EngineCore pid=1) INFO [model_runner.py:747] Graph capturing finished in 1 secs, took 0.12 GiB",
+            "(EngineCore pid=1) INFO [gpu_worker.py:857] Free memory on device (139.29/139.8 GiB) on startup. "
+            "Actual usage is 7.56 GiB for weight, 0.4 GiB for peak activation"]
+    noise = ["2026-12-03 18:18:04,847\tINFO utils.py:352 -- Available modules: []",
+             "[state-dump] \tObjectManager.UpdateAvailableMemory - 1 total (0 active)",
+             "Capturing CUDA graphs (FULL):  50%|#####     | 2/4",
+             "==== counterpoint train, pid 13899: counterpoint train --config configs/one-gpu-24gb.yaml"]
+    (run / "logs" / "ray" / "worker-1.err").write_text("\n".join(noise[:2] + kept[:3] + noise[2:] + kept[3:]) + "\n")
+    (run / "logs" / "driver.log").write_text(kept[0] + "\n")  # the same line twice: kept once
+    found = replica_memory(run, tmp_path / "replica.json")
+    assert found["torch"] == view
+    assert found["vllm_log"] == kept
+    assert json.loads((tmp_path / "replica.json").read_text()) == found
