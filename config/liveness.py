@@ -4,9 +4,10 @@
 A part's progress is what it reports while it works: a learner worker each micro-batch of a step
 (learner/progress.py), a rollout replica each heartbeat and each finished generate call
 (rollout/registry.py), a grader replica each batch and each case it scores (graders/progress.py:
-its own health check applies the rule, never sooner than grader.timeout_s). The deadline is derived from what the run has measured, not fixed: a part
-is stalled once it has been quiet for ``factor`` times the slowest interval between two of its
-reports seen so far in the run, and never sooner than ``floor_s`` (which is also the whole
+its own health check applies the rule, never sooner than grader.timeout_s). The deadline is
+derived from what the run has measured, not fixed: a part is stalled once it has been quiet for
+``factor`` times the slowest interval between two of its reports seen so far in the run, and
+never sooner than ``floor_s`` (which is also the whole
 deadline before anything has been measured: the run's first step). A stalled part is killed and
 replaced by the recovery paths a crash takes (README, "What survives what"); the recovery entry's
 ``outage_s`` counts from the part's last progress to service restored.

@@ -80,9 +80,7 @@ class ScoringProgress:
             return 0.0 if self.in_flight == 0 or self.last is None else self._clock() - self.last
 
     def deadline_s(self, liveness: LivenessConfig, call_timeout_s: float) -> float:
-        with self._lock:
-            slowest = self.slowest_interval_s or None
-        return max(liveness.deadline_s(slowest), call_timeout_s)
+        return max(liveness.deadline_s(self.slowest_interval_s or None), call_timeout_s)
 
     def check(self, liveness: LivenessConfig, call_timeout_s: float) -> None:
         """Raise GraderStalled when scoring has made no progress past its deadline."""
