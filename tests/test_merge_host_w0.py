@@ -170,6 +170,39 @@ def test_stream_to_device_keeps_the_order_and_passes_tensors_already_there():
     assert list(stream_to_device([], "cpu")) == []
 
 
+def test_stream_to_device_waits_for_the_callers_work_two_layers_back_before_each_copy():
+    """The host may not queue copies far ahead of the GPU: a side-stream copy's block is reused
+    only once the caller's work on it has run. Before layer j is copied, the fence made after
+    the caller's turn on layer j-3 (and every earlier one) has been waited on, and none later."""
+    log: list[tuple[str, int]] = []
+
+    class Fence:
+        def __init__(self, layer: int):
+            self.layer = layer
+            log.append(("fence", layer))
+
+        def synchronize(self):
+            log.append(("wait", self.layer))
+
+    handed = []
+
+    def copy(tensor):
+        log.append(("copy", int(tensor[0])))
+        return tensor.clone()
+
+    items = [(f"t{i}", torch.full((2,), float(i))) for i in range(7)]
+    out = []
+    for name, tensor in stream_to_device(items, "cpu", copy=copy, fence=lambda: Fence(handed[-1])):
+        handed.append(int(tensor[0]))
+        out.append(name)
+    assert out == [n for n, _ in items]
+    for j in range(len(items)):
+        before = log[: log.index(("copy", j))]
+        waited = {layer for kind, layer in before if kind == "wait"}
+        assert waited == set(range(j - 2)), (j, waited)  # layers 0 .. j-3
+    assert [layer for kind, layer in log if kind == "fence"] == list(range(len(items)))
+
+
 def test_w0_read_into_one_host_buffer_equals_the_checkpoints_tensors(tmp_path):
     g = torch.Generator().manual_seed(3)
     shard1 = {"a.weight": torch.randn(3, 5, generator=g).to(torch.bfloat16),  # 30 bytes: the next view is padded

@@ -138,14 +138,24 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
 
 
 def stream_to_device(items: Iterable[tuple[str, torch.Tensor]], device: torch.device | str,
-                     copy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                     copy: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     fence: Callable[[], object] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``items`` with each tensor on ``device``, copied there only when it is asked for: a tensor
     already there is passed on as it is. Besides what the caller still holds, at most two
     copies exist: the one handed over and the next. On CUDA the next is already on its way (a
     non-blocking copy from page-locked memory on a side stream, which the caller's stream waits
     for), so the transfer of layer i+1 overlaps the work on layer i. Nothing here keeps a tensor
     once it is handed over, so the caller decides when it is freed. ``copy`` replaces the
-    transfer (tests)."""
+    transfer (tests).
+
+    On CUDA the host waits, before it starts a copy, until the GPU has finished the caller's
+    work on the layer handed over two layers before. A copy made on the side stream is freed
+    into a block that torch reuses only once the caller's stream has passed that point
+    (``record_stream``); a host that queued every layer at once left each layer's block waiting
+    for the GPU, and a merge reserved ~2.7 GiB more than it used at Qwen3-4B
+    (bench/results/memory.md, 2026-12-03). The GPU keeps a layer of queued work while the host
+    waits, so the copies still overlap the merges. ``fence`` replaces that event (tests): made
+    after the caller's turn on each layer, its ``synchronize`` is the wait."""
     device = torch.device(device)
     side = side_stream(device) if copy is None and device.type == "cuda" else None
 
@@ -162,13 +172,22 @@ def stream_to_device(items: Iterable[tuple[str, torch.Tensor]], device: torch.de
         done.record(side)
         return name, moved, done
 
+    if fence is None and side is not None:
+        def fence():
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            return event
+
     items = iter(items)
     queue: deque = deque()
+    handed: deque = deque()  # per layer handed over: an event after the caller's work on it (CUDA)
     first = next(items, None)
     if first is not None:
         queue.append(start(*first))
     while queue:
         name, tensor, done = queue.popleft()
+        while len(handed) >= 2:
+            handed.popleft().synchronize()
         following = next(items, None)
         if following is not None:
             queue.append(start(*following))
@@ -179,6 +198,8 @@ def stream_to_device(items: Iterable[tuple[str, torch.Tensor]], device: torch.de
         ready = [(name, tensor)]
         del name, tensor, done
         yield ready.pop()  # nothing here holds the tensor while the caller has it
+        if fence is not None:  # the caller asked for the next layer: its work on this one is queued
+            handed.append(fence())
 
 
 class MergedWeights:
