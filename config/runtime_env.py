@@ -38,6 +38,9 @@ DEFAULTS = {
     # CPU at start on the 2-core box) whose notices counterpoint does not act on: its learner is
     # restored by services/learner_recovery.py, from its own checkpoints, whatever killed it.
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    # Ray starts idle workers for a driver's first tasks; ours never use them (every actor has
+    # its own runtime_env), so they only cost ~1.2 CPU-s a run and then sit idle.
+    "RAY_prestart_worker_first_driver": "0",
     # A gRPC server started before ray.init otherwise prints fork warnings.
     "GRPC_ENABLE_FORK_SUPPORT": "false",
     "TOKENIZERS_PARALLELISM": "false",

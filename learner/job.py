@@ -138,7 +138,11 @@ def _state_api_answers() -> bool:
 
 
 def _trainer_class(torch_trainer):
-    """TorchTrainer, less Ray Train V2's PlacementGroupCleaner where the State API is missing.
+    """TorchTrainer, less two of Ray Train V2's default callbacks: its DatasetsCallback, and its
+    PlacementGroupCleaner where the State API is missing.
+
+    The learner hands Ray Train no dataset, yet the DatasetsCallback starts a DatasetManager
+    actor for each worker group (~2 CPU-s a start on the 2-core box, for nothing).
 
     The cleaner is a detached actor that asks the State API every second whether the Train
     controller is alive, to remove its placement group if the controller dies. Without the State
@@ -146,14 +150,14 @@ def _trainer_class(torch_trainer):
     second for the whole fit() (our single fit() lasts the whole run: ~600 lines in its worker log,
     79 deduplicated lines on the console of a 10-minute run) and can never detect a death, so
     it cleans nothing. With the State API present (a cluster with a dashboard) it is kept."""
-    if _state_api_answers():
-        return torch_trainer
+    from ray.train.v2._internal.callbacks import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    dropped = (DatasetsCallback,) if _state_api_answers() else (DatasetsCallback, PlacementGroupCleanerCallback)
 
     class LearnerTrainer(torch_trainer):
         def _create_default_callbacks(self):
-            return [c for c in super()._create_default_callbacks()
-                    if not isinstance(c, PlacementGroupCleanerCallback)]
+            return [c for c in super()._create_default_callbacks() if not isinstance(c, dropped)]
 
     return LearnerTrainer
 

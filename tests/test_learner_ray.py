@@ -107,4 +107,11 @@ def test_one_worker_and_two_workers_take_the_same_update(ray_cluster, tmp_path):
     trained = load(one[-1].adapter.data())
     assert any(v.abs().sum() > 0 for k, v in trained.items() if "lora_B" in k)  # it moved
     assert one[1].metrics["kl"] > 0  # the leash sees the adapter
+    # The learner hands Ray Train no dataset: none of Ray Data's actors start (learner/job.py
+    # _trainer_class drops the DatasetsCallback that starts a DatasetManager per worker group).
+    from ray._private.state import state
+
+    started = {a["ActorClassName"] for a in state.actor_table(None).values()}
+    assert "RayTrainWorker" in started and "TrainController" in started, started
+    assert not any("DatasetManager" in name for name in started), started
 

@@ -129,7 +129,7 @@ class VllmEngine(Engine):
         self.model_dir = Path(model_dir)
         self.rollout_cfg = rollout_cfg
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.stop = stop_token_ids(model_dir, model_cfg.eos_token_ids)
+        self.stop = stop_token_ids(model_dir, model_cfg.eos_token_ids, tokenizer=self.tokenizer)
         kwargs = dict(
             model=str(model_dir),
             tokenizer=str(model_dir),
@@ -172,6 +172,15 @@ class VllmEngine(Engine):
             # Whole-prompt prefills avoid that path; a step then holds at most the budget.
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(rollout_cfg.max_model_len, 4096)
+            # vLLM compiles one helper with inductor at the first generate that returns logprobs
+            # (vllm/v1/sample/ops/logprobs.py batched_count_greater_than: a rank count), though
+            # the engine runs eager: ~4 s of the first step and a g++ per process on the 2-core
+            # box. Eager, the op gives the same integer counts. The variable reaches an engine
+            # core spawned as a child; the config, this process, which imported torch already.
+            import torch._dynamo
+
+            os.environ["TORCH_COMPILE_DISABLE"] = "1"
+            torch._dynamo.config.disable = True
             if rollout_cfg.cpu_lora_ops == "grouped":
                 self._install_grouped_lora_ops()
         t = time.perf_counter()
