@@ -28,16 +28,35 @@ def shared_dir() -> Path:
     return SHARED
 
 
+_SHARED_HEAD: dict = {}  # "head": this worker's SharedHead, once a test asked for it
+
+
 @pytest.fixture(scope="session")
 def ray_head():
     """One real Ray head node for the whole test run, started by the first test that asks;
-    the end-to-end runs that do not test a local cluster's start-up join it (tests/rayharness.py)."""
+    the end-to-end runs that do not test a local cluster's start-up join it (tests/rayharness.py).
+    It is stopped when this worker reaches a test of another kind (pytest_runtest_setup below)."""
     from rayharness import SharedHead
 
-    head = SharedHead.start()
+    head = _SHARED_HEAD["head"] = SharedHead.start()
     try:
         yield head
     finally:
+        head.stop()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """The shared head only while the end-to-end files run: they come first (the order below), and
+    the head with the Serve controller the joined runs leave on it costs ~0.08 of a core while
+    idle, ~25 minutes of the other files' run. A test that asks for it again gets it started
+    again, before its fixtures read the address (tryfirst: before fixture set-up)."""
+    head = _SHARED_HEAD.get("head")
+    if head is None:
+        return
+    if "ray_head" in item.fixturenames:
+        head.ensure_running()
+    elif _item_rank(item) > 0:
         head.stop()
 
 

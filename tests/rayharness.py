@@ -129,6 +129,16 @@ class SharedHead:
         return cls(address=f"{get_node_ip_address()}:{port}", base=base, proc=proc)
 
     @property
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def ensure_running(self) -> None:
+        """Start a new head in place of a stopped one (a new address)."""
+        if not self.running:
+            fresh = SharedHead.start()
+            self.address, self.base, self.proc = fresh.address, fresh.base, fresh.proc
+
+    @property
     def env(self) -> dict[str, str]:
         return ray_env()
 
@@ -153,5 +163,6 @@ class SharedHead:
     def stop(self) -> None:
         import shutil
 
-        stop_nodes([self.proc])
+        if self.running:
+            stop_nodes([self.proc])
         shutil.rmtree(self.base, ignore_errors=True)
