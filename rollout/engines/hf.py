@@ -43,7 +43,7 @@ class HFEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.model = load_causal_lm(model_dir, model_cfg).to(self.device)
         self.model.eval()
-        self.stop = stop_token_ids(model_dir, model_cfg.eos_token_ids)
+        self.stop = stop_token_ids(model_dir, model_cfg.eos_token_ids, tokenizer=self.tokenizer)
         self.pad_id = (
             self.tokenizer.pad_token_id
             if self.tokenizer.pad_token_id is not None

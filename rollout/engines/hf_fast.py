@@ -447,8 +447,9 @@ class HFFastEngine(Engine):
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = load_causal_lm(model_dir, model_cfg, attn_implementation="sdpa").to(device)
-        self._setup(Path(model_dir), model, AutoTokenizer.from_pretrained(str(model_dir)),
-                    stop_token_ids(model_dir, model_cfg.eos_token_ids), rollout_cfg)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self._setup(Path(model_dir), model, tokenizer,
+                    stop_token_ids(model_dir, model_cfg.eos_token_ids, tokenizer=tokenizer), rollout_cfg)
 
     @classmethod
     def from_model(cls, model, tokenizer, stop: "StopTokens", rollout_cfg, model_dir: Path | str = "<in memory>"):
