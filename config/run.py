@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from config.grader import GraderConfig
+from config.gpu_sharing import GpuSharingConfig
 from config.learner import LearnerConfig
 from config.liveness import LivenessConfig
 from config.rollout import ModelConfig, RolloutConfig
@@ -153,6 +154,11 @@ class RunConfig(BaseModel):
         "sized on its own (rollout.gpu_memory_utilization, the learner's free memory)."
     )
 
+    gpu_sharing: GpuSharingConfig = Field(
+        default_factory=GpuSharingConfig, description="How the rollout replica and the learner share a GPU: "
+        "time-sliced (the default) or under CUDA MPS with per-role SM shares (config/gpu_sharing.py)."
+    )
+
     share_base_weights: Literal["auto"] | bool = Field(
         "auto", description="One copy of the frozen base model where the rollout replica and the learner "
         "share a GPU: the replica's engine owns the weights and the learner maps them (model/shared_base.py; "
@@ -199,6 +205,18 @@ class RunConfig(BaseModel):
         if why is not None:
             raise ValueError(f"gpu_memory_gib={self.gpu_memory_gib:g} splits ONE GPU between the rollout replica "
                              f"and the learner, but {why}")
+        return self
+
+    @model_validator(mode="after")
+    def _mps_has_a_gpu_to_share(self) -> "RunConfig":
+        if self.gpu_sharing.mode != "mps":
+            return self
+        why = ("rollout.num_gpus=0 (a CPU-only rollout)" if self.rollout.num_gpus == 0
+               else "learner.use_gpu=false (a CPU learner)" if not self.learner.use_gpu
+               else f"trainer.ray_address={self.trainer.ray_address} joins a cluster, and the MPS daemon is started "
+                    "on the driver's host only" if self.trainer.ray_address else None)
+        if why is not None:
+            raise ValueError(f"gpu_sharing.mode=mps shares a GPU between the rollout replica and the learner, but {why}")
         return self
 
     def base_sharing_blocker(self) -> str | None:

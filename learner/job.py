@@ -190,11 +190,13 @@ class LearnerJob:
     """The learner as the orchestrator sees it: start, step, save_checkpoint, stop."""
 
     def __init__(self, run_cfg, run_dir: Path, init_adapter: Path | None = None, resume_from: Path | None = None,
-                 shared_base=None, share_required: bool = False):
+                 shared_base=None, share_required: bool = False, env: dict[str, str] | None = None):
         """StepResult.adapter and InitInfo.init_payload come back as AdapterRefs: the payload
         stays in the object store, owned by the rank-0 worker (learner/worker.py), fetchable
         until ``stop()``. ``shared_base``: a rollout replica's weights for the worker to map
-        (model/shared_base.py BaseExport), which it must (``share_required``) or may."""
+        (model/shared_base.py BaseExport), which it must (``share_required``) or may. ``env``:
+        variables the workers get beside the run's defaults (services/mps.py: MPS's)."""
+        self.env = dict(env or {})
         self.shared_base, self.share_required = shared_base, share_required
         self.run_cfg = run_cfg
         # The driver's run directory: what the workers write arrives here as bytes (_call).
@@ -262,7 +264,7 @@ class LearnerJob:
                 name=f"learner-{uuid.uuid4().hex[:8]}",
                 # Written by Ray Train's controller, which Ray pins to the driver's node.
                 storage_path=str(self.run_dir / ".ray_train"),
-                worker_runtime_env={"env_vars": apply_defaults()},
+                worker_runtime_env={"env_vars": {**apply_defaults(), **self.env}},
                 # Ray Train would restart the workers from the top of their loop, which would
                 # replay a command log that no longer holds its batches; a lost learner is the
                 # driver's to restore (services/learner_recovery.py, bounded by learner.max_restarts).

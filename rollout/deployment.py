@@ -311,10 +311,12 @@ def placement_options(rollout_cfg: RolloutConfig) -> dict:
     return out
 
 
-def rollout_app(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, registry, seed: int = 0):
+def rollout_app(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, registry, seed: int = 0,
+                env: dict[str, str] | None = None):
     """The Serve application: `rollout_cfg.replicas` replicas of RolloutReplica. The engine is
     rollout.engine, resolved in each replica (make_engine): 'auto' asks the replica's own node
-    whether vLLM is installed, which the driver's node cannot answer for it."""
+    whether vLLM is installed, which the driver's node cannot answer for it. ``env``: variables
+    the replicas (and the engine processes they start) get beside the run's defaults."""
     from config.runtime_env import apply_defaults
 
     deployment = serve.deployment(RolloutReplica).options(
@@ -326,7 +328,7 @@ def rollout_app(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, registry, se
         ray_actor_options={
             "num_cpus": rollout_cfg.num_cpus,
             "num_gpus": rollout_cfg.num_gpus,
-            "runtime_env": {"env_vars": apply_defaults()},
+            "runtime_env": {"env_vars": {**apply_defaults(), **(env or {})}},
             **placement_options(rollout_cfg),
         },
     )
@@ -495,6 +497,7 @@ def deploy_rollout(
     app_name: str = APP_NAME,
     registry_name: str = REGISTRY_NAME,
     liveness: LivenessConfig | None = None,
+    env: dict[str, str] | None = None,
 ) -> RolloutClient:
     """Deploy the replicas (Ray must be initialised) and wait until they all report in."""
     from model.base import resolve_model
@@ -503,7 +506,7 @@ def deploy_rollout(
     registry = get_or_create_registry(rollout_cfg, registry_name)
     serve.start(proxy_location="Disabled")
     handle = serve.run(
-        rollout_app(model_cfg, rollout_cfg, registry, seed), name=app_name, route_prefix=None
+        rollout_app(model_cfg, rollout_cfg, registry, seed, env), name=app_name, route_prefix=None
     )
     client = RolloutClient(handle, registry, rollout_cfg, liveness)
     latest = ray.get(registry.latest.remote())

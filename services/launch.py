@@ -218,12 +218,13 @@ def watch_grader(cfg: RunConfig, stack: ExitStack, registry):
     return watch
 
 
-def start_rollout(cfg: RunConfig, stack: ExitStack, seed: int | None = None):
-    """Deploy the rollout replicas; they are deleted when the stack closes."""
+def start_rollout(cfg: RunConfig, stack: ExitStack, seed: int | None = None, env: dict[str, str] | None = None):
+    """Deploy the rollout replicas; they are deleted when the stack closes. ``env``: variables the
+    replicas get beside the run's defaults (services/mps.py)."""
     from rollout.deployment import deploy_rollout, stop_rollout
 
     client = deploy_rollout(cfg.model, cfg.rollout, seed=cfg.seed if seed is None else seed,
-                            liveness=cfg.liveness)
+                            liveness=cfg.liveness, env=env)
     if not _cluster_started_here:  # a cluster started here deletes every app at once as it shuts down
         stack.callback(stop_rollout)
     return client

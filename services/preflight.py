@@ -113,8 +113,18 @@ def check_adapter_dir(path: Path, option: str) -> None:
         raise PreflightError(f"{option} {path}: not an adapter directory (no adapter_config.json)")
 
 
+def check_gpu_sharing(cfg: RunConfig) -> None:
+    """gpu_sharing.mode=mps needs the MPS control binary on this host (it ships with the driver)."""
+    from services.mps import CONTROL_BINARY, DRIVER_BIN_DIRS, find_control_binary
+
+    if cfg.gpu_sharing.mode == "mps" and find_control_binary() is None:
+        raise PreflightError(f"gpu_sharing.mode=mps, but {CONTROL_BINARY} is neither on PATH nor in "
+                             f"{', '.join(DRIVER_BIN_DIRS)} (it ships with the NVIDIA driver); use gpu_sharing.mode=timeslice")
+
+
 def preflight(cfg: RunConfig, *, ports: bool = True) -> None:
     """Every check that needs no service, cheapest first."""
+    check_gpu_sharing(cfg)
     check_model(cfg)
     check_grader_pool(cfg)
     if ports:

@@ -316,6 +316,7 @@ class Attempt:
 class Services:
     """The parts started for an attempt (the learner's factory reads the rollout once it exists)."""
 
+    gpu: Any = None  # services.mps.GpuSharing: the variables of each role's GPU processes
     grader: Any = None
     task: str = ""
     rollout: Any = None
@@ -332,8 +333,8 @@ def train(opts: TrainOptions) -> RunDir:
     at = open_attempt(opts)
     with at.receipt.guard(), ExitStack() as stack:
         stages = StageClock()
+        parts = Services(gpu=share_gpu(at, stack))  # before Ray: its quit then runs after Ray's shutdown
         ray_metrics = join_ray(at.cfg, stack, stages)
-        parts = Services()
         parts.learner = recovering_learner(at, parts, stack)
         cases, sampler = start_grader_and_sampler(at, parts, stack, stages)
         adapter, init = start_rollout_and_learner(at, parts, stack, stages)
@@ -375,6 +376,23 @@ def open_attempt(opts: TrainOptions) -> Attempt:
                    started=started)
 
 
+def share_gpu(at: Attempt, stack: ExitStack):
+    """The MPS daemon joined or started when gpu_sharing.mode=mps (services/mps.py), before any GPU
+    process exists; a daemon started here quits when the stack closes. run.json ``gpu_sharing``."""
+    from services.mps import GpuSharing
+
+    gpu = GpuSharing.for_run(at.cfg, at.run.root)
+    gpu.start()
+
+    def stop() -> None:
+        gpu.stop()
+        at.receipt.update(gpu_sharing=gpu.record())
+
+    stack.callback(stop)
+    at.receipt.update(gpu_sharing=gpu.record())
+    return gpu
+
+
 def join_ray(cfg: RunConfig, stack: ExitStack, stages) -> str | None:
     """Ray started (or joined), and the run checked to fit it; returns Ray's metrics endpoint."""
     from services.receipt import install_sigterm_handler
@@ -399,6 +417,7 @@ def recovering_learner(at: Attempt, parts: Services, stack: ExitStack):
     refusals = parts.refusals
     learner = RecoveringLearner(
         lambda resume_from: LearnerJob(cfg, at.run.root, init_adapter=at.init_adapter, resume_from=resume_from,
+                                       env=parts.gpu.env("learner"),
                                        **(base_offer(cfg, parts.rollout, refusals) if share else {})),
         at.run.checkpoint_dir, cfg.learner.max_restarts, at.recoveries, trained=at.first_step - 1,
         reexport=lambda payload: parts.rollout.reexport(payload),
@@ -439,7 +458,7 @@ def start_rollout_and_learner(at: Attempt, parts: Services, stack: ExitStack, st
     if beside:  # its workers load the model while the replicas start
         resolve_model(cfg.model)  # built or converted once, here, before either reads it
         learner.begin(at.checkpoint)
-    rollout = parts.rollout = start_rollout(cfg, stack)
+    rollout = parts.rollout = start_rollout(cfg, stack, env=parts.gpu.env("rollout"))
     stages.done("rollout replicas")
     receipt.update(rollout_stop_tokens=stop_token_report(rollout))
     init = learner.started() if beside else learner.start(at.checkpoint)

@@ -1,0 +1,40 @@
+"""How the rollout replica and the learner share one GPU. Pydantic only: keep this import-light.
+
+Two processes on one GPU time-slice it: the learner's kernels run between the replica's decode
+steps, so its GPU time is added to generation's (issue 34's measurements, shared/MEASURED.md).
+Under CUDA MPS (Multi-Process Service) their kernels run at the same time on different SMs; with
+the learner capped at a share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), ~46% of a
+learner-like load hid beside a GPU-bound 4B decode on an H200, and all of it beside a host-bound
+one. services/mps.py starts and quits the daemon; the caveat is MPS's own: a fatal fault in one
+client (an illegal address, an out-of-memory abort) ends the other clients of its server too.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class GpuSharingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["timeslice", "mps"] = Field(
+        "timeslice", description="'timeslice': the GPU's default scheduling (one process's kernels at a "
+        "time). 'mps': the run joins the CUDA MPS daemon already serving this host (CUDA_MPS_PIPE_DIRECTORY, "
+        "else /tmp/nvidia-mps), or starts one whose pipe and log directories are under the run directory "
+        "and quits it at exit; the replica (and vLLM's engine core) and the learner's workers get the "
+        "daemon's variables and their SM shares. run.json `gpu_sharing` records which. Never changes the "
+        "GPU's compute mode. Caveat: a fatal GPU fault in one MPS client ends the others (the run then "
+        "fails, and --resume continues it). Needs a GPU rollout and a GPU learner, on a local cluster "
+        "(the daemon is started on the driver's host)."
+    )
+    learner_sm_percent: int = Field(
+        50, ge=1, le=100, description="With mode=mps: the share of the GPU's SMs each learner worker's "
+        "kernels may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE). Below 100 leaves SMs free for the replica's "
+        "decode steps, so that the update runs beside generation instead of between its steps."
+    )
+    rollout_sm_percent: int = Field(
+        100, ge=1, le=100, description="With mode=mps: the share of the SMs each rollout replica may use "
+        "(100 = no cap)."
+    )

@@ -1,0 +1,179 @@
+"""CUDA MPS for a run whose rollout replica and learner share a GPU (config/gpu_sharing.py).
+
+``plan_mps`` is the rule (a pure function, table-tested in tests/test_mps.py): time-slice and do
+nothing; join a daemon that already answers; or start one of the run's own, with its pipe and
+log directories under the run directory (a short directory under /tmp when that path would
+exceed a Unix socket's length limit). ``GpuSharing`` carries the plan out: it starts the daemon
+before any GPU client exists, hands each role its variables (``env``: Ray's runtime_env of the
+replicas and the learner's workers; vLLM's engine core is the replica's child and inherits
+them), and quits a daemon it started when the run's ExitStack closes, after Ray has stopped the
+clients. It never touches the GPU's compute mode (MPS works in the Default mode).
+
+No Ray import: the daemon is a host process, driven through its control binary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
+
+CONTROL_BINARY = "nvidia-cuda-mps-control"
+# Where NVIDIA's container toolkit mounts the driver's binaries when they are not on PATH.
+DRIVER_BIN_DIRS = ("/usr/local/nvidia/bin", "/usr/bin", "/usr/local/bin")
+DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"  # the daemon's own default, when CUDA_MPS_PIPE_DIRECTORY is unset
+# sockaddr_un.sun_path holds 108 bytes; the daemon's longest name in its pipe directory is
+# "control" plus a few server-side suffixes: leave room for them.
+MAX_PIPE_DIR_CHARS = 80
+ROLES = ("rollout", "learner")
+CONTROL_TIMEOUT_S = 30.0  # the control client answers in milliseconds; quit waits for the servers to exit
+
+
+@dataclass(frozen=True)
+class MpsPlan:
+    """What a run does about MPS, and why (run.json ``gpu_sharing``)."""
+
+    action: Literal["none", "join", "start"]
+    reason: str
+    pipe_dir: str | None = None
+    log_dir: str | None = None
+    sm_percent: Mapping[str, int] = field(default_factory=dict)
+
+    def env(self, role: str) -> dict[str, str]:
+        """The variables a process of ``role`` needs to be a client of this plan's daemon."""
+        if self.action == "none":
+            return {}
+        out = {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir)}  # clients need only the pipe; the log is the daemon's
+        if self.sm_percent.get(role, 100) < 100:
+            out["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.sm_percent[role])
+        return out
+
+
+def plan_mps(mode: str, sm_percent: Mapping[str, int], environ: Mapping[str, str], run_dir: Path,
+             daemon_answers: Callable[[str], bool], control_binary: str | None) -> MpsPlan:
+    """The rule. ``environ``: the driver's environment (a CUDA_MPS_PIPE_DIRECTORY there names the
+    daemon the user runs, or wants); ``daemon_answers(pipe_dir)``: whether a daemon answers there;
+    ``control_binary``: the control binary's path, None when none is found. ValueError (one line)
+    when MPS is asked for and cannot be had."""
+    if mode != "mps":
+        return MpsPlan("none", f"gpu_sharing.mode={mode}")
+    shares = {role: int(sm_percent[role]) for role in ROLES}
+    if control_binary is None:
+        raise ValueError(f"gpu_sharing.mode=mps, but {CONTROL_BINARY} is neither on PATH nor in "
+                         f"{', '.join(DRIVER_BIN_DIRS)} (it ships with the NVIDIA driver)")
+    named = environ.get("CUDA_MPS_PIPE_DIRECTORY")
+    looked_at = named or DEFAULT_PIPE_DIR
+    if daemon_answers(looked_at):
+        return MpsPlan("join", f"an MPS daemon already answers at {looked_at}: the run joins it and leaves it running",
+                       looked_at, environ.get("CUDA_MPS_LOG_DIRECTORY"), shares)
+    if named:  # the user named the directory: start there rather than beside it
+        pipe_dir, where = named, "CUDA_MPS_PIPE_DIRECTORY"
+    else:
+        pipe_dir, where = str(Path(run_dir).resolve() / "mps" / "pipe"), "the run directory"
+        if len(pipe_dir) > MAX_PIPE_DIR_CHARS:
+            pipe_dir, where = "", f"a directory under /tmp (the run directory's path is over {MAX_PIPE_DIR_CHARS} characters, too long for the daemon's socket)"
+    log_dir = environ.get("CUDA_MPS_LOG_DIRECTORY") or str(Path(run_dir).resolve() / "mps" / "log")
+    return MpsPlan("start", f"no MPS daemon answered at {looked_at}: the run starts one in {where} and quits it at exit",
+                   pipe_dir, log_dir, shares)
+
+
+def find_control_binary(path: str | None = None) -> str | None:
+    """The control binary: on PATH, else in the driver's usual bin directories."""
+    found = shutil.which(CONTROL_BINARY, path=path)
+    if found:
+        return found
+    for d in DRIVER_BIN_DIRS:
+        candidate = Path(d) / CONTROL_BINARY
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+def _control(binary: str, pipe_dir: str, log_dir: str | None, command: str | None, timeout: float
+             ) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=pipe_dir)
+    if log_dir:
+        env["CUDA_MPS_LOG_DIRECTORY"] = log_dir
+    args = [binary] if command is not None else [binary, "-d"]
+    return subprocess.run(args, input=(command + "\n") if command is not None else None, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def daemon_answers(binary: str | None, pipe_dir: str, timeout: float = CONTROL_TIMEOUT_S) -> bool:
+    """Whether a control daemon answers at ``pipe_dir`` (the client exits non-zero when none does)."""
+    if binary is None or not (Path(pipe_dir) / "control").exists():
+        return False
+    try:
+        return _control(binary, pipe_dir, None, "get_server_list", timeout).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+class GpuSharing:
+    """The run's MPS plan carried out. ``start`` before Ray creates any GPU client; ``stop`` (an
+    ExitStack callback registered before Ray's shutdown, so it runs after it) quits a daemon this
+    run started. ``record`` is run.json's ``gpu_sharing``."""
+
+    def __init__(self, plan: MpsPlan, binary: str | None):
+        self.plan, self.binary, self.timeout_s = plan, binary, CONTROL_TIMEOUT_S
+        self.started = False
+        self.quit: str | None = None
+
+    @classmethod
+    def for_run(cls, cfg, run_dir: Path) -> "GpuSharing":
+        g = cfg.gpu_sharing
+        binary = find_control_binary() if g.mode == "mps" else None
+        plan = plan_mps(g.mode, {"rollout": g.rollout_sm_percent, "learner": g.learner_sm_percent}, os.environ,
+                        run_dir, lambda pipe_dir: daemon_answers(binary, pipe_dir), binary)
+        return cls(plan, binary)
+
+    def env(self, role: str) -> dict[str, str]:
+        return self.plan.env(role)
+
+    def start(self) -> None:
+        plan = self.plan
+        if plan.action != "start":
+            return
+        if not plan.pipe_dir:
+            plan = self.plan = MpsPlan(plan.action, plan.reason, tempfile.mkdtemp(prefix="cp-mps-"), plan.log_dir,
+                                       plan.sm_percent)
+        Path(plan.pipe_dir).mkdir(parents=True, exist_ok=True)
+        Path(plan.log_dir).mkdir(parents=True, exist_ok=True)
+        done = _control(self.binary, plan.pipe_dir, plan.log_dir, None, self.timeout_s)
+        if done.returncode != 0 or not daemon_answers(self.binary, plan.pipe_dir, self.timeout_s):
+            detail = (done.stderr or done.stdout or "").strip().splitlines()
+            raise RuntimeError(f"gpu_sharing.mode=mps: {self.binary} -d did not start a daemon at {plan.pipe_dir} "
+                               f"(exit {done.returncode}{': ' + detail[-1] if detail else ''}; its log: {plan.log_dir})")
+        self.started = True
+        log.info("MPS daemon started: pipe %s, log %s", plan.pipe_dir, plan.log_dir)
+
+    def stop(self) -> None:
+        if not self.started:
+            return
+        try:
+            done = _control(self.binary, self.plan.pipe_dir, self.plan.log_dir, "quit", self.timeout_s)
+            self.quit = "ok" if done.returncode == 0 else f"exit {done.returncode}: {(done.stderr or '').strip()}"
+        except (OSError, subprocess.TimeoutExpired) as err:
+            self.quit = f"failed: {err}"
+        self.started = False
+        if self.quit != "ok":
+            log.warning("MPS daemon at %s did not quit cleanly (%s)", self.plan.pipe_dir, self.quit)
+
+    def record(self) -> dict[str, Any]:
+        p = self.plan
+        out: dict[str, Any] = {"mode": "mps" if p.action != "none" else "timeslice", "daemon": p.action,
+                               "reason": p.reason}
+        if p.action != "none":
+            out.update(pipe_dir=p.pipe_dir, log_dir=p.log_dir, sm_percent=dict(p.sm_percent),
+                       control_binary=self.binary)
+            if p.action == "start":
+                out["quit"] = self.quit
+        return out

@@ -1,0 +1,174 @@
+"""gpu_sharing (config/gpu_sharing.py) and CUDA MPS for a run (services/mps.py): the rule as a
+table, the config's refusals, and the daemon's start, join and quit through a stand-in for
+nvidia-cuda-mps-control (this box has no GPU and no driver; the real daemon is exercised on the
+H200 by bench/device/session.sh)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from config import RunConfig
+from services.mps import MAX_PIPE_DIR_CHARS, GpuSharing, MpsPlan, find_control_binary, plan_mps
+
+SHARES = {"rollout": 100, "learner": 50}
+RUN = Path("/runs/r1")
+
+
+def plan(mode="mps", environ=None, answering=(), binary="/bin/mps-control", run_dir=RUN, shares=SHARES):
+    return plan_mps(mode, shares, environ or {}, run_dir, lambda d: d in answering, binary)
+
+
+@pytest.mark.parametrize("case, kwargs, action, pipe_dir", [
+    ("timeslice does nothing, even with a daemon up", dict(mode="timeslice", answering=("/tmp/nvidia-mps",)),
+     "none", None),
+    ("a daemon at the default pipe is joined", dict(answering=("/tmp/nvidia-mps",)), "join", "/tmp/nvidia-mps"),
+    ("a daemon at the user's pipe is joined", dict(environ={"CUDA_MPS_PIPE_DIRECTORY": "/x/p"}, answering=("/x/p",)),
+     "join", "/x/p"),
+    ("the user's pipe wins over a daemon at the default one",
+     dict(environ={"CUDA_MPS_PIPE_DIRECTORY": "/x/p"}, answering=("/tmp/nvidia-mps",)), "start", "/x/p"),
+    ("no daemon: the run starts its own under the run directory", {}, "start", "/runs/r1/mps/pipe"),
+    ("a run directory too deep for a socket: under /tmp instead",
+     dict(run_dir=Path("/r") / ("d" * MAX_PIPE_DIR_CHARS)), "start", ""),
+])
+def test_plan_table(case, kwargs, action, pipe_dir):
+    got = plan(**kwargs)
+    assert (got.action, got.pipe_dir) == (action, pipe_dir), case
+
+
+def test_plan_env_per_role():
+    started = plan()
+    assert started.env("learner") == {"CUDA_MPS_PIPE_DIRECTORY": "/runs/r1/mps/pipe",
+                                      "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}
+    assert started.env("rollout") == {"CUDA_MPS_PIPE_DIRECTORY": "/runs/r1/mps/pipe"}  # 100%: no cap set
+    assert started.log_dir == "/runs/r1/mps/log"
+    assert plan(mode="timeslice").env("learner") == {}
+    joined = plan(environ={"CUDA_MPS_LOG_DIRECTORY": "/logs"}, answering=("/tmp/nvidia-mps",))
+    assert joined.log_dir == "/logs" and joined.env("rollout") == {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps"}
+
+
+def test_plan_without_control_binary_is_one_line():
+    with pytest.raises(ValueError, match="nvidia-cuda-mps-control is neither on PATH") as err:
+        plan(binary=None)
+    assert "\n" not in str(err.value)
+    assert plan(mode="timeslice", binary=None).action == "none"  # nothing needed then
+
+
+GPU_RUN = {"rollout": {"num_gpus": 0.4}, "learner": {"use_gpu": True, "gpus_per_worker": 0.6}}
+
+
+@pytest.mark.parametrize("tree, needle", [
+    ({"gpu_sharing": {"mode": "mps"}}, "rollout.num_gpus=0"),
+    ({"gpu_sharing": {"mode": "mps"}, "rollout": {"num_gpus": 0.4}}, "learner.use_gpu=false"),
+    ({"gpu_sharing": {"mode": "mps"}, **GPU_RUN, "trainer": {"ray_address": "10.0.0.1:6379"}},
+     "trainer.ray_address=10.0.0.1:6379"),
+    ({"gpu_sharing": {"mode": "mps", "learner_sm_percent": 0}, **GPU_RUN}, "learner_sm_percent"),
+    ({"gpu_sharing": {"mode": "mps", "rollout_sm_percent": 101}, **GPU_RUN}, "rollout_sm_percent"),
+    ({"gpu_sharing": {"mode": "green"}}, "mode"),
+])
+def test_config_refuses(tree, needle):
+    from config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match=needle):
+        config_from_dict(tree, "test")
+
+
+def test_config_accepts_mps_on_a_shared_gpu_and_defaults_to_timeslice():
+    assert RunConfig().gpu_sharing.mode == "timeslice"
+    cfg = RunConfig(gpu_sharing={"mode": "mps", "learner_sm_percent": 40}, **GPU_RUN)
+    assert cfg.gpu_sharing.learner_sm_percent == 40
+
+
+def test_preflight_names_the_missing_binary(monkeypatch, tmp_path):
+    from services import mps
+    from services.preflight import PreflightError, check_gpu_sharing
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(mps, "DRIVER_BIN_DIRS", ())
+    cfg = RunConfig(gpu_sharing={"mode": "mps"}, **GPU_RUN)
+    with pytest.raises(PreflightError, match="gpu_sharing.mode=mps, but nvidia-cuda-mps-control"):
+        check_gpu_sharing(cfg)
+    check_gpu_sharing(RunConfig())  # timeslice needs no binary
+
+
+# A stand-in for the control binary: `-d` makes the daemon's control socket (a file here) and
+# logs the call; on stdin, get_server_list answers 0 only while the "daemon" is up, quit ends it.
+STAND_IN = """#!/bin/sh
+echo "$CUDA_MPS_PIPE_DIRECTORY ${1:-stdin} ${CUDA_MPS_LOG_DIRECTORY:-}" >> "$MPS_CALLS"
+if [ "$1" = "-d" ]; then touch "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0; fi
+read cmd
+[ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] || { echo "Cannot find MPS control daemon process" >&2; exit 1; }
+if [ "$cmd" = "quit" ]; then rm "$CUDA_MPS_PIPE_DIRECTORY/control"; fi
+exit 0
+"""
+
+
+@pytest.fixture
+def control_binary(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    binary = bin_dir / "nvidia-cuda-mps-control"
+    binary.write_text(STAND_IN)
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("MPS_CALLS", str(tmp_path / "calls.log"))
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
+    return binary
+
+
+def test_run_starts_its_daemon_and_quits_it(control_binary, tmp_path, monkeypatch):
+    from services import mps
+
+    monkeypatch.setattr(mps, "DEFAULT_PIPE_DIR", str(tmp_path / "no-daemon-here"))
+    run_dir = tmp_path / "run"
+    cfg = RunConfig(gpu_sharing={"mode": "mps"}, **GPU_RUN)
+    gpu = GpuSharing.for_run(cfg, run_dir)
+    assert find_control_binary() == str(control_binary)
+    gpu.start()
+    pipe = run_dir.resolve() / "mps" / "pipe"
+    assert (pipe / "control").exists() and (run_dir / "mps" / "log").is_dir()
+    assert gpu.env("learner")["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe)
+    gpu.stop()
+    assert not (pipe / "control").exists()
+    record = gpu.record()
+    assert record["daemon"] == "start" and record["quit"] == "ok" and record["sm_percent"] == SHARES
+    calls = (tmp_path / "calls.log").read_text().split("\n")
+    assert f"{pipe} -d {run_dir.resolve()}/mps/log" in calls  # the daemon got its log directory
+    assert calls[-2].startswith(str(pipe)) and "stdin" in calls[-2]  # quit last
+
+
+def test_run_joins_a_running_daemon_and_leaves_it(control_binary, tmp_path, monkeypatch):
+    pipe = tmp_path / "theirs"
+    pipe.mkdir()
+    (pipe / "control").touch()  # a daemon the user started
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(pipe))
+    gpu = GpuSharing.for_run(RunConfig(gpu_sharing={"mode": "mps"}, **GPU_RUN), tmp_path / "run")
+    gpu.start()
+    gpu.stop()
+    assert (pipe / "control").exists()  # still theirs, still running
+    assert gpu.record()["daemon"] == "join" and "quit" not in gpu.record()
+    assert " -d " not in (tmp_path / "calls.log").read_text()
+
+
+def test_a_daemon_that_does_not_come_up_fails_in_one_line(tmp_path):
+    binary = tmp_path / "nvidia-cuda-mps-control"
+    binary.write_text("#!/bin/sh\necho 'cannot open log' >&2\nexit 3\n")
+    binary.chmod(0o755)
+    gpu = GpuSharing(MpsPlan("start", "test", str(tmp_path / "p"), str(tmp_path / "l"), SHARES), str(binary))
+    with pytest.raises(RuntimeError, match=r"did not start a daemon .*exit 3: cannot open log"):
+        gpu.start()
+    assert gpu.record()["quit"] is None and not gpu.started
+
+
+def test_the_replicas_get_the_role_env():
+    from rollout.deployment import rollout_app
+
+    from config import ModelConfig, RolloutConfig
+
+    app = rollout_app(ModelConfig(), RolloutConfig(), registry=None, env={"CUDA_MPS_PIPE_DIRECTORY": "/p"})
+    env = app._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/p" and env["HF_HUB_OFFLINE"] == "1"
