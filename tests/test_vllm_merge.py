@@ -288,3 +288,18 @@ def test_device_memory_reads_the_allocator_and_counts_each_storage_once():
 def test_the_extension_reports_no_device_memory_on_the_cpu(tmp_path):
     worker = StandInWorker(tiny_qwen3(tmp_path), tmp_path)
     assert worker.counterpoint_device_memory() is None
+
+
+def test_sampled_logprobs_read_flat_and_per_position_alike():
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from rollout.engines.vllm_engine import sampled_logprobs
+
+    toks, values = [5, 9, 5], [-0.25, -1.5, -3.0]
+    per_position = [{t: Logprob(logprob=v, rank=1)} for t, v in zip(toks, values)]
+    flat = FlatLogprobs()
+    for step in per_position:
+        flat.append(step)
+    assert sampled_logprobs(flat, toks) == sampled_logprobs(per_position, toks) == values
+    with pytest.raises(ValueError, match="sampled token first"):
+        sampled_logprobs(flat, [5, 9, 6])

@@ -64,6 +64,19 @@ def gpu_memory_fraction(gib: float, total_bytes: int) -> float:
     return fraction
 
 
+def sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
+    """The sampled tokens' log-probs from what vLLM returned with logprobs=0: a FlatLogprobs
+    (flat_logprobs=True: one entry per position, the sampled token's) read straight from its
+    lists, or a list of {token id: Logprob} per position (older vLLMs, or the flag unset)."""
+    starts = getattr(logprobs, "start_indices", None)
+    if starts is None:
+        return [step[t].logprob for step, t in zip(logprobs, token_ids)]
+    ids, values = logprobs.token_ids, logprobs.logprobs
+    if len(starts) != len(token_ids) or any(ids[s] != t for s, t in zip(starts, token_ids)):
+        raise ValueError("vLLM's flat log-probs do not list the sampled token first at every position")
+    return [values[s] for s in starts]
+
+
 def vllm_settings(rollout_cfg: RolloutConfig, cuda: bool) -> VllmSettings:
     """The config's values, its None/'auto' resolved for a CUDA or a CPU host (the fields'
     descriptions in config/rollout.py say why each default is what it is)."""
@@ -330,6 +343,7 @@ class VllmEngine(Engine):
                 # vLLM gives child j of a seeded request seed + j: keep prompts' seeds apart.
                 seed=None if params.seed is None else params.seed + i * params.n,
                 logprobs=0,  # the sampled token's log-prob only
+                flat_logprobs=True,  # flat lists instead of a dict and a Logprob object per token
                 stop_token_ids=list(stop_ids),
                 ignore_eos=True,  # the stop set above already holds every eos we honour
                 # we decode ourselves, like the transformers engine; stop strings need vLLM's
@@ -353,7 +367,7 @@ class VllmEngine(Engine):
         for i, out in enumerate(outputs):
             for j, comp in enumerate(sorted(out.outputs, key=lambda c: c.index)):
                 toks = list(comp.token_ids)
-                lps = [step[t].logprob for step, t in zip(comp.logprobs, toks)]
+                lps = sampled_logprobs(comp.logprobs, toks)
                 samples.append(
                     Sample(
                         prompt_index=i,
