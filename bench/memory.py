@@ -13,8 +13,8 @@ linear layers, G=8, 384 new tokens), each as a subprocess:
   ``--vllm-sleep``);
 - ``counterpoint_train``: ``counterpoint train --config configs/gpu-bench.yaml`` in sync mode with
   ``COUNTERPOINT_SETS`` (rollout.gpu_memory_utilization 0.09, learner.gradient_checkpointing),
-  then every ``--set`` given. Merged LoRA keeps W0 where COUNTERPOINT_MERGED_W0 says
-  (rollout/engines/vllm_merge.py; host by default), and the row's settings say which.
+  then every ``--set`` given. Merged LoRA keeps W0 where rollout.merged_w0 says (host by
+  default; ``--set rollout.merged_w0=device``), and the row's settings say which.
 
 While a run lasts, a thread asks ``nvidia-smi --query-compute-apps=pid,used_memory`` and
 ``--query-gpu=memory.used`` every ``--interval`` seconds (0.2). Processes that were on the GPU
@@ -64,12 +64,12 @@ from bench.gpu_vs_trl import (CONFIG_ONLY, CONFIG_ONLY_SETS, GROUP_SIZE, ROOT, T
 
 SYSTEMS = ("trl_vllm", "counterpoint_train")
 TRL_FLAGS = ("--vllm-gpu-util", "0.09", "--checkpointing", "--accumulate")
-COUNTERPOINT_SETS = ("rollout.gpu_memory_utilization=0.09", "learner.gradient_checkpointing=true")
+# merged_w0=host: configs/gpu-bench.yaml keeps W0 on the GPU for speed; the memory rows measure the default
+COUNTERPOINT_SETS = ("rollout.gpu_memory_utilization=0.09", "learner.gradient_checkpointing=true", "rollout.merged_w0=host")
 PHASES = ("start", "generate", "sync", "score", "update", "save", "end")
 ROW_KEYS = ("model", "prompts", "group_size", "system", "settings", "total_gib", "s_per_step", "date",
             "gpu_used_gib", "processes", "phases_gib", "command", "exit", "error")
 MIB_PER_GIB = 1024.0
-W0_ENV = "COUNTERPOINT_MERGED_W0"  # rollout/engines/vllm_merge.py reads it; named here to record it
 
 
 # ---------------------------------------------------------------- nvidia-smi, parsed
@@ -481,7 +481,7 @@ def run_counterpoint(model: str, prompts: int, args, out: Path, timeout: float) 
     replica_memory(run, out / f"{tag}.replica-memory.json")
     settings = ", ".join([f"{Path(args.config).name}", f"trainer.mode={args.mode}", *COUNTERPOINT_SETS, *shape_sets,
                           *args.set,
-                          f"merged W0 on {os.environ.get(W0_ENV) or 'host'}", base_weights_of(run)])
+                          f"merged W0 on {merged_w0_of(run)}", base_weights_of(run)])
     return finish(model, prompts, "counterpoint_train", settings, sampler, train_transitions(watch.steps), s_step,
                   ["counterpoint", *cmd[3:]], rc, error, out / f"{tag}.samples.jsonl" if args.samples else None)
 
@@ -516,6 +516,14 @@ def replica_memory(run: Path, dest: Path) -> dict[str, Any]:
     for line in found["vllm_log"]:
         print(f"[memory]   vllm: {line}", flush=True)
     return found
+
+
+def merged_w0_of(run: Path) -> str:
+    """Where the run's merged LoRA kept W0 (its recorded rollout.merged_w0)."""
+    try:
+        return json.loads((run / "run.json").read_text())["config"]["rollout"].get("merged_w0", "host")
+    except (OSError, ValueError, KeyError):
+        return "unknown (no run.json)"
 
 
 def base_weights_of(run: Path) -> str:

@@ -104,10 +104,16 @@ class RolloutConfig(BaseModel):
         "auto", description="How vLLM applies the adapter. 'unmerged': vLLM's LoRA kernels (enable_lora): "
         "every decode step adds scale*B(Ax) for each adapted layer. 'merged': the replica writes "
         "W0 + scale*B@A into its weights through vLLM's own load_weights, layer by layer from a copy "
-        "of the adapted layers' W0 in page-locked host memory (COUNTERPOINT_MERGED_W0=device keeps "
-        "it on the GPU: about the model's size again), so decoding runs at the base model's speed (rollout/engines/vllm_merge.py; CUDA only, one GPU per replica). 'auto' = "
+        "of the adapted layers' W0 (rollout.merged_w0), so decoding runs at the base model's speed (rollout/engines/vllm_merge.py; CUDA only, one GPU per replica). 'auto' = "
         "merged on CUDA, unmerged on CPU hosts. H200, 4B 1x8x384: 1.48 s of generation merged "
         "(bench/results/gpu-vs-trl.md) against 2.15 s unmerged (measured before, in one process)."
+    )
+    merged_w0: Literal["host", "device"] = Field(
+        "host", description="Merged LoRA (vllm_lora=merged): where the replica keeps the adapted layers' "
+        "W0, which every merge starts from. 'host': in page-locked host memory, each layer copied to the "
+        "GPU as it is merged (~0.6 GiB on the GPU; 0.135 s a merge at Qwen3-4B on an H200, on the step's "
+        "critical path). 'device': on the GPU, outside vLLM's gpu_memory_utilization (7.0 GiB more at 4B; "
+        "0.04 s a merge): configs/gpu-bench.yaml, where speed is measured (rollout/engines/vllm_merge.py)."
     )
     max_num_seqs: int | None = Field(
         None, ge=1, description="vLLM: sequences in flight per replica (None = vLLM's default, 256 on "

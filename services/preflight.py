@@ -90,8 +90,7 @@ def apply_memory_budget(cfg: RunConfig):
 
     check_model(cfg)
     model_config = json.loads((resolve_model(cfg.model) / "config.json").read_text())
-    # rollout/engines/vllm_merge.py W0_ENV: merged LoRA's W0 kept on the GPU instead of the host
-    w0_on_device = os.environ.get("COUNTERPOINT_MERGED_W0") == "device"
+    w0_on_device = cfg.rollout.merged_w0 == "device"  # merged LoRA's W0 kept on the GPU instead of the host
     try:
         split = split_for_run(cfg, model_config, w0_on_device)
     except BudgetTooSmall as err:

@@ -69,7 +69,7 @@ SPLITS = [
     (21, QWEN3_4B, {}, {}, 21.1),
     (12, QWEN3_4B, {}, {}, 21.1),
     (22, QWEN3_4B, {}, {"logprob_chunk_tokens": 256}, (9.04, 11.13, 6, True, 643)),  # larger slices: less KV cache
-    (22, QWEN3_4B, {"w0_on_device": True}, {}, 27.9),  # COUNTERPOINT_MERGED_W0=device: the model again
+    (22, QWEN3_4B, {"w0_on_device": True}, {}, 27.9),  # rollout.merged_w0=device: the model again
     (24, QWEN3_4B, {"merged": False}, {}, (9.44, 13.31, 8, True, 2944)),  # vLLM's LoRA slots inside its budget
     (24, QWEN3_4B, {}, {"checkpointing": False}, 24.8),  # one 640-token row without checkpointing
     (40, QWEN3_4B, {}, {"checkpointing": False}, (9.19, 28.98, 8, False, 2773)),
@@ -166,8 +166,7 @@ def qwen3_4b_dir(tmp_path: Path) -> Path:
     return model
 
 
-def test_apply_writes_the_split_into_the_config(qwen3_4b_dir: Path, monkeypatch):
-    monkeypatch.delenv("COUNTERPOINT_MERGED_W0", raising=False)
+def test_apply_writes_the_split_into_the_config(qwen3_4b_dir: Path):
     given = load_config(ONE_GPU, [f"model.name_or_path={qwen3_4b_dir}"])
     assert given.rollout.gpu_memory_gib is None and given.learner.memory_budget_gib is None
     cfg, split = apply_memory_budget(given)
@@ -193,6 +192,10 @@ def test_apply_writes_the_split_into_the_config(qwen3_4b_dir: Path, monkeypatch)
     shared, split = apply_memory_budget(load_config(ONE_GPU, [f"model.name_or_path={qwen3_4b_dir}", "gpu_memory_gib=16"]))
     assert (shared.rollout.gpu_memory_gib, shared.learner.memory_budget_gib) == (9.19, 4.98)
     assert split.minimum_gib == 13.6 and split.learner_micro_batch_tokens >= 640
+    # merged LoRA's W0 on the GPU (rollout.merged_w0=device) is counted: the same budget no longer holds both
+    with pytest.raises(PreflightError, match=r"^gpu_memory_gib=16 cannot hold"):
+        apply_memory_budget(load_config(ONE_GPU, [f"model.name_or_path={qwen3_4b_dir}", "gpu_memory_gib=16",
+                                                  "rollout.merged_w0=device"]))
 
 
 def test_resume_with_the_config_file_is_not_a_change(qwen3_4b_dir: Path, tmp_path: Path):

@@ -15,12 +15,13 @@
 #   trl SHAPES [FLAGS]   TRL + vLLM colocate (bench/gpu_vs_trl.py trl --vllm)
 #   loop SHAPES          counterpoint's step loop in one process with the vLLM engine (no Ray)
 #   decode MODEL PROMPTS [--set k=v ...]   where generation time goes (bench/vllm_decode.py)
-#   train SHAPES MODES [--set k=v ...]   `counterpoint train` on Ray (bench/gpu_vs_trl.py train)
+#   train SHAPES MODES [--set k=v ...]   `counterpoint train` on Ray (bench/gpu_vs_trl.py train); e.g.
+#                        --set gpu_sharing.mode=mps for the replica and learner under CUDA MPS
 #   memory SHAPES [--set k=v ...] [--trl-arg=FLAG ...] [--systems ...]   GPU memory per process and
 #                        phase, TRL + vLLM colocate (0.09, checkpointing) then counterpoint train
 #                        (0.09, checkpointing, then the --sets) back to back (bench/memory.py); 4B 1x8
-#                        fits one call, 4x8 another. COUNTERPOINT_MERGED_W0=device in the
-#                        environment keeps merged LoRA's W0 on the GPU as before
+#                        fits one call, 4x8 another. --set rollout.merged_w0=device keeps
+#                        merged LoRA's W0 on the GPU as before
 #   probe MODEL [--lora] [--gpu-util F]   what a vLLM engine's model holds as a learner maps it: names
 #                        (tied too), meta tensors, the output head (bench/vllm_params_probe.py; random weights)
 #   shared [MODEL]       a vLLM replica lends its weights to a learner over CUDA IPC, checked against a
@@ -121,8 +122,9 @@ PY
       | grep -vE "INFO|WARNING|Loading|it/s\]|^$" | cut -c 1-400 ;;
   train)
     SHAPES=$1; MODES=$2; shift 2
+    tag=$(printf '%s' "$*" | sed 's/--set //g' | tr -c 'A-Za-z0-9_.=' '_' | cut -c 1-60)  # runs that differ by --set keep apart
     # shellcheck disable=SC2046
-    f="$OUT/train-${SHAPES//[:,]/-}-${MODES//,/-}.json"
+    f="$OUT/train-${SHAPES//[:,]/-}-${MODES//,/-}${tag:+-$tag}.json"
     bench train --shapes "$SHAPES" --modes "$MODES" --out "$f" $(choice) "$@" 2>&1 | grep -E "^\[train\]|Error" \
       | cut -c 1-1200
     # a run that failed: the end of its driver log, where the cause is

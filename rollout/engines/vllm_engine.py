@@ -133,6 +133,9 @@ class VllmEngine(Engine):
         # Read by vLLM at engine start; the config is the one place they are chosen.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(rollout_cfg.kv_cache_gib)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.settings.multiprocessing else "0"
+        from rollout.engines.vllm_merge import W0_ENV
+
+        os.environ[W0_ENV] = rollout_cfg.merged_w0  # read by the merging worker, in the engine core's process
         if self.settings.multiprocessing:
             # The engine core is a child of a Ray worker (threads, gRPC): spawn it, never fork.
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"

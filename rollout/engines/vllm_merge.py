@@ -23,8 +23,8 @@ read it. The worker does three things:
 After every change of weights the engine drops vLLM's prefix cache: cached KV blocks of a prompt
 were computed with the previous weights.
 
-Where W0 lives (``w0_on``: the environment's ``COUNTERPOINT_MERGED_W0``, read when the worker
-first merges; "host" by default). By the arithmetic, at Qwen3-4B (36 layers; q 4096x2560, k and
+Where W0 lives (``w0_on``: rollout.merged_w0, which the replica hands its engine's worker as
+``COUNTERPOINT_MERGED_W0``, read when the worker first merges; "host" by default). By the arithmetic, at Qwen3-4B (36 layers; q 4096x2560, k and
 v 1024x2560, o 2560x4096, gate and up 9728x2560, down 2560x9728; bf16), LoRA r=32 on all seven:
 - "device" (as before): W0 of every adapted layer stays on the GPU, outside vLLM's memory budget:
   36 x 201.9 MB = 7.27 GB (6.77 GiB), plus the adapter's float32 A and B (264 MB): 7.0 GiB held
