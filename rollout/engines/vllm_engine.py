@@ -270,6 +270,12 @@ class VllmEngine(Engine):
                 os.environ[CPU_BIND_ENV] = cpu_rank_binding(sorted(os.sched_getaffinity(0)), rollout_cfg.parallel_size)
             if rollout_cfg.cpu_lora_ops == "grouped":
                 self._install_grouped_lora_ops(rollout_cfg.parallel_size)
+        from vllm import envs as vllm_envs
+
+        # vLLM freezes its reading of the environment once an engine has started (envs.
+        # enable_envs_cache): an earlier engine of this process (tests) would hide the variables
+        # set above (thread binding, KV space) from this one.
+        getattr(vllm_envs, "disable_envs_cache", lambda: None)()
         t = time.perf_counter()
         self.llm = LLM(**kwargs)
         self._start_s = time.perf_counter() - t
