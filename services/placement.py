@@ -70,7 +70,7 @@ def needs_of(cfg: Any) -> list[Need]:
     """One Need per part the run places on the cluster (a grader at grader.address is not ours)."""
     r, lc, g = cfg.rollout, cfg.learner, cfg.grader
     out = [Need("rollout", {"CPU": r.num_cpus, "GPU": r.num_gpus, **r.resources}, dict(r.label_selector),
-                "rollout.num_cpus/num_gpus/resources/label_selector")]
+                "rollout.num_cpus/num_gpus/tensor_parallel_size/pipeline_parallel_size/resources/label_selector")]
     learner = {"CPU": lc.num_cpus_per_worker, **lc.resources_per_worker}
     if lc.use_gpu:
         learner["GPU"] = lc.gpus_per_worker

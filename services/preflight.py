@@ -54,6 +54,37 @@ def check_model(cfg: RunConfig) -> None:
                                  "(HF_HUB_OFFLINE=1) with no cached copy of that hub id")
 
 
+def model_config_here(cfg: RunConfig) -> dict | None:
+    """The model's config.json where this host has it without a download: a built-in model (built
+    once here, as the rollout deploy would), a local directory, or a hub id in the local hub cache;
+    None for a hub id only the cluster's nodes reach (its replicas then check it)."""
+    from model.base import EMBEDDED_NAME, QWEN3_SHAPE_NAME, TINY_NAME, resolve_model
+
+    name = cfg.model.name_or_path
+    local = Path(name).expanduser()
+    if name in (EMBEDDED_NAME, TINY_NAME, QWEN3_SHAPE_NAME) or local.exists():
+        return json.loads((resolve_model(cfg.model) / "config.json").read_text())
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, "config.json")
+    return json.loads(Path(cached).read_text()) if isinstance(cached, str) else None
+
+
+def check_parallel_shape(cfg: RunConfig) -> None:
+    """A sharded rollout engine (rollout.tensor_parallel_size > 1) splits the model's heads evenly
+    (rollout/engines/vllm_engine.py parallel_shape_problem): refused here rather than in every
+    replica's vLLM start-up, minutes later."""
+    if cfg.rollout.tensor_parallel_size == 1:
+        return
+    from rollout.engines.vllm_engine import parallel_shape_problem
+
+    check_model(cfg)
+    model_config = model_config_here(cfg)
+    problem = model_config and parallel_shape_problem(model_config, cfg.rollout.tensor_parallel_size)
+    if problem:
+        raise PreflightError(f"{problem} (model.name_or_path={cfg.model.name_or_path})")
+
+
 def check_grader_pool(cfg: RunConfig) -> None:
     """The pool a grader started by this run would serve loads (for voice-leading: the fixtures
     exist, parse, fit). The task checks its own pool (graders/tasks.py TaskProfile.check_pool):
@@ -125,6 +156,7 @@ def preflight(cfg: RunConfig, *, ports: bool = True) -> None:
     """Every check that needs no service, cheapest first."""
     check_gpu_sharing(cfg)
     check_model(cfg)
+    check_parallel_shape(cfg)
     check_grader_pool(cfg)
     if ports:
         check_ports(cfg)

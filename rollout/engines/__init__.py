@@ -43,6 +43,10 @@ def make_engine(
         logging.getLogger(__name__).warning(
             "rollout.engine=auto on a GPU replica: vLLM is not installed, so the transformers engine samples "
             "(pip install 'counterpoint[vllm]'; pyproject.toml names the vLLM for each torch/CUDA)")
+    if chosen == "hf" and rollout_cfg.parallel_size > 1:
+        raise ValueError(f"rollout.tensor_parallel_size={rollout_cfg.tensor_parallel_size} x pipeline_parallel_size="
+                         f"{rollout_cfg.pipeline_parallel_size} needs vLLM, which this replica's node lacks (the hf "
+                         "engine samples on one device): pip install 'counterpoint[vllm]' there")
     if chosen == "vllm":
         from rollout.engines.vllm_engine import VllmEngine
 

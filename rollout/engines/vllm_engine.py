@@ -81,8 +81,8 @@ def vllm_settings(rollout_cfg: RolloutConfig, cuda: bool) -> VllmSettings:
     """The config's values, its None/'auto' resolved for a CUDA or a CPU host (the fields'
     descriptions in config/rollout.py say why each default is what it is)."""
     lora = rollout_cfg.vllm_lora
-    if lora == "auto":
-        lora = "merged" if cuda else "unmerged"
+    if lora == "auto":  # merged writes one GPU's weights (vllm_merge.py): unmerged for sharded engines
+        lora = "merged" if cuda and rollout_cfg.parallel_size == 1 else "unmerged"
     if lora == "merged" and not cuda:
         raise ValueError("rollout.vllm_lora=merged needs a CUDA host: vllm-cpu repacks its weights after "
                          "loading, so they cannot be rewritten (use unmerged or auto)")
@@ -92,6 +92,121 @@ def vllm_settings(rollout_cfg: RolloutConfig, cuda: bool) -> VllmSettings:
         multiprocessing=cuda if rollout_cfg.vllm_multiprocessing is None else rollout_cfg.vllm_multiprocessing,
         lora=lora,
     )
+
+
+def parallel_shape_problem(model_config: dict, tensor_parallel_size: int) -> str | None:
+    """Why vLLM cannot shard a model of this config.json over ``tensor_parallel_size`` ranks, in
+    one line; None when it can. vLLM 0.32 (config/model.py verify_with_parallel_config) refuses
+    attention heads that do not divide by the TP size; its QKV layer (model_executor/layers/
+    linear.py QKVParallelLinear) splits KV heads evenly over the ranks when there are at least as
+    many, else copies each to tp / kv ranks: an uneven split fails there, as an assertion."""
+    if tensor_parallel_size == 1:
+        return None
+    text = model_config.get("text_config") or model_config  # multimodal configs nest the LM's
+    heads = text.get("num_attention_heads")
+    if heads is None:
+        return None  # a shape vLLM reads elsewhere: vLLM's own check still stands
+    kv = text.get("num_key_value_heads") or heads
+    tp = tensor_parallel_size
+    if heads % tp:
+        return f"rollout.tensor_parallel_size={tp} does not divide the model's {heads} attention heads"
+    if (kv % tp) if kv >= tp else (tp % kv):
+        return (f"rollout.tensor_parallel_size={tp} cannot split the model's {kv} key-value heads evenly: "
+                "vLLM needs a TP size that divides them or that they divide")
+    return None
+
+
+def check_parallel_shape(model_dir: Path, rollout_cfg: RolloutConfig) -> None:
+    """Refuse, in one line, a TP size the model in ``model_dir`` cannot take (above)."""
+    import json
+
+    if rollout_cfg.tensor_parallel_size == 1:
+        return
+    problem = parallel_shape_problem(json.loads((Path(model_dir) / "config.json").read_text()),
+                                     rollout_cfg.tensor_parallel_size)
+    if problem:
+        raise ValueError(problem)
+
+
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_rank_binding(cpus: list[int], ranks: int) -> str:
+    """vllm-cpu's thread binding (VLLM_CPU_OMP_THREADS_BIND: one CPU list per rank, '|' between)
+    for a sharded engine on ``cpus``: contiguous, near-equal groups. vLLM's own 'auto' gives each
+    rank a NUMA node of its own and refuses more ranks than nodes ("Not enough allowed NUMA nodes
+    to bind threads of 2 local CPUWorkers" on a one-node host)."""
+    cpus = sorted(cpus)
+    if len(cpus) < ranks:
+        raise ValueError(f"rollout.tensor_parallel_size x pipeline_parallel_size = {ranks} vllm-cpu ranks, but this "
+                         f"process may run on {len(cpus)} CPU(s): each rank needs one")
+    size, extra = divmod(len(cpus), ranks)
+    groups, start = [], 0
+    for rank in range(ranks):
+        end = start + size + (1 if rank < extra else 0)
+        groups.append(",".join(map(str, cpus[start:end])))
+        start = end
+    return "|".join(groups)
+
+
+def engine_kwargs(model_dir: Path, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, settings: VllmSettings,
+                  seed: int, cpu_platform: bool, device_total_bytes: int | None = None) -> dict:
+    """vLLM's engine arguments (``vllm.LLM(**kwargs)``) for this config, resolved for the host:
+    ``cpu_platform`` is vllm-cpu's, ``device_total_bytes`` the GPU's memory (for
+    rollout.gpu_memory_gib). A setting left at None reaches vLLM only where it means something,
+    so a config that sets none gives the arguments it always gave."""
+    kwargs = dict(
+        model=str(model_dir),
+        tokenizer=str(model_dir),
+        dtype=model_cfg.dtype,
+        seed=seed,
+        max_model_len=rollout_cfg.max_model_len,
+        logprobs_mode="processed_logprobs",
+        enforce_eager=settings.enforce_eager,
+        generation_config="vllm",  # never take sampling defaults from the model's files
+        load_format=model_cfg.load_format,  # dummy: random weights of the shape, no checkpoint read
+        # a sampler, never a pooling model: vLLM 0.26 built one for a config.json that named no
+        # architecture, whose output head (and so the learner's shared lm_head) was missing
+        runner="generate",
+    )
+    if settings.lora == "unmerged":
+        kwargs.update(enable_lora=True, max_lora_rank=rollout_cfg.max_lora_rank, max_loras=rollout_cfg.max_loras)
+    if settings.cuda or settings.lora == "merged":
+        # merged LoRA, and the export of the base weights to a learner on this GPU
+        from rollout.engines.vllm_merge import EXTENSION
+
+        kwargs["worker_extension_cls"] = EXTENSION
+    if rollout_cfg.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = rollout_cfg.max_num_seqs
+    if rollout_cfg.block_size is not None:
+        kwargs["block_size"] = rollout_cfg.block_size
+    if rollout_cfg.num_gpus > 0:
+        kwargs["gpu_memory_utilization"] = rollout_cfg.gpu_memory_utilization
+        if rollout_cfg.gpu_memory_gib is not None and settings.cuda:
+            kwargs["gpu_memory_utilization"] = gpu_memory_fraction(rollout_cfg.gpu_memory_gib, device_total_bytes)
+    if rollout_cfg.parallel_size > 1:
+        # The ranks run as processes of the replica ('mp'), on the GPUs Ray gave the replica's own
+        # actor (all of them, on its node: CUDA_VISIBLE_DEVICES, inherited by every rank). vLLM
+        # would pick its Ray executor inside a placement group (config/parallel.py): its workers
+        # would then be actors a spawned engine core cannot place in the replica's group.
+        kwargs.update(tensor_parallel_size=rollout_cfg.tensor_parallel_size,
+                      pipeline_parallel_size=rollout_cfg.pipeline_parallel_size,
+                      distributed_executor_backend="mp")
+    if rollout_cfg.enable_prefix_caching is not None:
+        kwargs["enable_prefix_caching"] = rollout_cfg.enable_prefix_caching
+    if cpu_platform:
+        # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request
+        # is prefilled in chunks (a batch whose prompts exceed max_num_batched_tokens):
+        # the runner rewinds the per-request generator, which CPU generators cannot do.
+        # Whole-prompt prefills avoid that path; a step then holds at most the budget.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = rollout_cfg.max_num_batched_tokens or max(rollout_cfg.max_model_len, 4096)
+    else:
+        if rollout_cfg.enable_chunked_prefill is not None:
+            kwargs["enable_chunked_prefill"] = rollout_cfg.enable_chunked_prefill
+        if rollout_cfg.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = rollout_cfg.max_num_batched_tokens
+    return kwargs
 
 
 ADAPTER_ROOT_PREFIX = "cp-vllm-adapters-"
@@ -136,8 +251,9 @@ class VllmEngine(Engine):
         from rollout.engines.vllm_merge import W0_ENV
 
         os.environ[W0_ENV] = rollout_cfg.merged_w0  # read by the merging worker, in the engine core's process
-        if self.settings.multiprocessing:
-            # The engine core is a child of a Ray worker (threads, gRPC): spawn it, never fork.
+        if self.settings.multiprocessing or rollout_cfg.parallel_size > 1:
+            # The engine core (and the ranks of a sharded engine) are children of a Ray worker
+            # (threads, gRPC): spawn them, never fork.
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         from transformers import AutoTokenizer
         from vllm import LLM
@@ -146,48 +262,17 @@ class VllmEngine(Engine):
         self.rollout_cfg = rollout_cfg
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.stop = stop_token_ids(model_dir, model_cfg.eos_token_ids, tokenizer=self.tokenizer)
-        kwargs = dict(
-            model=str(model_dir),
-            tokenizer=str(model_dir),
-            dtype=model_cfg.dtype,
-            seed=seed,
-            max_model_len=rollout_cfg.max_model_len,
-            logprobs_mode="processed_logprobs",
-            enforce_eager=self.settings.enforce_eager,
-            generation_config="vllm",  # never take sampling defaults from the model's files
-            load_format=model_cfg.load_format,  # dummy: random weights of the shape, no checkpoint read
-            # a sampler, never a pooling model: vLLM 0.26 built one for a config.json that named no
-            # architecture, whose output head (and so the learner's shared lm_head) was missing
-            runner="generate",
-        )
-        if self.settings.lora == "unmerged":
-            kwargs.update(enable_lora=True, max_lora_rank=rollout_cfg.max_lora_rank, max_loras=rollout_cfg.max_loras)
-        if self.settings.cuda or self.settings.lora == "merged":
-            # merged LoRA, and the export of the base weights to a learner on this GPU
-            from rollout.engines.vllm_merge import EXTENSION
-
-            kwargs["worker_extension_cls"] = EXTENSION
-        if rollout_cfg.max_num_seqs is not None:
-            kwargs["max_num_seqs"] = rollout_cfg.max_num_seqs
-        if rollout_cfg.block_size is not None:
-            kwargs["block_size"] = rollout_cfg.block_size
-        if rollout_cfg.num_gpus > 0:
-            kwargs["gpu_memory_utilization"] = rollout_cfg.gpu_memory_utilization
-            if rollout_cfg.gpu_memory_gib is not None and self.settings.cuda:
-                # The device's total, the number vLLM multiplies (cudaMemGetInfo's total). The device
-                # properties give the same bytes without a CUDA context: mem_get_info would leave one
-                # (~0.4 GiB) in this process for the whole run, beside the engine core's own.
-                total = torch.cuda.get_device_properties(0).total_memory
-                kwargs["gpu_memory_utilization"] = gpu_memory_fraction(rollout_cfg.gpu_memory_gib, total)
+        check_parallel_shape(model_dir, rollout_cfg)  # a hub id's config.json is first read here
         from vllm.platforms import current_platform
 
+        # The device's total, the number vLLM multiplies (cudaMemGetInfo's total). The device
+        # properties give the same bytes without a CUDA context: mem_get_info would leave one
+        # (~0.4 GiB) in this process for the whole run, beside the engine core's own.
+        total = torch.cuda.get_device_properties(0).total_memory \
+            if rollout_cfg.gpu_memory_gib is not None and self.settings.cuda else None
+        kwargs = engine_kwargs(model_dir, model_cfg, rollout_cfg, self.settings, seed,
+                               cpu_platform=current_platform.is_cpu(), device_total_bytes=total)
         if current_platform.is_cpu():
-            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request
-            # is prefilled in chunks (a batch whose prompts exceed max_num_batched_tokens):
-            # the runner rewinds the per-request generator, which CPU generators cannot do.
-            # Whole-prompt prefills avoid that path; a step then holds at most the budget.
-            kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(rollout_cfg.max_model_len, 4096)
             # vLLM compiles one helper with inductor at the first generate that returns logprobs
             # (vllm/v1/sample/ops/logprobs.py batched_count_greater_than: a rank count), though
             # the engine runs eager: ~4 s of the first step and a g++ per process on the 2-core
@@ -197,8 +282,16 @@ class VllmEngine(Engine):
 
             os.environ["TORCH_COMPILE_DISABLE"] = "1"
             torch._dynamo.config.disable = True
+            if rollout_cfg.parallel_size > 1 and os.environ.get(CPU_BIND_ENV, "auto") == "auto":
+                os.environ[CPU_BIND_ENV] = cpu_rank_binding(sorted(os.sched_getaffinity(0)), rollout_cfg.parallel_size)
             if rollout_cfg.cpu_lora_ops == "grouped":
-                self._install_grouped_lora_ops()
+                self._install_grouped_lora_ops(rollout_cfg.parallel_size)
+        from vllm import envs as vllm_envs
+
+        # vLLM freezes its reading of the environment once an engine has started (envs.
+        # enable_envs_cache): an earlier engine of this process (tests) would hide the variables
+        # set above (thread binding, KV space) from this one.
+        getattr(vllm_envs, "disable_envs_cache", lambda: None)()
         t = time.perf_counter()
         self.llm = LLM(**kwargs)
         self._start_s = time.perf_counter() - t
@@ -226,13 +319,13 @@ class VllmEngine(Engine):
         self._remove_adapter_root()
 
     @staticmethod
-    def _install_grouped_lora_ops() -> None:
-        # The ops are replaced in this process; the engine core must run here too.
+    def _install_grouped_lora_ops(parallel_size: int = 1) -> None:
+        # The ops are replaced in this process; the engine core (and its one rank) must run here too.
         from rollout.engines import vllm_cpu_lora
 
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
-            log.warning("VLLM_ENABLE_V1_MULTIPROCESSING is not 0: the engine core runs in another "
-                        "process, so rollout.cpu_lora_ops=grouped cannot apply; using vLLM's LoRA ops")
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0" or parallel_size > 1:
+            log.warning("the engine core or its ranks run in other processes (VLLM_ENABLE_V1_MULTIPROCESSING, "
+                        "tensor/pipeline parallel), so rollout.cpu_lora_ops=grouped cannot apply; using vLLM's LoRA ops")
         elif vllm_cpu_lora.install():
             log.info("vllm-cpu LoRA: grouped ops (one matmul per adapter in the batch)")
 
