@@ -24,7 +24,7 @@ completion, rounded up to whole KV blocks):
   float32 (LoRA parameters x 4) and one layer's merge tensors, (3b + 8) x the largest adapted
   linear's weights (its W0, the next layer's W0 on its way and the merged result in b, W0 and the
   sum in float32: rollout/engines/vllm_merge.py's arithmetic, W0 on the host), plus every adapted
-  layer's W0 where ``COUNTERPOINT_MERGED_W0=device``.
+  layer's W0 where ``rollout.merged_w0=device``.
 - The learner (``learner.memory_budget_gib``): the smallest budget with which its memory plan fits
   one micro-batch (one longest row, a whole sequence, with micro_batch_tokens=auto), checkpointed
   unless gradient_checkpointing is false: weights, LoRA with its gradients and AdamW state, the
@@ -102,7 +102,7 @@ class ReplicaNeeds:
     sequence_tokens: int  # the most tokens of one (prompt + completion), in whole KV blocks
     merged: bool  # merged LoRA (rollout/engines/vllm_merge.py), else vLLM's LoRA slots
     cuda_graphs: bool
-    w0_on_device: bool  # merged with COUNTERPOINT_MERGED_W0=device
+    w0_on_device: bool  # merged with rollout.merged_w0=device
     lora_slots: int  # unmerged: vLLM's max_loras
     lora_slot_rank: int  # unmerged: vLLM's max_lora_rank
 
