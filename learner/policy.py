@@ -328,6 +328,13 @@ class PolicyLearner:
                                      token_budget=token_budget, max_rows=max_rows,
                                      pad_multiple=cfg.graph_pad_tokens if scorer is not None else 1,
                                      causal_only=self.causal_only, logprob_chunk=self.logprob_chunk)
+        if self.sharded and self.world_size > 1:  # each forward all-gathers: a rank with fewer would hang the rest
+            counts = torch.tensor([len(mbs), -len(mbs)], dtype=torch.int64, device=self.device)  # NCCL: on the GPU
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+            if int(counts[0]) != -int(counts[1]):
+                raise RuntimeError(f"learner.strategy=fsdp2: the ranks cut this step into {-int(counts[1])} to "
+                                   f"{int(counts[0])} micro-batches; FSDP2 needs the same number on every rank "
+                                   "(set learner.micro_batch_tokens=null and a micro_batch_size that splits each shard alike)")
         norm = LossNorm(
             loss_type=cfg.loss_type,
             global_tokens=float(batch.num_response_tokens()),
