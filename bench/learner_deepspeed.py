@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2 (learner.deepspeed) against the plain path on one GPU: the same update, and
+"""DeepSpeed ZeRO-2 (learner.strategy=deepspeed) against the plain path on one GPU: the same update, and
 the seconds, tokens/s and peak memory of each. GPU hosts only (DeepSpeed is GPU-only here).
 
     python bench/learner_deepspeed.py --steps 3 --out bench/results/learner-deepspeed.md
@@ -61,7 +61,7 @@ def run_config(args, model_dir: Path, deepspeed: bool, micro_batch_size: int):
     return RunConfig.model_validate({
         "seed": args.seed,
         "model": {"name_or_path": str(model_dir), "dtype": args.dtype},
-        "learner": {"use_gpu": True, "deepspeed": deepspeed, "lr": args.lr, "micro_batch_size": micro_batch_size,
+        "learner": {"use_gpu": True, "strategy": "deepspeed" if deepspeed else "ddp", "lr": args.lr, "micro_batch_size": micro_batch_size,
                     "lora": {"r": 32, "alpha": 64, "target_modules": "all-linear"}},
         "rollout": {"max_tokens": args.response_len},
         "trainer": {"steps": args.steps},

@@ -248,7 +248,7 @@ def main() -> int:
         f"exit code {rc}; wall {wall:.0f} s; {len(timing)} steps trained; medians over steps {args.skip_first + 1}..",
         f"rollout replicas {replicas} (GPUs each {cfg.get('rollout', {}).get('num_gpus')}), learner workers "
         f"{lcfg.get('workers')} (GPU {lcfg.get('use_gpu')}, {lcfg.get('gpus_per_worker', 1.0)} each; "
-        f"deepspeed {lcfg.get('deepspeed', False)}), rollout engine {cfg.get('rollout', {}).get('engine')}", "",
+        f"strategy {lcfg.get('strategy', 'ddp')}), rollout engine {cfg.get('rollout', {}).get('engine')}", "",
         "| phase | median s |", "|---|---|",
         *[f"| {p} | {med([t['phases_s'].get(p, 0.0) for t in kept]):.3f} |" for p in PHASES],
         f"| **total (s/step)** | {med([t['total_s'] for t in kept]):.3f} |", "",

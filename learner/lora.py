@@ -195,12 +195,15 @@ def safetensors_bytes(state: dict[str, torch.Tensor], metadata: dict[str, str] |
     return safetensors_blob(state, metadata)[0].tobytes()
 
 
-def adapter_payload(peft_model, version: int, dtype: torch.dtype | None = None) -> AdapterPayload:
+def adapter_payload(peft_model, version: int, dtype: torch.dtype | None = None,
+                    state: dict[str, torch.Tensor] | None = None) -> AdapterPayload:
     """The adapter as the engines get it; ``dtype`` casts it on its device first (the payload's
-    bytes: ``safetensors_blob``)."""
+    bytes: ``safetensors_blob``). ``state``: its tensors when the model holds only shards of
+    them (learner/fsdp.py gathers them whole), else read from the model."""
     from peft import get_peft_model_state_dict
 
-    state = get_peft_model_state_dict(peft_model)
+    if state is None:
+        state = get_peft_model_state_dict(peft_model)
     blob, checksum = safetensors_blob(state, metadata={"format": "pt"}, dtype=dtype)
     return AdapterPayload(version=version, safetensors=blob, config=adapter_config_dict(peft_model),
                           checksum=checksum)
@@ -214,16 +217,20 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def save_adapter(peft_model, out_dir: Path) -> str:
+def save_adapter(peft_model, out_dir: Path, state: dict[str, torch.Tensor] | None = None) -> str:
     """peft save_pretrained (safetensors) into out_dir; returns the sha256 of the weights file.
 
     adapter_config.json is rewritten with its module-name sets sorted (peft writes them in set
     order, which changes with PYTHONHASHSEED), in peft's own layout: the same adapter gives the
-    same bytes in every process.
+    same bytes in every process. ``state``: the adapter's full tensors under peft's saved names
+    when the model holds only shards of them (learner/fsdp.py).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    peft_model.save_pretrained(str(out_dir), safe_serialization=True)
+    if state is None:
+        peft_model.save_pretrained(str(out_dir), safe_serialization=True)
+    else:  # peft's own file, written from the tensors given (no second gather)
+        peft_model.save_pretrained(str(out_dir), safe_serialization=True, state_dict=state)
     config_file = out_dir / CONFIG_FILE
     config = canonical_config(json.loads(config_file.read_text()))
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True))

@@ -70,7 +70,7 @@ def allreduce_sums(groups: dict[str, dict[str, float]], device: torch.device) ->
 
 
 def deepspeed_engine(peft_model, optimizer, cfg) -> tuple[Any, GradSync]:
-    """ZeRO-2 over the LoRA parameters (learner.deepspeed, GPU only).
+    """ZeRO-2 over the LoRA parameters (learner.strategy=deepspeed, GPU only).
 
     Checked on an H200 by bench/learner_deepspeed.py (same update as the plain path: 5e-5
     relative in float32; resume from its checkpoint continues exactly). Our own micro-batch
@@ -143,9 +143,14 @@ class PolicyLearner:
         self.cfg, self.model_cfg, self.spec = cfg, model_cfg, spec
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.init_is_identity = init_adapter is None and resume_from is None
-        base, fence = self._base(model_cfg, shared_base, share_required)
         source = Path(resume_from) / "adapter" if resume_from is not None else init_adapter
-        self.peft_model = attach_lora(base, cfg.lora, spec.seed, source).to(self.device)
+        self.sharded = cfg.strategy == "fsdp2"
+        if self.sharded:  # built sharded: no whole copy of the base on any worker (learner/fsdp.py)
+            self.peft_model, fence = self._fsdp_model(model_cfg, spec, source, shared_base), None
+            base = self.peft_model.get_base_model()
+        else:
+            base, fence = self._base(model_cfg, shared_base, share_required)
+            self.peft_model = attach_lora(base, cfg.lora, spec.seed, source).to(self.device)
         # What the replica's merged adapter adds to the shared weights, taken off again
         self.served = ServedCorrection(self.peft_model, fence, self.device) if fence is not None else None
         self.checkpointing = False
@@ -175,12 +180,16 @@ class PolicyLearner:
         # The adapter as the engines get it: under autocast, in the dtype the learner's own forward
         # multiplies it in (and half the bytes to move every step); else as trained (float32).
         self.payload_dtype = self.amp_dtype
+        if self.sharded:  # FSDP2's mixed precision computes in the base dtype already (learner/fsdp.py)
+            self.amp_dtype = None
         self.optimizer = build_optimizer(self.peft_model.parameters(), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, spec.total_steps)
-        self.share_prefix = ((not on_cuda) if cfg.share_prompt_prefix is None else cfg.share_prompt_prefix) \
-            and cfg.gradient_checkpointing is not True
+        # FSDP2 frees each layer's gathered weights after its forward: the prompt's forward, whose
+        # KV cache the rows' forward reuses with gradients, would need them again in the backward.
+        self.share_prefix = ((not on_cuda and not self.sharded) if cfg.share_prompt_prefix is None
+                             else cfg.share_prompt_prefix) and cfg.gradient_checkpointing is not True
         graphs = (cfg.cuda_graphs and (on_cuda or graph_capture is not None) and world_size == 1
-                  and not cfg.deepspeed and cfg.gradient_checkpointing is not True and cfg.lora.dropout == 0
+                  and cfg.strategy == "ddp" and cfg.gradient_checkpointing is not True and cfg.lora.dropout == 0
                   and not self.share_prefix)
         # Right-padded rows need no attention mask (learner/passes.py): on CUDA that is the plain
         # causal attention kernel; CPU keeps the mask, and with it its measured numerics.
@@ -197,7 +206,7 @@ class PolicyLearner:
         self.resumed_sha256: str | None = None
         if resume_from is not None:
             state = checkpoint.restore(resume_from, rank=rank, optimizer=self.optimizer, scheduler=self.scheduler,
-                                       deepspeed_engine=self._deepspeed_engine)
+                                       deepspeed_engine=self._deepspeed_engine, sharded=self.sharded)
             self.lr_rebase_note = checkpoint.lr_decision(state["lr"], self.cfg.lr, self.cfg.on_lr_mismatch)
             rebase_lr(self.optimizer, self.scheduler, self.cfg.lr)  # the configured LR, always
             self.step_count = int(state["step"])
@@ -224,6 +233,19 @@ class PolicyLearner:
                 self.base_owner_pid = shared_base.owner_pid
                 return base, Fence.open(shared_base.fence) if shared_base.fence is not None else None
         return load_base_model(model_cfg, self.device), None
+
+    def _fsdp_model(self, model_cfg, spec: PolicySpec, source: Path | None, shared_base: BaseExport | None):
+        """The peft model sharded over the workers (learner.strategy=fsdp2): each loads only its
+        slices of the base weights; a replica's mapped weights cannot be sharded (config/run.py
+        refuses the combination; an offer here is declined and recorded)."""
+        from learner.fsdp import build_fsdp_model
+        from model.base import resolve_model
+
+        why = "learner.strategy=fsdp2 shards its own copy of the base weights"
+        self.base_weights = {"mode": "own", "reason": why if shared_base is not None else "no replica's weights were offered"}
+        self.base_owner_pid = None
+        return build_fsdp_model(resolve_model(model_cfg), model_cfg, self.cfg.lora, spec.seed, source, self.device,
+                                cpu_offload=self.cfg.fsdp_cpu_offload)
 
     @classmethod
     def for_run(cls, run_cfg, **kwargs: Any) -> "PolicyLearner":
@@ -270,12 +292,16 @@ class PolicyLearner:
     @property
     def _deepspeed_engine(self):
         """The DeepSpeed engine (it owns the optimizer state under ZeRO), or None."""
-        return self.model if self.cfg.deepspeed else None
+        return self.model if self.cfg.strategy == "deepspeed" else None
 
     def _wrap(self, model):
         """The module the update runs through, and how its gradients are synchronised."""
-        if self.cfg.deepspeed:
+        if self.cfg.strategy == "deepspeed":
             return deepspeed_engine(model, self.optimizer, self.cfg)
+        if self.sharded:  # fully_shard wrapped the peft model in place
+            from learner.fsdp import fsdp_grad_sync
+
+            return model, fsdp_grad_sync(self.peft_model, self.optimizer, self.cfg.max_grad_norm)
         if self.world_size > 1 and dist.is_initialized():
             from torch.nn.parallel import DistributedDataParallel
 
@@ -302,6 +328,13 @@ class PolicyLearner:
                                      token_budget=token_budget, max_rows=max_rows,
                                      pad_multiple=cfg.graph_pad_tokens if scorer is not None else 1,
                                      causal_only=self.causal_only, logprob_chunk=self.logprob_chunk)
+        if self.sharded and self.world_size > 1:  # each forward all-gathers: a rank with fewer would hang the rest
+            counts = torch.tensor([len(mbs), -len(mbs)], dtype=torch.int64, device=self.device)  # NCCL: on the GPU
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+            if int(counts[0]) != -int(counts[1]):
+                raise RuntimeError(f"learner.strategy=fsdp2: the ranks cut this step into {-int(counts[1])} to "
+                                   f"{int(counts[0])} micro-batches; FSDP2 needs the same number on every rank "
+                                   "(set learner.micro_batch_tokens=null and a micro_batch_size that splits each shard alike)")
         norm = LossNorm(
             loss_type=cfg.loss_type,
             global_tokens=float(batch.num_response_tokens()),
@@ -398,9 +431,22 @@ class PolicyLearner:
 
     # ------------------------------------------------------------------ adapters, checkpoints
 
-    def payload(self, version: int) -> AdapterPayload:
+    def full_adapter(self) -> dict[str, torch.Tensor] | None:
+        """Under FSDP2 the adapter's full tensors, gathered (a collective: EVERY rank calls it
+        before rank 0 publishes or saves); None otherwise (each rank holds the whole adapter)."""
+        if not self.sharded:
+            return None
+        from peft import get_peft_model_state_dict
+
+        from learner.fsdp import full_state
+
+        with record_function("cp.gather_adapter"):
+            return full_state(get_peft_model_state_dict(self.peft_model))
+
+    def payload(self, version: int, adapter: dict[str, torch.Tensor] | None = None) -> AdapterPayload:
+        """The adapter for the engines; ``adapter``: its full tensors (``full_adapter``, FSDP2)."""
         with record_function("cp.export"):
-            return adapter_payload(self.peft_model, version, dtype=self.payload_dtype)
+            return adapter_payload(self.peft_model, version, dtype=self.payload_dtype, state=adapter)
 
     def stats(self) -> dict[str, Any]:
         """How the update ran, for the receipt: graphs captured and replayed, or why not."""
@@ -410,14 +456,23 @@ class PolicyLearner:
                 "gradient_checkpointing": self.checkpointing, "logprob_chunk_tokens": self.logprob_chunk,
                 "memory_plan": self.last_plan.as_dict() if self.last_plan is not None else None}
 
-    def save_init_adapter(self, out_dir: Path) -> str:
-        return save_adapter(self.peft_model, out_dir)
+    def save_init_adapter(self, out_dir: Path, adapter: dict[str, torch.Tensor] | None = None) -> str:
+        return save_adapter(self.peft_model, out_dir, state=adapter)
 
-    def save_checkpoint(self, ckpt: Path, data_position: dict[str, Any] | None) -> str | None:
+    def save_checkpoint(self, ckpt: Path, data_position: dict[str, Any] | None,
+                        adapter: dict[str, torch.Tensor] | None = None) -> str | None:
+        """Every rank calls it. Under FSDP2 the adapter (``adapter``, else gathered here) and the
+        optimizer state are gathered whole first, so rank 0 writes the plain learner's layout."""
+        full_optimizer = None
+        if self.sharded:
+            from learner.fsdp import full_optimizer_state
+
+            adapter = adapter if adapter is not None else self.full_adapter()
+            full_optimizer = full_optimizer_state(self.optimizer)
         sha = checkpoint.save(
             ckpt, rank=self.rank, peft_model=self.peft_model, optimizer=self.optimizer,
             scheduler=self.scheduler, step=self.step_count, data_position=data_position,
-            deepspeed_engine=self._deepspeed_engine,
+            deepspeed_engine=self._deepspeed_engine, adapter_state=adapter, optimizer_state=full_optimizer,
         )
         if dist.is_available() and dist.is_initialized():
             dist.barrier()

@@ -54,12 +54,13 @@ def left_in_store(payload) -> AdapterRef:
 
 def init_answer(learner: PolicyLearner, run_dir: Path, export: Export) -> InitInfo | None:
     """Init: the adapter to sample the next step with (rank 0 answers; the others None)."""
+    adapter = learner.full_adapter()  # FSDP2: every rank joins the gather before rank 0 publishes
     if learner.rank != 0:
         return None
     sha = learner.resumed_sha256
     if sha is None:  # fresh run (seeded init or --init-adapter): record what we start from
-        sha = learner.save_init_adapter(run_dir / "adapters" / "init")
-    return InitInfo(adapter_sha256=sha, init_payload=export(learner.payload(adapter_version(learner.step_count))),
+        sha = learner.save_init_adapter(run_dir / "adapters" / "init", adapter)
+    return InitInfo(adapter_sha256=sha, init_payload=export(learner.payload(adapter_version(learner.step_count), adapter)),
                     step=learner.step_count, lr_rebase_note=learner.lr_rebase_note,
                     data_position=learner.data_position, init_is_identity=learner.init_is_identity,
                     base_weights=learner.base_weights)
@@ -68,10 +69,11 @@ def init_answer(learner: PolicyLearner, run_dir: Path, export: Export) -> InitIn
 def step_answer(learner: PolicyLearner, batch: TrainBatch, export: Export) -> StepResult | None:
     """Step: train this rank's shard; rank 0 answers with metrics, phases and the new adapter."""
     metrics, phases = learner.step(batch)
+    t = time.perf_counter()
+    full = learner.full_adapter()  # FSDP2: every rank joins the gather before rank 0 publishes
     if learner.rank != 0:
         return None
-    t = time.perf_counter()
-    adapter = export(learner.payload(adapter_version(learner.step_count)))
+    adapter = export(learner.payload(adapter_version(learner.step_count), full))
     exported = time.perf_counter() - t
     phases["update_actor"] += exported  # exporting the adapter is part of it
     return StepResult(metrics={**metrics, "learner_export_s": exported}, phases_s=phases, adapter=adapter)
@@ -83,10 +85,11 @@ def save_answer(learner: PolicyLearner, cmd: Save, run_dir: Path) -> Saved | Non
     if cmd.step != learner.step_count:
         raise ValueError(f"save_checkpoint(step={cmd.step}) but the learner is at step {learner.step_count}")
     ckpt = checkpoint.checkpoint_dir(run_dir, learner.step_count)
-    sha = learner.save_checkpoint(ckpt, cmd.data_position)
+    adapter = learner.full_adapter()  # FSDP2: gathered on every rank, written by rank 0
+    sha = learner.save_checkpoint(ckpt, cmd.data_position, adapter)
     if learner.rank != 0:
         return None
-    save_adapter(learner.peft_model, run_dir / "adapters" / f"step_{learner.step_count}")
+    save_adapter(learner.peft_model, run_dir / "adapters" / f"step_{learner.step_count}", state=adapter)
     return Saved(path=str(ckpt.relative_to(run_dir)), adapter_sha256=sha)
 
 

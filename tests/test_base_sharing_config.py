@@ -29,7 +29,8 @@ def test_auto_shares_where_one_replica_and_one_worker_fit_one_gpu():
     (["learner.use_gpu=false"], "the rollout replica runs on a GPU and the learner on the CPU"),
     (["rollout.replicas=2"], "rollout.replicas=2 and learner.workers=1 (one replica lends its weights to one learner worker)"),
     (["learner.gpus_per_worker=1"], "rollout.num_gpus=0.4 and learner.gpus_per_worker=1 add up to more than one GPU"),
-    (["learner.deepspeed=true"], "learner.deepspeed wraps the model in its own engine"),
+    (["learner.strategy=deepspeed"], "learner.strategy=deepspeed wraps the model in its own engine"),
+    (["learner.strategy=fsdp2"], "learner.strategy=fsdp2 shards its own copy of the base weights"),
 ])
 def test_true_is_refused_in_one_line_where_the_learner_cannot_map_the_weights(sets, why):
     assert cfg(*GPU, *sets).shares_base_weights()[0] is False

@@ -220,8 +220,8 @@ def test_bad_values_name_the_field():
         load_config(None, ["trainer.group_size=1"])
     with pytest.raises(ConfigError, match=r"grader\.style"):
         load_config(None, ["grader.style=baroque"])
-    with pytest.raises(ConfigError, match="deepspeed"):
-        load_config(None, ["learner.deepspeed=true"])
+    with pytest.raises(ConfigError, match=r"learner\.strategy=deepspeed needs learner\.use_gpu=true"):
+        load_config(None, ["learner.strategy=deepspeed"])
 
 
 def test_malformed_override_and_missing_file(tmp_path: Path):

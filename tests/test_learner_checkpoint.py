@@ -95,9 +95,9 @@ def test_resuming_with_the_other_learner_is_refused_by_name(tmp_path):
     plain = checkpoint_dir(tmp_path, 1)
     learner.save_checkpoint(plain, None)
     never_called = object()  # the check comes before any engine call
-    with pytest.raises(FileNotFoundError, match=r"holds no deepspeed/zero/ optimizer partitions .*unset learner.deepspeed"):
+    with pytest.raises(FileNotFoundError, match=r"holds no deepspeed/zero/ optimizer partitions .*set learner.strategy=ddp\)"):
         checkpoint.restore(plain, rank=0, optimizer=None, scheduler=learner.scheduler, deepspeed_engine=never_called)
 
     (plain / "optimizer.pt").unlink()  # what a DeepSpeed checkpoint lacks
-    with pytest.raises(FileNotFoundError, match=r"holds no optimizer.pt \(a DeepSpeed checkpoint\? set learner.deepspeed\)"):
+    with pytest.raises(FileNotFoundError, match=r"holds no optimizer.pt \(a DeepSpeed checkpoint\? set learner.strategy=deepspeed\)"):
         PolicyLearner.for_run(cfg(), resume_from=plain)

@@ -24,7 +24,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
     # a replica on a GPU of its own, the learner on a fraction: Ray may put the learner on its GPU
     ("gpu-bench-2gpu.yaml", ["learner.gpus_per_worker=0.4"], False),
     ("gpu-bench-2gpu.yaml", ["rollout.num_gpus=0"], True),  # a CPU replica, a GPU learner
-    ("gpu-bench.yaml", ["learner.use_gpu=false", "learner.deepspeed=false"], True),  # only the replica on the GPU
+    ("gpu-bench.yaml", ["learner.use_gpu=false", "learner.strategy=ddp"], True),  # only the replica on the GPU
 ])
 def test_the_learner_starts_beside_the_rollout_unless_they_may_share_a_gpu(name, overrides, beside):
     cfg = load_config(CONFIGS / name, overrides)

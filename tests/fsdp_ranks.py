@@ -1,0 +1,130 @@
+"""One rank of a real gloo process group running a PolicyLearner, for tests/test_learner_fsdp.py.
+
+    python tests/fsdp_ranks.py STRATEGY WORLD RANK PORT OUT_DIR [RESUME_FROM]
+
+Each rank builds the learner (learner.strategy=STRATEGY over WORLD gloo ranks on the CPU), takes
+one step on batch 0, saves a checkpoint, takes a second step on batch 1; then a second learner
+resumed from that checkpoint (or from RESUME_FROM, a checkpoint another run wrote) takes the
+same second step (and, given RESUME_FROM, a third learner resumed from it). Every rank joins every gather; rank 0 writes what it saw to OUT_DIR/result.pt:
+the initial and updated adapters (full tensors), the LoRA gradients of step 1 (before clipping
+and the optimizer step), the losses, the published payload's bytes, the base weights as loaded
+(full), and the files of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from config import RunConfig  # noqa: E402
+from learner.checkpoint import checkpoint_dir  # noqa: E402
+from learner.passes import GradSync  # noqa: E402
+from learner.policy import PolicyLearner  # noqa: E402
+from learner.types import TrainBatch  # noqa: E402
+from learner.worker import save_answer, step_answer  # noqa: E402
+from learner.protocol import Save  # noqa: E402
+
+
+def run_config(strategy: str, workers: int) -> RunConfig:
+    return RunConfig.model_validate({
+        "seed": 5, "model": {"name_or_path": "tiny-random"},
+        "learner": {"strategy": strategy, "workers": workers, "lr": 1e-3, "micro_batch_size": 2,
+                    "lora": {"r": 4, "alpha": 8},
+                    # off for every strategy, so the runs compare strategies only (fsdp2 cannot share it;
+                    # the shared prefix has its own equivalence test, tests/test_shared_prefix.py)
+                    "share_prompt_prefix": False},
+        "rollout": {"max_tokens": 4}, "trainer": {"steps": 10},
+    })
+
+
+def batch(k: int) -> TrainBatch:
+    """Six rows in three groups of two sharing a prompt (the shared-prefix path runs too)."""
+    g = torch.Generator().manual_seed(k)
+    prompts = [torch.randint(1, 400, (3 + i % 2,), generator=g).tolist() for i in range(3)]
+    responses = [torch.randint(1, 400, (2 + i % 3,), generator=g).tolist() for i in range(6)]
+    return TrainBatch([prompts[i // 2] for i in range(6)], responses, [[-10.8] * len(r) for r in responses],
+                      advantages=[1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def adapter(learner: PolicyLearner) -> dict[str, torch.Tensor]:
+    from learner.lora import adapter_state_dict
+
+    gathered = learner.full_adapter()
+    state = gathered if gathered is not None else adapter_state_dict(learner.peft_model)
+    return {k: v.clone() for k, v in state.items()}  # a snapshot, not a view of the live parameters
+
+
+def capture_grads(learner: PolicyLearner, into: dict) -> None:
+    """The LoRA gradients as the optimizer step is about to see them (full tensors)."""
+    sync = learner.grad_sync
+    names = {id(p): n for n, p in learner.peft_model.named_parameters() if p.requires_grad}
+
+    def step() -> float:
+        for p in (p for g in learner.optimizer.param_groups for p in g["params"]):
+            into[names[id(p)]] = full(p.grad)
+        return sync.step()
+
+    learner.grad_sync = GradSync(backward=sync.backward, step=step)
+
+
+def main(strategy: str, world: int, rank: int, port: int, out: Path, resume_from: Path | None) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    cfg = run_config(strategy, world)
+    result: dict = {}
+    learner = PolicyLearner.for_run(cfg, rank=rank, world_size=world)
+    result["base"] = {n: full(p) for n, p in learner.peft_model.named_parameters() if not p.requires_grad}
+    result["buffers"] = {n: b.clone() for n, b in learner.peft_model.named_buffers()}
+    result["init"] = adapter(learner)
+    grads: dict = {}
+    capture_grads(learner, grads)
+    answer = step_answer(learner, batch(0), lambda payload: payload)  # every rank: the gather is collective
+    result["grads"] = grads
+    result["step1"] = adapter(learner)
+    if rank == 0:
+        result["loss1"] = answer.metrics["loss"]
+        result["grad_norm1"] = answer.metrics["grad_norm"]
+        result["payload1"] = bytes(answer.adapter.safetensors.tobytes())
+    saved = save_answer(learner, Save(step=1, data_position=None), out / "run")
+    ckpt = checkpoint_dir(out / "run", 1)
+    if rank == 0:
+        result["adapter_sha"] = saved.adapter_sha256
+        result["ckpt_files"] = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
+        result["ckpt_adapter"] = load_file(str(ckpt / "adapter" / "adapter_model.safetensors"))
+        result["ckpt_optimizer"] = torch.load(ckpt / "optimizer.pt", weights_only=False)
+    result["loss2"] = learner.step(batch(1))[0]["loss"]
+    result["step2"] = adapter(learner)
+    dist.barrier()
+
+    resumed = PolicyLearner.for_run(cfg, rank=rank, world_size=world, resume_from=ckpt)
+    result["resumed_step"] = resumed.step_count
+    result["resumed_loss2"] = resumed.step(batch(1))[0]["loss"]
+    result["resumed2"] = adapter(resumed)
+    if resume_from is not None:  # another run's checkpoint (another strategy or world size)
+        other = PolicyLearner.for_run(cfg, rank=rank, world_size=world, resume_from=resume_from)
+        other.step(batch(1))
+        result["other_resumed2"] = adapter(other)
+    if rank == 0:
+        torch.save(result, out / "result.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    strategy_, world_, rank_, port_, out_ = sys.argv[1:6]
+    main(strategy_, int(world_), int(rank_), int(port_), Path(out_),
+         Path(sys.argv[6]) if len(sys.argv) > 6 else None)
