@@ -17,7 +17,7 @@ from learner.fused_lora import FusedLora, LoraLinearFn
 from learner.lora import adapter_state_dict
 from learner.passes import GradSync
 from learner.policy import PolicyLearner
-from tests.test_learner_gpu_opts import two_groups
+from tests.test_learner_gpu_opts import gradients, two_groups
 from tests.test_shared_prefix import VOCAB, lora, tiny_llama
 
 
@@ -215,16 +215,39 @@ def learner_steps(model_dir, steps: int = 2, **learner):
         "rollout": {"temperature": 0.7}, "trainer": {"steps": steps},
     })
     policy = PolicyLearner.for_run(cfg)
-    out = []
+    out = [({}, {n: v.clone() for n, v in adapter_state_dict(policy.peft_model).items()})]  # the init
     for k in range(steps):
         metrics, _ = policy.step(two_groups(torch.Generator().manual_seed(3 + k)))
         out.append((metrics, {n: v.clone() for n, v in adapter_state_dict(policy.peft_model).items()}))
     return policy, out
 
 
+@pytest.mark.parametrize("cut", [{}, {"size": 4}, {"size": 4, "share_prefix": False}])
+def test_whole_model_loss_is_pefts_bit_for_bit_and_gradients_to_float32_rounding(cut):
+    """The forward is the same ops in the same order (s = 2): the same loss, bit for bit. The LoRA
+    gradients differ by summation order only: a layer input's gradient is g W0 + s (g B) A summed
+    inside one addmm per projection, where autograd sums peft's two branches of q, k and v (and
+    of gate and up) one by one."""
+    model = lora(tiny_llama())  # q, v and down adapted, B drawn
+    ref = copy.deepcopy(model)
+    fused = FusedLora(model)
+    batch = two_groups(torch.Generator().manual_seed(7))
+    _, loss_ref, grads_ref = gradients(ref, batch, "dapo", **dict(cut))
+    _, loss, grads = gradients(model, batch, "dapo", **dict(cut))
+    assert fused.stats()["fused_forwards"] > 0 and fused.stats()["peft_forwards"] == 0
+    assert loss == loss_ref
+    for name, want in grads_ref.items():
+        assert want.abs().max() > 0, name
+        assert relative(grads[name], want) < 2e-6, name
+
+
 @pytest.mark.parametrize("extra", [{}, {"fold_old_logprobs": False, "beta": 0.05},
                                    {"gradient_checkpointing": True, "epochs_per_step": 2}])
 def test_policy_update_is_the_same_with_fused_lora(tmp_path, extra):
+    """Step 1 (B = 0: only B moves, and g^T (x A^T) is one GEMM either way) is bit for bit; from
+    step 2 the A gradients carry the summation-order difference above, which AdamW's first steps
+    (update ~ lr g / |g|) scale up where a gradient element is near zero: 6e-5 of the
+    movement seen here, against O(1) for a wrong scale or a missing term."""
     tiny_llama(tmp_path)
     plain, plain_steps = learner_steps(tmp_path, fused_lora=False, **extra)
     fused, fused_steps = learner_steps(tmp_path, fused_lora=True, **extra)
@@ -232,14 +255,21 @@ def test_policy_update_is_the_same_with_fused_lora(tmp_path, extra):
     stats = fused.stats()["fused_lora"]
     assert stats["layers"] == 2 * 7 and stats["fused_forwards"] > 0  # all-linear: 7 per decoder layer
     assert stats["peft_forwards"] == (stats["fused_forwards"] // 2 if "beta" in extra else 0)  # ref: adapter off
-    for (m_plain, a_plain), (m_fused, a_fused) in zip(plain_steps, fused_steps):
-        for key in ("loss", "grad_norm", "ppl_ratio", "kl"):
-            assert m_fused.get(key) == m_plain.get(key), key
-        moved = 0
+    init = plain_steps[0][1]
+    assert all(torch.equal(fused_steps[0][1][name], v) for name, v in init.items())
+    (m1_plain, a1_plain), (m1_fused, a1_fused) = plain_steps[1], fused_steps[1]
+    for key in ("loss", "grad_norm", "ppl_ratio", "kl"):
+        assert m1_fused.get(key) == m1_plain.get(key), key
+    exact = 2 if "epochs_per_step" not in extra else 1  # two epochs: step 1 moves A too
+    if exact == 2:
+        for name, want in a1_plain.items():
+            assert torch.equal(a1_fused[name], want), name
+    for (m_plain, a_plain), (m_fused, a_fused) in zip(plain_steps[exact:], fused_steps[exact:]):
+        for key in ("loss", "grad_norm", "ppl_ratio"):
+            assert m_fused[key] == pytest.approx(m_plain[key], rel=1e-6), key
         for name, want in a_plain.items():
-            assert torch.equal(a_fused[name], want), name
-            moved += int(want.abs().max() > 0)
-        assert moved == len(a_plain)  # every A and B has moved by the second step
+            assert (want - init[name]).abs().max() > 0, name  # every A and B moved
+            assert relative(a_fused[name] - init[name], want - init[name]) < 3e-4, name
 
 
 def test_cpu_default_is_not_fused_and_the_config_refuses_what_cannot_fuse(tmp_path):
