@@ -145,16 +145,18 @@ def test_bf16_autocast_matches_pefts_autocast_path_within_bf16_rounding():
 
 
 def test_cast_copies_are_made_once_and_refreshed_after_an_optimizer_step():
-    """The bf16 copies are persistent buffers: a second forward makes none, and a fused AdamW step
+    """The bf16 copies are persistent buffers: a second forward makes none, a fused AdamW step
     (which does not move the version counter) reaches the forward through the learner's refreshing
-    optimizer step, not otherwise."""
+    optimizer step, not otherwise, and the refresh rewrites the buffers in place (a CUDA graph
+    captured before it reads the new values)."""
     model, ref = adapted(alpha=8, dtype=torch.bfloat16)
     fused = FusedLora(model, compute_dtype=torch.bfloat16)
     buffers = [entry[1] for entry in fused.cache.entries.values()]
     assert len(buffers) == 2
     x, g = torch.randn(2, 3, 48), torch.randn(2, 3, 40)
     forward_backward(model, x, g, amp=torch.bfloat16)
-    assert [entry[1] for entry in fused.cache.entries.values()] == buffers  # the same tensors, no new copy
+    assert all(e[1] is b for e, b in zip(fused.cache.entries.values(), buffers))  # the same tensors, no new copy
+    addresses = [b.data_ptr() for b in buffers]  # a captured CUDA graph reads these addresses
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=0.5, fused=True)
 
@@ -170,6 +172,7 @@ def test_cast_copies_are_made_once_and_refreshed_after_an_optimizer_step():
     assert relative(y, y_ref) < 2 ** -6
     for master, buf in zip(trainable, buffers):
         assert torch.equal(buf, master.detach().to(torch.bfloat16))
+    assert [e[1].data_ptr() for e in fused.cache.entries.values()] == addresses  # rewritten in place
 
 
 def test_peft_forward_runs_where_fusing_does_not_apply():
