@@ -2,18 +2,22 @@
 
     python3 bench/learner_gpu.py --model /tmp/gpu-vs-trl/models/qwen3-4b --prompts 1 \
         --variants eager_shared,eager,graphs --out $OUT/learner-4b-1.json
+    python3 bench/learner_gpu.py --model ... --prompts 4 --variants eager,fused,graphs,graphs_fused
 
 Each variant is the PolicyLearner that the Ray Train worker runs, with configs/gpu-bench.yaml's
 learner section and a few overrides:
 - ``eager_shared``: the CUDA path as it was before issue 21: the group's prompt shared
   (share_prompt_prefix), no graphs;
 - ``eager``: no shared prefix, no graphs;
-- ``graphs``: the update's forward and backward captured as CUDA graphs (learner/graphed.py).
+- ``graphs``: the update's forward and backward captured as CUDA graphs (learner/graphed.py);
+- ``fused``, ``graphs_fused``: ``eager`` and ``graphs`` with peft's LoRA layers run as one autograd
+  function each and A, B cast to bf16 once per step (learner/fused_lora.py, issue 34); the others
+  set learner.fused_lora=false, since its 'auto' is on for a CUDA worker.
 The batches are random tokens in GRPO groups of G=8, with the bench's shape: ~200 prompt and 384
 response tokens. A step counts what learner/worker.py counts as update_actor, the adapter's
 export included. The first ``--warmup`` steps hold the graph capture and are left out.
 
-Checks: ``graphs`` must end where ``eager`` ends from the same init on the same batches
+Checks: ``graphs`` and the fused variants must end where ``eager`` ends from the same init on the same batches
 (relative distance of the adapters, against the noise floor of eager against eager_shared,
 which differ only in summation order). ``--profile`` adds one profiled step per variant: the
 device's busy time against the step's wall time, and the ops that keep it busy.
@@ -33,9 +37,11 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
-    "eager_shared": {"share_prompt_prefix": True, "cuda_graphs": False},
-    "eager": {"share_prompt_prefix": False, "cuda_graphs": False},
-    "graphs": {"share_prompt_prefix": False, "cuda_graphs": True},
+    "eager_shared": {"share_prompt_prefix": True, "cuda_graphs": False, "fused_lora": False},
+    "eager": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False},
+    "graphs": {"share_prompt_prefix": False, "cuda_graphs": True, "fused_lora": False},
+    "fused": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": True},
+    "graphs_fused": {"share_prompt_prefix": False, "cuda_graphs": True, "fused_lora": True},
 }
 
 
@@ -141,7 +147,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="a model dir (bench/gpu_vs_trl.py builds them)")
     ap.add_argument("--prompts", type=int, default=1, help="groups of 8 per step")
-    ap.add_argument("--variants", default="eager_shared,eager,graphs")
+    ap.add_argument("--variants", default="eager_shared,eager,graphs,fused",
+                    help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=200)
@@ -177,13 +184,16 @@ def main() -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1))
-    print(f"{'variant':<14} {'update s':>9} {'export s':>9} {'steps s':<40} {'peak GiB':>8}")
+    # fused: the LoRA forwards that ran fused / through peft's path (a graph replay counts none)
+    print(f"{'variant':<14} {'update s':>9} {'export s':>9} {'steps s':<40} {'peak GiB':>8} {'fused/peft':>12}")
     for r in rows:
         steps = ", ".join(f"{x:.3f}" for x in r.get("steps_s", []))
         upd = f"{r['update_s']:.3f}" if r.get("update_s") is not None else r.get("error", "-")[:60]
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
         exp = f"{r['export_s']:.3f}" if r.get("export_s") is not None else "-"
-        print(f"{r['variant']:<14} {upd:>9} {exp:>9} {steps:<40} {peak:>8}")
+        fl = (r.get("stats") or {}).get("fused_lora")
+        fused = f"{fl['fused_forwards']}/{fl['peft_forwards']}" if fl else "-"
+        print(f"{r['variant']:<14} {upd:>9} {exp:>9} {steps:<40} {peak:>8} {fused:>12}")
         if "profile" in r:
             p = r["profile"]
             busy = f"{p['device_busy_s']:.3f}" if p["device_busy_s"] is not None else "-"

@@ -130,6 +130,18 @@ class LearnerConfig(BaseModel):
         "torch.autocast in the base dtype, so peft's float32 LoRA matrices multiply in bf16 like the "
         "base weights (master weights and optimizer state stay float32). Ignored on CPU."
     )
+    fused_lora: Literal["auto"] | bool = Field(
+        "auto", description="Run each of peft's LoRA linear layers as one autograd function "
+        "(learner/fused_lora.py): the base GEMM, then x A^T and an addmm into its output whose alpha "
+        "is the LoRA scale, with a hand-written backward; under autocast the float32 A and B are cast "
+        "to the compute dtype once per optimizer step instead of on every forward. Same loss and "
+        "gradients as peft's path (float32: exact where alpha/r is a power of two, else to rounding; "
+        "bf16: to rounding). The modules stay peft's (save, export, disable_adapter); the reference "
+        "pass and anything fusing does not cover (dropout, several adapters) run peft's forward. "
+        "'auto' = on for CUDA workers, off for CPU workers and under strategy=fsdp2 (its sharded LoRA "
+        "parameters are gathered per forward; the cast copies are kept per parameter). true needs "
+        "lora.dropout=0 and strategy ddp or deepspeed."
+    )
     fused_optimizer: bool = Field(
         True, description="AdamW's fused CUDA kernel (one launch for every LoRA tensor) when the "
         "parameters are on a GPU; the for-each implementation on CPU."
@@ -238,6 +250,17 @@ class LearnerConfig(BaseModel):
     def _placement(self) -> "LearnerConfig":
         check_resources("learner.resources_per_worker", self.resources_per_worker)
         check_label_selector("learner.label_selector", self.label_selector)
+        return self
+
+    @model_validator(mode="after")
+    def _fused_lora_needs_no_dropout(self) -> "LearnerConfig":
+        if self.fused_lora is True and self.lora.dropout > 0:
+            raise ValueError(f"learner.fused_lora=true needs learner.lora.dropout=0 (got {self.lora.dropout:g}): "
+                             "the fused layer has no dropout; set fused_lora to auto or false")
+        if self.fused_lora is True and self.strategy == "fsdp2":
+            raise ValueError("learner.fused_lora=true with learner.strategy=fsdp2: the fused layer keeps cast copies "
+                             "of whole LoRA parameters, which FSDP2 shards and gathers per forward; set fused_lora "
+                             "to auto or false")
         return self
 
     @model_validator(mode="after")

@@ -25,6 +25,7 @@ from torch.profiler import record_function
 from config.learner import CUDA_LOGPROB_CHUNK_TOKENS
 from learner import checkpoint
 from learner.losses import LossNorm, ObjectiveParams, entropy_bonus_active
+from learner.fused_lora import FusedLora
 from learner.graphed import Capture, GraphedScorer, cuda_capture
 from learner.lora import adapter_payload, attach_lora, disable_lora_input_casts, load_base_model, save_adapter
 from learner.memory_plan import ModelShape, memory_plan
@@ -197,6 +198,7 @@ class PolicyLearner:
         self.scorer = GraphedScorer(self.peft_model, cfg.max_graphs, graph_capture or cuda_capture) if graphs else None
         self.lm = SharedPrefixLM(self.peft_model)  # the forward every phase runs
         self.model, self.grad_sync = self._wrap(self.lm)
+        self.fused: FusedLora | None = None  # learner.fused_lora, applied once the weights are final (below)
         self.step_count = 0
         # Called after every micro-batch of every pass: learner/worker.py reports it to the
         # driver, which tells a slow step from a frozen worker (config/liveness.py).
@@ -212,6 +214,22 @@ class PolicyLearner:
             self.step_count = int(state["step"])
             self.data_position = state.get("data_position")
             self.resumed_sha256 = state.get("adapter_sha256")
+        fused = (cfg.fused_lora if cfg.fused_lora != "auto"
+                 else on_cuda and cfg.lora.dropout == 0 and cfg.strategy != "fsdp2")
+        if fused:  # after the restore: its compute copies are made from the weights the first step uses
+            self.fused = FusedLora(self.peft_model, compute_dtype=self.amp_dtype)
+            self.grad_sync = self._refreshing(self.grad_sync, self.fused)
+
+    @staticmethod
+    def _refreshing(sync: GradSync, fused: FusedLora) -> GradSync:
+        """``sync`` whose optimizer step also refreshes the fused layers' compute copies of the
+        LoRA weights: once per step, and after the step (DeepSpeed's included) has written them."""
+        def step() -> float:
+            norm = sync.step()
+            fused.refresh()
+            return norm
+
+        return GradSync(backward=sync.backward, step=step)
 
     def _base(self, model_cfg, shared_base: BaseExport | None, share_required: bool):
         """(the frozen base model, the owner's fence or None): mapped from ``shared_base`` where
@@ -454,7 +472,8 @@ class PolicyLearner:
                 "share_prompt_prefix": self.share_prefix, "autocast": str(self.amp_dtype),
                 "payload_dtype": str(self.payload_dtype or "float32"), "base_weights": self.base_weights,
                 "gradient_checkpointing": self.checkpointing, "logprob_chunk_tokens": self.logprob_chunk,
-                "memory_plan": self.last_plan.as_dict() if self.last_plan is not None else None}
+                "memory_plan": self.last_plan.as_dict() if self.last_plan is not None else None,
+                "fused_lora": self.fused.stats() if self.fused is not None else None}
 
     def save_init_adapter(self, out_dir: Path, adapter: dict[str, torch.Tensor] | None = None) -> str:
         return save_adapter(self.peft_model, out_dir, state=adapter)
