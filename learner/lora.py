@@ -173,6 +173,33 @@ def adapter_device_payload(peft_model, version: int, exporter, dtype: torch.dtyp
     return exporter.export(state, version, adapter_config_dict(peft_model), metadata={"format": "pt"}, dtype=dtype)
 
 
+class AdapterExport:
+    """How this learner hands its adapters over: in host memory (``adapter_payload``) or in its
+    device memory (``adapter_device_payload``) where ``transport`` (model/adapter_ipc.py
+    ``transport_choice``) says so. A version the buffer rule refuses goes the host way, and the
+    reason is kept (``fallbacks``, ``last_fallback``)."""
+
+    def __init__(self, transport: dict[str, str], device: torch.device | str):
+        from model.adapter_ipc import DeviceExporter
+
+        self.transport = transport
+        self.exporter = DeviceExporter(device) if transport["mode"] == "device" else None
+        self.fallbacks, self.last_fallback = 0, None
+
+    def payload(self, peft_model, version: int, dtype: torch.dtype | None = None):
+        from model.adapter_ipc import TransportRefused
+
+        if self.exporter is not None:
+            try:
+                return adapter_device_payload(peft_model, version, self.exporter, dtype)
+            except TransportRefused as err:
+                self.fallbacks, self.last_fallback = self.fallbacks + 1, f"v{version}: {err}"
+        return adapter_payload(peft_model, version, dtype=dtype)
+
+    def stats(self) -> dict:
+        return {**self.transport, "host_fallbacks": self.fallbacks, "last_fallback": self.last_fallback}
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:

@@ -62,7 +62,7 @@ def init_answer(learner: PolicyLearner, run_dir: Path, export: Export) -> InitIn
     return InitInfo(adapter_sha256=sha, init_payload=export(learner.payload(adapter_version(learner.step_count))),
                     step=learner.step_count, lr_rebase_note=learner.lr_rebase_note,
                     data_position=learner.data_position, init_is_identity=learner.init_is_identity,
-                    base_weights=learner.base_weights)
+                    base_weights=learner.base_weights, adapter_transport=learner.adapter_export.transport)
 
 
 def step_answer(learner: PolicyLearner, batch: TrainBatch, export: Export) -> StepResult | None:
@@ -154,6 +154,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             cfg, model_cfg, PolicySpec(**config["spec"]), rank=rank, world_size=world, device=device,
             init_adapter=init_adapter, resume_from=resume_from,
             shared_base=config.get("shared_base"), share_required=bool(config.get("share_required")),
+            adapter_transport=config.get("adapter_transport", "host"),
         )
         learner.report_progress = ProgressReport(coord, rank, lambda: index)
         while True:

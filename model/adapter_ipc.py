@@ -318,6 +318,8 @@ class DeviceImporter:
         """Copy the learner's buffer and check it: AdapterChecksumError when the copy is not the
         adapter the learner described (overwritten meanwhile, or corrupt)."""
         index = self.where(payload)
+        for stale in [k for k in self.mapped if not k.startswith(payload.ack_id)]:  # a learner that was replaced
+            del self.mapped[stale]
         buffer = self.mapped.get(payload.buffer_id)
         if buffer is None:
             buffer = self.mapped[payload.buffer_id] = open_handle(payload.buffer, index)
@@ -339,3 +341,33 @@ class DeviceImporter:
         if ack is None:
             ack = self.acks[payload.ack_id] = AckWord(open_handle(payload.ack))
         ack.write(version)
+
+
+# ------------------------------------------------------------------------------ which transport
+
+# Engines whose replica takes a device payload where it runs the model: the hf engine (its
+# replica process holds the model). vLLM's model lives in its engine's worker process, which
+# does not open the handles yet: its replica would map them in a process of its own (a CUDA
+# context more on the GPU) and materialise the file, so `auto` leaves it on the host path.
+ENGINES_TAKING_DEVICE_ADAPTERS = ("hf",)
+
+
+def transport_choice(requested: str, base_weights: dict[str, Any], owner: str | None, on_gpu: bool) -> dict[str, str]:
+    """How the learner hands its adapters to the replica: {"mode": "device"|"host", "reason"}.
+    ``requested``: the run's adapter_transport (auto | host | device); ``base_weights``: the
+    learner's (model/shared_base.py: "shared" means one device with the replica); ``owner``: the
+    engine that lent the base. TransportRefused, in one line, where ``device`` cannot apply."""
+    if requested == "host":
+        return {"mode": "host", "reason": "adapter_transport=host"}
+    if base_weights.get("mode") != "shared":
+        why = f"the learner does not map the replica's base weights ({base_weights.get('reason', 'own copy')})"
+        if requested == "device":
+            raise TransportRefused(f"adapter_transport=device, but {why}")
+        return {"mode": "host", "reason": why}
+    if requested == "auto" and not on_gpu:
+        return {"mode": "host", "reason": "adapter_transport=auto hands adapters over in GPU memory only (this run is "
+                                          "on the CPU)"}
+    if requested == "auto" and owner not in ENGINES_TAKING_DEVICE_ADAPTERS:
+        return {"mode": "host", "reason": f"adapter_transport=auto: the {owner} engine's workers do not open device "
+                                          "payloads yet"}
+    return {"mode": "device", "reason": f"the learner maps the {owner} replica's base weights: one device"}
