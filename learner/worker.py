@@ -39,6 +39,7 @@ from learner.lora import save_adapter
 from learner.policy import PolicyLearner, PolicySpec
 from learner.types import InitInfo, StepResult, TrainBatch
 from model.adapter import AdapterPayload, AdapterRef, adapter_version
+from model.adapter_ipc import DeviceAdapterPayload
 
 Export = Callable[[AdapterPayload], AdapterPayload | AdapterRef]
 
@@ -71,10 +72,14 @@ def step_answer(learner: PolicyLearner, batch: TrainBatch, export: Export) -> St
     if learner.rank != 0:
         return None
     t = time.perf_counter()
-    adapter = export(learner.payload(adapter_version(learner.step_count)))
+    payload = learner.payload(adapter_version(learner.step_count))
+    adapter = export(payload)
     exported = time.perf_counter() - t
     phases["update_actor"] += exported  # exporting the adapter is part of it
-    return StepResult(metrics={**metrics, "learner_export_s": exported}, phases_s=phases, adapter=adapter)
+    # 1 when the adapter stayed in the learner's device memory (model/adapter_ipc.py), 0 on the host path
+    in_device = float(isinstance(payload, DeviceAdapterPayload))
+    return StepResult(metrics={**metrics, "learner_export_s": exported, "adapter_in_device_memory": in_device},
+                      phases_s=phases, adapter=adapter)
 
 
 def save_answer(learner: PolicyLearner, cmd: Save, run_dir: Path) -> Saved | None:

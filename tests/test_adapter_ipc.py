@@ -202,3 +202,42 @@ def test_a_payload_on_a_gpu_this_process_cannot_see_is_refused_in_one_line():
     payload = replace(DeviceExporter("cpu").export(small_state(), 1, {}), device_uuid="GPU-not-here")
     with pytest.raises(TransportRefused, match="GPU-not-here's memory, which this process cannot see"):
         DeviceImporter().open(payload)
+
+
+# ------------------------------------------------------------------------------ which transport
+
+SHARED = {"mode": "shared", "owner": "hf replica (pid 1), 3 tensors in host memory"}
+OWN = {"mode": "own", "reason": "share_base_weights=false"}
+
+
+@pytest.mark.parametrize("requested, base, owner, on_gpu, mode, says", [
+    ("host", SHARED, "hf", True, "host", "adapter_transport=host"),
+    ("auto", OWN, None, True, "host", "does not map the replica's base weights (share_base_weights=false)"),
+    ("auto", SHARED, "hf", False, "host", "GPU memory only"),
+    ("auto", SHARED, "vllm", True, "host", "vllm engine's workers do not open"),
+    ("auto", SHARED, "hf", True, "device", "one device"),
+    ("device", SHARED, "hf", False, "device", "one device"),  # the CPU tests' path
+    ("device", SHARED, "vllm", True, "device", "one device"),
+])
+def test_the_transport_follows_the_shared_base(requested, base, owner, on_gpu, mode, says):
+    from model.adapter_ipc import transport_choice
+
+    got = transport_choice(requested, base, owner, on_gpu)
+    assert got["mode"] == mode and says in got["reason"], got
+
+
+def test_device_transport_without_a_shared_base_is_refused_in_one_line():
+    from config import RunConfig
+    from model.adapter_ipc import transport_choice
+
+    with pytest.raises(TransportRefused, match="adapter_transport=device, but the learner does not map"):
+        transport_choice("device", OWN, None, True)
+    with pytest.raises(ValueError, match="adapter_transport=device hands adapters over where the learner maps the "
+                                         "rollout replica's base weights, but the base is not shared: "
+                                         "share_base_weights=false"):
+        RunConfig.model_validate({"adapter_transport": "device", "share_base_weights": False,
+                                  "rollout": {"engine": "hf"}})
+    cfg = RunConfig.model_validate({"adapter_transport": "device", "share_base_weights": True,
+                                    "rollout": {"engine": "hf"}})
+    assert cfg.adapter_transport == "device"
+    assert RunConfig.model_validate({}).adapter_transport == "auto"  # the CPU default run: host (auto on a CPU)
