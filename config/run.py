@@ -170,6 +170,17 @@ class RunConfig(BaseModel):
         "anything starts where it cannot (also shares host memory with the hf engine on a CPU: tests). "
         "false = every process loads its own copy.")
 
+    adapter_transport: Literal["auto", "host", "device"] = Field(
+        "auto", description="How the learner hands each adapter version to the rollout replica. 'host': its "
+        "safetensors bytes in host memory through Ray's object store (always possible). 'device': where the "
+        "learner maps the replica's base weights (share_base_weights: one device), the bytes stay in two "
+        "buffers on that device that the replica maps (model/adapter_ipc.py; CUDA IPC, shared memory on a CPU), "
+        "and only their layout, handle and checksum travel; version v is written to buffer v % 2 once the "
+        "replica holds v - 1, else that version goes the host way. Refused before anything starts where the "
+        "base is not shared. 'auto' = 'device' on a GPU with an engine that takes it (hf; vLLM's workers do "
+        "not open the buffers yet), else 'host'. Versions and checksums are checked per sample either way; "
+        "adapters/ on disk are written as always. run.json `adapter_transport` says which and why.")
+
     @model_validator(mode="after")
     def _tree_mode_fits(self) -> "RunConfig":
         t = self.trainer
@@ -260,6 +271,15 @@ class RunConfig(BaseModel):
             blocker = self.base_sharing_blocker()
             if blocker is not None:
                 raise ValueError(f"share_base_weights=true, but {blocker}")
+        return self
+
+    @model_validator(mode="after")
+    def _device_transport_has_a_shared_device(self) -> "RunConfig":
+        if self.adapter_transport == "device":
+            shares, why = self.shares_base_weights()
+            if not shares:
+                raise ValueError(f"adapter_transport=device hands adapters over where the learner maps the rollout "
+                                 f"replica's base weights, but the base is not shared: {why}")
         return self
 
     @model_validator(mode="after")

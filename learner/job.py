@@ -254,6 +254,7 @@ class LearnerJob:
                 "resume_from": _bundle_ref(self.resume_from),
                 "shared_base": self.shared_base,
                 "share_required": self.share_required,
+                "adapter_transport": self.run_cfg.adapter_transport,  # used where the base is shared
             },
             torch_config=TorchConfig(backend="nccl" if lcfg.use_gpu else "gloo"),
             scaling_config=ScalingConfig(

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from model.adapter_dir import CONFIG_FILE, WEIGHTS_FILE, canonical_config
-from model.adapter import CHECKSUM_MOD, AdapterPayload
+from model.adapter import AdapterPayload
+from model.adapter_ipc import ST_DTYPES, blob_layout, word_sum  # noqa: F401 (word_sum: learner.lora's name too)
 
 
 
@@ -112,14 +113,12 @@ def adapter_config_dict(peft_model) -> dict:
     return json.loads(json.dumps(cfg, default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
 
 
-_ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
-
-
 def safetensors_blob(state: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
                      dtype: torch.dtype | None = None):
     """The safetensors file of ``state`` (cast to ``dtype`` when given) as ONE contiguous uint8
     numpy array, laid out as safetensors.torch.save writes it: an 8-byte header length, a JSON
-    header of dtype, shape and byte range per tensor, then the raw data; and the file's checksum
+    header of dtype, shape and byte range per tensor, then the raw data (model/adapter_ipc.py
+    ``blob_layout``, which the device transport shares); and the file's checksum
     (model/adapter.py ``blob_checksum``), computed where the data lies. Read back by safetensors
     itself (tests/test_learner_lora.py).
 
@@ -130,64 +129,22 @@ def safetensors_blob(state: dict[str, torch.Tensor], metadata: dict[str, str] | 
     a GPU (a pageable copy of 126 MiB goes through a bounce buffer at a fraction of the speed).
     The array is what the payload carries: Ray's object store takes it without pickling copies.
     """
-    import json
-    import struct
-
-    names = sorted(state)
-    target = {n: dtype or state[n].dtype for n in names}
-    groups: dict[torch.dtype, list[str]] = {}
-    for name in names:
-        if target[name] not in _ST_NAMES:
-            raise ValueError(f"{name}: dtype {target[name]} has no safetensors name here")
-        groups.setdefault(target[name], []).append(name)
-    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
-    order = sorted(groups, key=lambda d: -d.itemsize)  # wider first: every offset a multiple of its item size
-    offset = 0
-    for d in order:
-        for n in groups[d]:
-            size = state[n].numel() * d.itemsize
-            header[n] = {"dtype": _ST_NAMES[d], "shape": list(state[n].shape), "data_offsets": [offset, offset + size]}
-            offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned
-    devices = {state[n].device for n in names}
+    layout = blob_layout({n: (tuple(t.shape), dtype or t.dtype) for n, t in state.items()}, metadata)
+    devices = {t.device for t in state.values()}
     pin = any(d.type == "cuda" for d in devices) and torch.cuda.is_available()
-    out = torch.empty(8 + len(text) + offset, dtype=torch.uint8, pin_memory=pin)
-    head = torch.frombuffer(bytearray(struct.pack("<Q", len(text)) + text), dtype=torch.uint8)
-    out[: 8 + len(text)] = head
+    out = torch.empty(len(layout.head) + layout.data_nbytes, dtype=torch.uint8, pin_memory=pin)
+    head = torch.frombuffer(bytearray(layout.head), dtype=torch.uint8)
+    out[: len(layout.head)] = head
     sums = [word_sum(head.view(torch.int16), 0)]
-    pos = 8 + len(text)
-    for d in order:
-        flat = torch.cat([state[n].detach().reshape(-1) for n in groups[d]]).to(d)
+    pos = len(layout.head)
+    for dt, names in layout.groups:
+        d = ST_DTYPES[dt]
+        flat = torch.cat([state[n].detach().reshape(-1) for n in names]).to(d)
         nbytes = flat.numel() * d.itemsize
         sums.append(word_sum(flat.view(torch.int16), pos // 2))  # where the tensors are: a few kernels on a GPU
         out[pos : pos + nbytes].view(d).copy_(flat)
         pos += nbytes
     return out.numpy(), int(sum(int(x) for x in sums))
-
-
-def word_sum(words: torch.Tensor, first: int) -> torch.Tensor:
-    """The part of ``blob_checksum`` that the 16-bit words ``words`` (int16) make when the first
-    of them is word ``first`` of the blob, exactly, as an int64 scalar on their device.
-
-    Weights repeat every 65521 words, so the words are summed per residue class (a reshape to
-    rows of 65521 and one column sum): one pass over the words, int64 only in the 65521 sums,
-    instead of int64 copies of every word (~1 s for 126 MiB on a CPU; a few ms on a GPU either
-    way). Each word counts as its signed value + 32768, so a row's sum needs no unsigned type."""
-    m, n, device = CHECKSUM_MOD, words.numel(), words.device
-
-    def direct(part: torch.Tensor, at: int) -> torch.Tensor:  # fewer than 65521 words: plainly
-        weight = torch.arange(at, at + part.numel(), device=device) % m + 1
-        return ((part.to(torch.int64) + 32768) * weight).sum()
-
-    head = min((-first) % m, n)  # up to the first word whose weight is 1
-    rows = (n - head) // m
-    total = direct(words[:head], first)
-    if rows:
-        columns = words[head : head + rows * m].view(rows, m).sum(0, dtype=torch.int64)
-        weight = torch.arange(1, m + 1, device=device)
-        total = total + (columns * weight).sum() + 32768 * rows * (m * (m + 1) // 2)
-    return total + direct(words[head + rows * m :], first + head + rows * m)
 
 
 def safetensors_bytes(state: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
@@ -207,6 +164,46 @@ def adapter_payload(peft_model, version: int, dtype: torch.dtype | None = None,
     blob, checksum = safetensors_blob(state, metadata={"format": "pt"}, dtype=dtype)
     return AdapterPayload(version=version, safetensors=blob, config=adapter_config_dict(peft_model),
                           checksum=checksum)
+
+
+def adapter_device_payload(peft_model, version: int, exporter, dtype: torch.dtype | None = None):
+    """The adapter left in ``exporter``'s device buffer (model/adapter_ipc.py DeviceExporter): the
+    same file as ``adapter_payload`` makes, described by a DeviceAdapterPayload. TransportRefused
+    when the buffer rule forbids writing ``version`` now."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(peft_model)
+    return exporter.export(state, version, adapter_config_dict(peft_model), metadata={"format": "pt"}, dtype=dtype)
+
+
+class AdapterExport:
+    """How this learner hands its adapters over: in host memory (``adapter_payload``) or in its
+    device memory (``adapter_device_payload``) where ``transport`` (model/adapter_ipc.py
+    ``transport_choice``) says so. A version the buffer rule refuses goes the host way, and the
+    reason is kept (``fallbacks``, ``last_fallback``)."""
+
+    def __init__(self, transport: dict[str, str], device: torch.device | str):
+        from model.adapter_ipc import DeviceExporter
+
+        self.transport = transport
+        self.exporter = DeviceExporter(device) if transport["mode"] == "device" else None
+        self.fallbacks, self.last_fallback = 0, None
+
+    def payload(self, peft_model, version: int, dtype: torch.dtype | None = None,
+                state: dict[str, torch.Tensor] | None = None):
+        """``state``: the adapter's full tensors when the model holds only shards (learner/fsdp.py);
+        the device transport never applies then (it needs the base shared, which FSDP2 is not)."""
+        from model.adapter_ipc import TransportRefused
+
+        if self.exporter is not None and state is None:
+            try:
+                return adapter_device_payload(peft_model, version, self.exporter, dtype)
+            except TransportRefused as err:
+                self.fallbacks, self.last_fallback = self.fallbacks + 1, f"v{version}: {err}"
+        return adapter_payload(peft_model, version, dtype=dtype, state=state)
+
+    def stats(self) -> dict:
+        return {**self.transport, "host_fallbacks": self.fallbacks, "last_fallback": self.last_fallback}
 
 
 def sha256_file(path: Path) -> str:

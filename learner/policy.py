@@ -27,7 +27,7 @@ from learner import checkpoint
 from learner.losses import LossNorm, ObjectiveParams, entropy_bonus_active
 from learner.fused_lora import FusedLora
 from learner.graphed import Capture, GraphedScorer, cuda_capture
-from learner.lora import adapter_payload, attach_lora, disable_lora_input_casts, load_base_model, save_adapter
+from learner.lora import AdapterExport, attach_lora, disable_lora_input_casts, load_base_model, save_adapter
 from learner.memory_plan import ModelShape, memory_plan
 from learner.microbatch import mfu, model_flops
 from learner.optim import build_optimizer, build_scheduler, rebase_lr
@@ -36,6 +36,7 @@ from learner.rollout_correction import finalize
 from learner.shared_prefix import SharedPrefixLM
 from learner.types import TrainBatch, shard_bounds
 from model.adapter import AdapterPayload
+from model.adapter_ipc import transport_choice
 from model.shared_base import BaseExport, Fence, ServedCorrection, ShareRefused, check_owner, shared_model
 
 log = logging.getLogger(__name__)
@@ -135,12 +136,15 @@ class PolicyLearner:
         graph_capture: Capture | None = None,
         shared_base: BaseExport | None = None,
         share_required: bool = False,
+        adapter_transport: str = "host",
     ):
         """``graph_capture`` replaces CUDA graph capture (learner/graphed.py): tests pass a CPU
         stand-in with the same aliasing of gradients, so the graphed path runs without a GPU.
         ``shared_base``: a rollout replica's weights to map instead of loading a copy
         (model/shared_base.py); where they cannot be mapped the learner loads its own copy and
-        says why (``base_weights``), or fails with that reason when ``share_required``."""
+        says why (``base_weights``), or fails with that reason when ``share_required``.
+        ``adapter_transport``: the run's (auto | host | device): adapters in device memory where
+        the base is shared (model/adapter_ipc.py), else in host memory."""
         self.cfg, self.model_cfg, self.spec = cfg, model_cfg, spec
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.init_is_identity = init_adapter is None and resume_from is None
@@ -183,6 +187,9 @@ class PolicyLearner:
         self.payload_dtype = self.amp_dtype
         if self.sharded:  # FSDP2's mixed precision computes in the base dtype already (learner/fsdp.py)
             self.amp_dtype = None
+        self.adapter_export = AdapterExport(transport_choice(
+            adapter_transport, self.base_weights, shared_base.owner if shared_base is not None else None,
+            self.device.type == "cuda"), self.device)
         self.optimizer = build_optimizer(self.peft_model.parameters(), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, spec.total_steps)
         # FSDP2 frees each layer's gathered weights after its forward: the prompt's forward, whose
@@ -464,13 +471,14 @@ class PolicyLearner:
     def payload(self, version: int, adapter: dict[str, torch.Tensor] | None = None) -> AdapterPayload:
         """The adapter for the engines; ``adapter``: its full tensors (``full_adapter``, FSDP2)."""
         with record_function("cp.export"):
-            return adapter_payload(self.peft_model, version, dtype=self.payload_dtype, state=adapter)
+            return self.adapter_export.payload(self.peft_model, version, dtype=self.payload_dtype, state=adapter)
 
     def stats(self) -> dict[str, Any]:
         """How the update ran, for the receipt: graphs captured and replayed, or why not."""
         return {"cuda_graphs": self.scorer.stats() if self.scorer is not None else None,
                 "share_prompt_prefix": self.share_prefix, "autocast": str(self.amp_dtype),
                 "payload_dtype": str(self.payload_dtype or "float32"), "base_weights": self.base_weights,
+                "adapter_transport": self.adapter_export.stats(),
                 "gradient_checkpointing": self.checkpointing, "logprob_chunk_tokens": self.logprob_chunk,
                 "memory_plan": self.last_plan.as_dict() if self.last_plan is not None else None,
                 "fused_lora": self.fused.stats() if self.fused is not None else None}

@@ -101,6 +101,7 @@ class InitInfo:
     data_position: dict[str, Any] | None = None
     init_is_identity: bool = True
     base_weights: dict[str, Any] | None = None  # PolicyLearner.base_weights: "shared" or "own", and why
+    adapter_transport: dict[str, str] | None = None  # how adapters reach the replica: "device" or "host", and why
 
 
 @dataclass

@@ -39,6 +39,7 @@ from learner.lora import save_adapter
 from learner.policy import PolicyLearner, PolicySpec
 from learner.types import InitInfo, StepResult, TrainBatch
 from model.adapter import AdapterPayload, AdapterRef, adapter_version
+from model.adapter_ipc import DeviceAdapterPayload
 
 Export = Callable[[AdapterPayload], AdapterPayload | AdapterRef]
 
@@ -63,7 +64,7 @@ def init_answer(learner: PolicyLearner, run_dir: Path, export: Export) -> InitIn
     return InitInfo(adapter_sha256=sha, init_payload=export(learner.payload(adapter_version(learner.step_count), adapter)),
                     step=learner.step_count, lr_rebase_note=learner.lr_rebase_note,
                     data_position=learner.data_position, init_is_identity=learner.init_is_identity,
-                    base_weights=learner.base_weights)
+                    base_weights=learner.base_weights, adapter_transport=learner.adapter_export.transport)
 
 
 def step_answer(learner: PolicyLearner, batch: TrainBatch, export: Export) -> StepResult | None:
@@ -73,10 +74,14 @@ def step_answer(learner: PolicyLearner, batch: TrainBatch, export: Export) -> St
     full = learner.full_adapter()  # FSDP2: every rank joins the gather before rank 0 publishes
     if learner.rank != 0:
         return None
-    adapter = export(learner.payload(adapter_version(learner.step_count), full))
+    payload = learner.payload(adapter_version(learner.step_count), full)
+    adapter = export(payload)
     exported = time.perf_counter() - t
     phases["update_actor"] += exported  # exporting the adapter is part of it
-    return StepResult(metrics={**metrics, "learner_export_s": exported}, phases_s=phases, adapter=adapter)
+    # 1 when the adapter stayed in the learner's device memory (model/adapter_ipc.py), 0 on the host path
+    in_device = float(isinstance(payload, DeviceAdapterPayload))
+    return StepResult(metrics={**metrics, "learner_export_s": exported, "adapter_in_device_memory": in_device},
+                      phases_s=phases, adapter=adapter)
 
 
 def save_answer(learner: PolicyLearner, cmd: Save, run_dir: Path) -> Saved | None:
@@ -157,6 +162,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             cfg, model_cfg, PolicySpec(**config["spec"]), rank=rank, world_size=world, device=device,
             init_adapter=init_adapter, resume_from=resume_from,
             shared_base=config.get("shared_base"), share_required=bool(config.get("share_required")),
+            adapter_transport=config.get("adapter_transport", "host"),
         )
         learner.report_progress = ProgressReport(coord, rank, lambda: index)
         while True:

@@ -36,6 +36,7 @@ from config.liveness import LivenessConfig
 from config.rollout import ModelConfig, RolloutConfig
 from rollout.registry import AdapterUnavailableError, RegistryState, went_on
 from model.adapter import AdapterPayload, AdapterRef
+from model.adapter_ipc import AdapterChecksumError, DeviceAdapterPayload, DeviceImporter, TransportRefused
 from rollout.types import Prompt, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -176,6 +177,9 @@ class RolloutReplica:
         self.busy_since: float | None = None
         self.slowest_call_s = 0.0
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # How the last adapter arrived (model/adapter_ipc.py): the learner's device buffers it maps
+        self.importer = DeviceImporter()
+        self.transport: dict = {"mode": None, "version": 0}
         # Replicas must not share an RNG stream (unseeded requests would repeat each other's
         # samples); seeded requests stay reproducible through their own per-request seeds.
         engine_seed = (seed + zlib.crc32(self.replica_id.encode())) % 2**31
@@ -203,7 +207,18 @@ class RolloutReplica:
         return ray.get(found["box"][0])
 
     def _load(self, version: int) -> None:
-        self.engine.load_adapter(self._fetch(version))
+        payload = self._fetch(version)
+        if isinstance(payload, DeviceAdapterPayload):  # the learner's bytes stay on our device (model/adapter_ipc.py)
+            try:
+                imported = self.importer.open(payload)
+            except (TransportRefused, AdapterChecksumError) as err:
+                raise AdapterUnavailableError(f"replica {self.replica_id}: {err}") from err
+            self.engine.load_device_adapter(imported)
+            self.importer.acknowledge(payload, payload.version)  # the learner may now reuse v - 1's buffer
+            self.transport = {"mode": "device", "version": version}
+        else:
+            self.engine.load_adapter(payload)
+            self.transport = {"mode": "host", "version": version}
         log.info("replica %s now holds adapter v%d", self.replica_id, version)
         self._report()
 
@@ -290,6 +305,7 @@ class RolloutReplica:
             "tokens": self.tokens,
             "stop_tokens": self.engine.stop.as_dict(),
             "stats": self.engine.stats(),
+            "adapter_transport": dict(self.transport),
         }
 
     def __del__(self) -> None:  # Serve calls it at a replica's graceful shutdown

@@ -71,6 +71,7 @@ UPDATABLE_FIELDS = (
     "recoveries",  # every recovery of every attempt (services/recovery.py RecoveryLog.all)
     "grader_scaling",  # the grader app's replica range and scale events (graders/autoscale.py)
     "base_weights",  # the learner's base: mapped from the replica ("shared") or its own copy, and why
+    "adapter_transport",  # how adapters reach the replica: in device memory or host memory, and why
     "gpu_sharing",  # time-sliced or under CUDA MPS (services/mps.py), recorded by services/train.py
 )
 

@@ -76,6 +76,13 @@ class Engine(ABC):
     def loaded_version(self) -> int:
         """The adapter version held (0 = none)."""
 
+    def load_device_adapter(self, imported) -> None:
+        """Make ``imported`` (model/adapter_ipc.py ImportedAdapter: the learner's adapter copied
+        from its device buffer and checked) the adapter this engine samples with. Engines that load
+        adapters from files take the host path's bytes; one that can take the tensors as views of
+        the copy (``imported.tensors()``) overrides this."""
+        self.load_adapter(imported.payload())
+
     def export_base(self):
         """Handles to the engine's base weights for a learner on the same device
         (model/shared_base.py BaseExport); ShareRefused where the engine cannot lend them."""
