@@ -30,7 +30,8 @@ from learner.lora import adapter_payload, attach_lora, disable_lora_input_casts,
 from learner.memory_plan import ModelShape, memory_plan
 from learner.microbatch import mfu, model_flops
 from learner.optim import build_optimizer, build_scheduler, rebase_lr
-from learner.passes import GradSync, ddp_grad_sync, make_micro_batches, old_log_prob, ref_log_prob, update_actor
+from learner.passes import (GradSync, ddp_grad_sync, make_micro_batches, old_log_prob, pad_micro_batches, ref_log_prob,
+                            update_actor)
 from learner.rollout_correction import finalize
 from learner.shared_prefix import SharedPrefixLM
 from learner.types import TrainBatch, shard_bounds
@@ -328,13 +329,10 @@ class PolicyLearner:
                                      token_budget=token_budget, max_rows=max_rows,
                                      pad_multiple=cfg.graph_pad_tokens if scorer is not None else 1,
                                      causal_only=self.causal_only, logprob_chunk=self.logprob_chunk)
-        if self.sharded and self.world_size > 1:  # each forward all-gathers: a rank with fewer would hang the rest
-            counts = torch.tensor([len(mbs), -len(mbs)], dtype=torch.int64, device=self.device)  # NCCL: on the GPU
-            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-            if int(counts[0]) != -int(counts[1]):
-                raise RuntimeError(f"learner.strategy=fsdp2: the ranks cut this step into {-int(counts[1])} to "
-                                   f"{int(counts[0])} micro-batches; FSDP2 needs the same number on every rank "
-                                   "(set learner.micro_batch_tokens=null and a micro_batch_size that splits each shard alike)")
+        if self.sharded and self.world_size > 1:  # each forward all-gathers: every rank runs as many
+            count = torch.tensor([len(mbs)], dtype=torch.int64, device=self.device)  # NCCL: on the GPU
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            mbs = pad_micro_batches(mbs, int(count), self.device)  # zero-loss micro-batches (learner/passes.py)
         norm = LossNorm(
             loss_type=cfg.loss_type,
             global_tokens=float(batch.num_response_tokens()),
