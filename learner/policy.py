@@ -27,7 +27,7 @@ from learner import checkpoint
 from learner.losses import LossNorm, ObjectiveParams, entropy_bonus_active
 from learner.graphed import Capture, GraphedScorer, cuda_capture
 from learner.lora import adapter_payload, attach_lora, disable_lora_input_casts, load_base_model, save_adapter
-from learner.memory_plan import ModelShape, memory_plan
+from learner.memory_plan import ModelShape, Sharding, memory_plan
 from learner.microbatch import mfu, model_flops
 from learner.optim import build_optimizer, build_scheduler, rebase_lr
 from learner.passes import (GradSync, ddp_grad_sync, make_micro_batches, old_log_prob, pad_micro_batches, ref_log_prob,
@@ -165,6 +165,8 @@ class PolicyLearner:
         # run as configured (auto = no checkpointing, micro_batch_size rows).
         self.memory_shape: ModelShape | None = None
         self.memory_budget, self.last_plan = 0, None
+        # fsdp2: the plan counts this rank's shard of the weights and LoRA state, not all of it
+        self.memory_sharding = Sharding(world_size, cfg.fsdp_cpu_offload) if self.sharded else None
         if on_cuda and "auto" in (cfg.gradient_checkpointing, cfg.micro_batch_tokens):
             trainable = sum(p.numel() for p in self.peft_model.parameters() if p.requires_grad)
             self.lora_trainable = trainable
@@ -280,7 +282,8 @@ class PolicyLearner:
             shape = {}
         plan = memory_plan(self.memory_shape, cfg.lora.r, self.lora_trainable, self.memory_budget, need,
                            self.logprob_chunk,
-                           None if cfg.gradient_checkpointing == "auto" else cfg.gradient_checkpointing, **shape)
+                           None if cfg.gradient_checkpointing == "auto" else cfg.gradient_checkpointing, **shape,
+                           sharding=self.memory_sharding)
         if not plan.fits and (self.last_plan is None or self.last_plan.fits):
             log.warning("learner: by its memory plan one micro-batch of %d tokens does not fit %.1f GiB even "
                         "with gradient checkpointing (%s); the update may run out of memory", need,
