@@ -24,6 +24,15 @@ vocabulary):
   gradients).
 - per token, the logits: b x V and their gradient b x V; the plain log-prob path (chunk 0) adds
   ``PLAIN_LOGPROB_COPIES`` float32 copies of the logits (4 x V each).
+Under learner.strategy=fsdp2 (``Sharding``) the fixed part is what one rank holds of it: its
+shard of the base weights (params / world, rounded up: torch.chunk's first rank), the root's
+weights gathered whole (embeddings, output head, final norm: FSDP2 keeps the root's parameters
+gathered from the forward through the backward), ``GATHERED_LAYERS`` decoder layers' weights
+gathered at a time (the running one and the one prefetched), the LoRA gradients whole (FSDP2 keeps
+unsharded gradients between micro-batches until the pass's last backward reduce-scatters them)
+and the LoRA weights, sharded gradients and AdamW moments (16 bytes a parameter) / world. With
+``cpu_offload`` the shards (weights and LoRA state) live in host memory. Activations, logits and
+the reserve are per micro-batch, the same as under DDP.
 Both per-token parts count every token of the micro-batch, although the learner computes logits
 only from the shortest prompt on (``logits_to_keep``): an overestimate, on the safe side.
 Not counted: CUDA graphs' memory pools (learner.cuda_graphs, off by default), peft's float32
@@ -58,6 +67,8 @@ RESERVE = 0.10  # of the budget: CUDA workspaces, the caching allocator's fragme
 LOGPROB_SLICE_COPIES = 6  # float32 copies of one [chunk, V] slice alive in the chunked backward (4.5-5.5 measured)
 PLAIN_LOGPROB_COPIES = 5  # float32 copies of the [tokens, V] logits alive in the plain path
 LORA_BYTES_PER_PARAM = 16  # float32 weight, gradient, AdamW exp_avg and exp_avg_sq
+LORA_FULL_GRAD_BYTES = 4  # fsdp2: the float32 gradient kept unsharded between micro-batches
+GATHERED_LAYERS = 2  # fsdp2: decoder layers whose weights are gathered at once (FSDP2's default prefetch)
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -84,6 +95,34 @@ class ModelShape:
         return cls(params=params, hidden=config.hidden_size, intermediate=config.intermediate_size,
                    layers=config.num_hidden_layers, vocab=config.vocab_size, q_dim=heads * head_dim,
                    kv_dim=kv_heads * head_dim, dtype_bytes=dtype_bytes)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """learner.strategy=fsdp2: the base weights and the LoRA state sharded over ``world_size``
+    ranks (None in the plan's arguments: DDP, every rank holds all of it)."""
+
+    world_size: int
+    cpu_offload: bool = False  # learner.fsdp_cpu_offload: the shards live in host memory
+
+
+def layer_params(shape: ModelShape) -> int:
+    """Weights of one decoder layer: attention's four projections, the SwiGLU MLP's three, two
+    RMSNorms (services/memory_budget.py ``parameter_count``'s layer)."""
+    h = shape.hidden
+    return 2 * h * shape.q_dim + 2 * h * shape.kv_dim + 3 * h * shape.intermediate + 2 * h
+
+
+def weight_bytes(shape: ModelShape, trainable: int, sharding: Sharding | None = None) -> int:
+    """The base weights and the LoRA state (weights, gradients, AdamW) one rank holds (module doc)."""
+    b = shape.dtype_bytes
+    if sharding is None:
+        return shape.params * b + trainable * LORA_BYTES_PER_PARAM
+    world = sharding.world_size
+    layer = layer_params(shape)
+    gathered = (shape.params - shape.layers * layer + GATHERED_LAYERS * layer) * b + trainable * LORA_FULL_GRAD_BYTES
+    shards = 0 if sharding.cpu_offload else -(-shape.params // world) * b + -(-trainable * LORA_BYTES_PER_PARAM // world)
+    return gathered + shards
 
 
 def lora_params(shape: ModelShape, rank: int, targets: Sequence[str] | str = "all-linear") -> int:
@@ -124,23 +163,24 @@ def per_token_bytes(shape: ModelShape, rank: int, checkpointing: bool, logprob_c
     return layers + logits
 
 
-def fixed_bytes(shape: ModelShape, trainable: int, budget_bytes: int, logprob_chunk_tokens: int) -> int:
+def fixed_bytes(shape: ModelShape, trainable: int, budget_bytes: int, logprob_chunk_tokens: int,
+                sharding: Sharding | None = None) -> int:
     slices = LOGPROB_SLICE_COPIES * max(0, logprob_chunk_tokens) * shape.vocab * 4
-    return (shape.params * shape.dtype_bytes + trainable * LORA_BYTES_PER_PARAM + slices
-            + int(RESERVE * budget_bytes))
+    return weight_bytes(shape, trainable, sharding) + slices + int(RESERVE * budget_bytes)
 
 
 def memory_plan(shape: ModelShape, rank: int, trainable: int, budget_bytes: int, longest: int,
                 logprob_chunk_tokens: int, checkpointing: bool | None = None, rows: int = 1,
-                max_rows: int | None = None) -> MemoryPlan:
+                max_rows: int | None = None, sharding: Sharding | None = None) -> MemoryPlan:
     """Checkpointing and the micro-batch token budget for a device of ``budget_bytes`` that holds
     the model ``shape`` with ``trainable`` LoRA parameters of rank ``rank``, for rows of at most
     ``longest`` tokens. ``checkpointing``: given (learner.gradient_checkpointing true/false), only
     the token budget is planned; None (auto) chooses it too, for an update of ``rows`` rows of
-    which a micro-batch takes at most ``max_rows`` (None: no bound but the tokens)."""
+    which a micro-batch takes at most ``max_rows`` (None: no bound but the tokens). ``sharding``:
+    learner.strategy=fsdp2's share of the weights and LoRA state per rank (None: DDP, all of it)."""
     if budget_bytes <= 0 or longest < 1:
         raise ValueError(f"memory_plan needs a positive budget and row length, got {budget_bytes} and {longest}")
-    fixed = fixed_bytes(shape, trainable, budget_bytes, logprob_chunk_tokens)
+    fixed = fixed_bytes(shape, trainable, budget_bytes, logprob_chunk_tokens, sharding)
 
     def tokens(ckpt: bool) -> tuple[int, int]:
         per = per_token_bytes(shape, rank, ckpt, logprob_chunk_tokens)

@@ -44,6 +44,7 @@ class MicroBatch:
     tokens: int = 0  # real (unpadded) tokens one forward runs, the shared prefix counted once
     causal_only: bool = False  # run without the attention mask (see make_micro_batches)
     logprob_chunk: int = 0  # token_logprobs' chunk_tokens (learner.logprob_chunk_tokens; 0 = plain)
+    padding: bool = False  # runs only to join the ranks' collectives (pad_micro_batches): adds nothing
 
 
 def make_micro_batches(
@@ -115,6 +116,39 @@ def make_micro_batches(
             )
         )
     return out
+
+
+def padding_micro_batch(device: torch.device | str = "cpu", causal_only: bool = False,
+                        logprob_chunk: int = 0) -> MicroBatch:
+    """One row of two pad tokens, attended (an all-masked row would give NaN attention) and
+    scored at one position whose loss mask is 0: its loss is exactly 0 under every loss_type
+    (losses.py multiplies each token by the mask, and the denominators are the step's counts,
+    which it does not enter), so is its gradient, and its metric sums are never merged."""
+    return MicroBatch(
+        input_ids=torch.zeros((1, 2), dtype=torch.long, device=device),
+        attention_mask=torch.ones((1, 2), dtype=torch.long, device=device),
+        start=0,
+        mask=torch.zeros((1, 1), device=device),
+        rollout_logprobs=torch.zeros((1, 1), device=device),
+        advantages=torch.zeros((1,), device=device),
+        causal_only=causal_only,
+        logprob_chunk=logprob_chunk,
+        padding=True,
+    )
+
+
+def pad_micro_batches(mbs: list[MicroBatch], count: int, device: torch.device | str = "cpu") -> list[MicroBatch]:
+    """``mbs`` followed by padding micro-batches up to ``count`` (learner.strategy=fsdp2: every
+    forward and backward is a collective, so every rank runs the same number; the ranks agree on
+    the largest). ``device`` only where ``mbs`` is empty; else that of its micro-batches."""
+    if count < len(mbs):
+        raise ValueError(f"cannot pad {len(mbs)} micro-batches down to {count}")
+    if mbs:
+        like = mbs[0]
+        device, causal_only, chunk = like.input_ids.device, like.causal_only, like.logprob_chunk
+    else:
+        causal_only, chunk = False, 0
+    return list(mbs) + [padding_micro_batch(device, causal_only, chunk) for _ in range(count - len(mbs))]
 
 
 def amp_context(amp_dtype: torch.dtype | None):
@@ -268,9 +302,10 @@ def old_log_prob(
     for mb in mbs:
         logp, ent = forward_logprobs(model, mb, temperature, "detached" if with_entropy else "none", amp_dtype)
         olds.append(logp)
-        sums = merge_sums(sums, rollout_mismatch_sum_tensors(mb.rollout_logprobs, logp, mb.mask))
-        if ent is not None:
-            sums = merge_sums(sums, {"entropy": (ent * mb.mask).sum()})
+        if not mb.padding:
+            sums = merge_sums(sums, rollout_mismatch_sum_tensors(mb.rollout_logprobs, logp, mb.mask))
+            if ent is not None:
+                sums = merge_sums(sums, {"entropy": (ent * mb.mask).sum()})
         report()
     floats = as_floats(sums)
     return olds, {k: v for k, v in floats.items() if k != "entropy"}, floats.get("entropy", 0.0)
@@ -375,7 +410,9 @@ def update_actor(
                 logp, ent = scorer(model, mb, temperature, "grad" if entropy_bonus else "detached", amp_dtype)
             if old is None:
                 old_mb = logp.detach()
-                rollout_sums = merge_sums(rollout_sums, rollout_mismatch_sum_tensors(mb.rollout_logprobs, old_mb, mb.mask))
+                if not mb.padding:
+                    rollout_sums = merge_sums(rollout_sums,
+                                              rollout_mismatch_sum_tensors(mb.rollout_logprobs, old_mb, mb.mask))
             else:
                 old_mb = old[i]
             inp = LossInputs(
@@ -392,7 +429,8 @@ def update_actor(
             with record_function("cp.backward"):
                 sync.backward(out.loss, i == len(mbs) - 1)
             epoch_loss = out.loss.detach() if epoch_loss is None else epoch_loss + out.loss.detach()
-            sums = merge_sums(sums, out.sum_tensors)
+            if not mb.padding:  # its sums are zeros but for the row it counts under "sequences"
+                sums = merge_sums(sums, out.sum_tensors)
             report()
         with record_function("cp.optimizer"):
             grad_norm = sync.step()

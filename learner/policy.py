@@ -28,10 +28,11 @@ from learner.losses import LossNorm, ObjectiveParams, entropy_bonus_active
 from learner.fused_lora import FusedLora
 from learner.graphed import Capture, GraphedScorer, cuda_capture
 from learner.lora import AdapterExport, attach_lora, disable_lora_input_casts, load_base_model, save_adapter
-from learner.memory_plan import ModelShape, memory_plan
+from learner.memory_plan import ModelShape, Sharding, memory_plan
 from learner.microbatch import mfu, model_flops
 from learner.optim import build_optimizer, build_scheduler, rebase_lr
-from learner.passes import GradSync, ddp_grad_sync, make_micro_batches, old_log_prob, ref_log_prob, update_actor
+from learner.passes import (GradSync, ddp_grad_sync, make_micro_batches, old_log_prob, pad_micro_batches, ref_log_prob,
+                            update_actor)
 from learner.rollout_correction import finalize
 from learner.shared_prefix import SharedPrefixLM
 from learner.types import TrainBatch, shard_bounds
@@ -169,6 +170,8 @@ class PolicyLearner:
         # run as configured (auto = no checkpointing, micro_batch_size rows).
         self.memory_shape: ModelShape | None = None
         self.memory_budget, self.last_plan = 0, None
+        # fsdp2: the plan counts this rank's shard of the weights and LoRA state, not all of it
+        self.memory_sharding = Sharding(world_size, cfg.fsdp_cpu_offload) if self.sharded else None
         if on_cuda and "auto" in (cfg.gradient_checkpointing, cfg.micro_batch_tokens):
             trainable = sum(p.numel() for p in self.peft_model.parameters() if p.requires_grad)
             self.lora_trainable = trainable
@@ -304,7 +307,8 @@ class PolicyLearner:
             shape = {}
         plan = memory_plan(self.memory_shape, cfg.lora.r, self.lora_trainable, self.memory_budget, need,
                            self.logprob_chunk,
-                           None if cfg.gradient_checkpointing == "auto" else cfg.gradient_checkpointing, **shape)
+                           None if cfg.gradient_checkpointing == "auto" else cfg.gradient_checkpointing, **shape,
+                           sharding=self.memory_sharding)
         if not plan.fits and (self.last_plan is None or self.last_plan.fits):
             log.warning("learner: by its memory plan one micro-batch of %d tokens does not fit %.1f GiB even "
                         "with gradient checkpointing (%s); the update may run out of memory", need,
@@ -353,13 +357,10 @@ class PolicyLearner:
                                      token_budget=token_budget, max_rows=max_rows,
                                      pad_multiple=cfg.graph_pad_tokens if scorer is not None else 1,
                                      causal_only=self.causal_only, logprob_chunk=self.logprob_chunk)
-        if self.sharded and self.world_size > 1:  # each forward all-gathers: a rank with fewer would hang the rest
-            counts = torch.tensor([len(mbs), -len(mbs)], dtype=torch.int64, device=self.device)  # NCCL: on the GPU
-            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-            if int(counts[0]) != -int(counts[1]):
-                raise RuntimeError(f"learner.strategy=fsdp2: the ranks cut this step into {-int(counts[1])} to "
-                                   f"{int(counts[0])} micro-batches; FSDP2 needs the same number on every rank "
-                                   "(set learner.micro_batch_tokens=null and a micro_batch_size that splits each shard alike)")
+        if self.sharded and self.world_size > 1:  # each forward all-gathers: every rank runs as many
+            count = torch.tensor([len(mbs)], dtype=torch.int64, device=self.device)  # NCCL: on the GPU
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            mbs = pad_micro_batches(mbs, int(count), self.device)  # zero-loss micro-batches (learner/passes.py)
         norm = LossNorm(
             loss_type=cfg.loss_type,
             global_tokens=float(batch.num_response_tokens()),

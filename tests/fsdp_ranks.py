@@ -1,6 +1,7 @@
 """One rank of a real gloo process group running a PolicyLearner, for tests/test_learner_fsdp.py.
 
     python tests/fsdp_ranks.py STRATEGY WORLD RANK PORT OUT_DIR [RESUME_FROM]
+    python tests/fsdp_ranks.py uneven STRATEGY WORLD RANK PORT OUT_DIR
 
 Each rank builds the learner (learner.strategy=STRATEGY over WORLD gloo ranks on the CPU), takes
 one step on batch 0, saves a checkpoint, takes a second step on batch 1; then a second learner
@@ -9,6 +10,11 @@ same second step (and, given RESUME_FROM, a third learner resumed from it). Ever
 the initial and updated adapters (full tensors), the LoRA gradients of step 1 (before clipping
 and the optimizer step), the losses, the published payload's bytes, the base weights as loaded
 (full), and the files of the checkpoint.
+
+``uneven``: one step on a batch of 3 rows (``uneven_batch``) that 2 ranks cut into 2 and 1
+micro-batches, with every pass a collective under fsdp2 (old_log_prob not folded, ref with
+beta > 0, two update epochs); rank 0 writes its metrics, the LoRA gradients of the last epoch
+and the adapter after the step.
 """
 
 from __future__ import annotations
@@ -51,6 +57,37 @@ def batch(k: int) -> TrainBatch:
     responses = [torch.randint(1, 400, (2 + i % 3,), generator=g).tolist() for i in range(6)]
     return TrainBatch([prompts[i // 2] for i in range(6)], responses, [[-10.8] * len(r) for r in responses],
                       advantages=[1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+
+
+def uneven_config(strategy: str, workers: int) -> RunConfig:
+    """One row per micro-batch: over 2 ranks, rank 0 has 2 micro-batches and rank 1 one."""
+    cfg = run_config(strategy, workers).model_dump()
+    cfg["learner"].update(micro_batch_size=1, micro_batch_tokens=None, beta=0.05, epochs_per_step=2, entropy_coef=0.01)
+    return RunConfig.model_validate(cfg)
+
+
+def uneven_batch() -> TrainBatch:
+    """Three rows of different lengths (one group of two, one single row)."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 400, (n,), generator=g).tolist() for n in (3, 6)]
+    responses = [torch.randint(1, 400, (n,), generator=g).tolist() for n in (2, 5, 9)]
+    return TrainBatch([prompts[0], prompts[0], prompts[1]], responses,
+                      [[-10.8 + 0.1 * i for i in range(len(r))] for r in responses], advantages=[1.0, -1.0, 0.5])
+
+
+def main_uneven(strategy: str, world: int, rank: int, port: int, out: Path) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    learner = PolicyLearner.for_run(uneven_config(strategy, world), rank=rank, world_size=world)
+    grads: dict = {}
+    capture_grads(learner, grads)
+    metrics, _ = learner.step(uneven_batch())
+    result = {"metrics": metrics, "grads": grads, "step1": adapter(learner)}
+    if rank == 0:
+        torch.save(result, out / "result.pt")
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -124,7 +161,10 @@ def main(strategy: str, world: int, rank: int, port: int, out: Path, resume_from
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1] == "uneven":
+    strategy_, world_, rank_, port_, out_ = sys.argv[2:7]
+    main_uneven(strategy_, int(world_), int(rank_), int(port_), Path(out_))
+elif __name__ == "__main__":
     strategy_, world_, rank_, port_, out_ = sys.argv[1:6]
     main(strategy_, int(world_), int(rank_), int(port_), Path(out_),
          Path(sys.argv[6]) if len(sys.argv) > 6 else None)

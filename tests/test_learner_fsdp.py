@@ -35,15 +35,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(strategy: str, world: int, out: Path, resume_from: Path | None = None) -> dict:
-    """Start ``world`` real processes, one gloo rank each; rank 0's result."""
+def run_ranks(strategy: str, world: int, out: Path, resume_from: Path | None = None, mode: tuple[str, ...] = (),
+              timeout: float = 400) -> dict:
+    """Start ``world`` real processes, one gloo rank each; rank 0's result. A rank still running
+    after ``timeout`` seconds (waiting in a collective the others never join) fails the test."""
     out.mkdir(parents=True)
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-W", "ignore", str(RANKS), strategy, str(world), str(rank), str(port),
-                               str(out), *([str(resume_from)] if resume_from else [])],
+    procs = [subprocess.Popen([sys.executable, "-W", "ignore", str(RANKS), *mode, strategy, str(world), str(rank),
+                               str(port), str(out), *([str(resume_from)] if resume_from else [])],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(world)]
-    logs = [p.communicate(timeout=400)[0] for p in procs]
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        tails = [p.communicate()[0][-1500:] for p in procs]
+        pytest.fail(f"{strategy} over {world} ranks still running after {timeout:g} s (a hang?): {tails}")
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
     return torch.load(out / "result.pt", weights_only=False)
@@ -115,6 +123,31 @@ def test_fsdp2_resume_continues_exactly_and_reads_a_ddp_checkpoint(runs):
         assert all(torch.equal(r["resumed2"][k], r["step2"][k]) for k in r["step2"])
     # a DDP world-1 checkpoint resumed by FSDP2 over 2 ranks: DDP's own second step, to tolerance
     assert rel(runs["fsdp2"]["other_resumed2"], runs["ddp1"]["step2"]) < REL
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory):
+    root = tmp_path_factory.mktemp("uneven")
+    return {name: run_ranks(strategy, world, root / name, mode=("uneven",), timeout=300)
+            for name, strategy, world in (("ddp1", "ddp", 1), ("fsdp1", "fsdp2", 1), ("fsdp2", "fsdp2", 2))}
+
+
+def test_fsdp2_ranks_with_unequal_micro_batch_counts_take_the_step_of_one_rank(uneven):
+    """3 rows over 2 ranks, one row per micro-batch: rank 1 runs a padding micro-batch in each
+    of old_log_prob, ref and both update epochs (learner/passes.py pad_micro_batches); the step
+    is the one rank's (plain and fsdp2) to the tolerance above. (Not DDP over 2 ranks: DDP's
+    per-forward buffer broadcast and bucket all-reduces do not survive unequal counts either.)"""
+    for ref in ("ddp1", "fsdp1"):
+        got, want = uneven["fsdp2"], uneven[ref]
+        assert got["metrics"]["loss"] == pytest.approx(want["metrics"]["loss"], rel=2e-6), ref
+        for key in ("grad_norm", "kl", "entropy", "clip_frac", "ratio", "ppl_ratio", "rollout_kl", "pg_loss"):
+            assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=REL, abs=1e-9), (ref, key)
+        assert got["metrics"]["sequences"] == want["metrics"]["sequences"] == 3.0
+        assert got["metrics"]["response_tokens"] == want["metrics"]["response_tokens"] == 16.0
+        assert rel(got["grads"], want["grads"]) < REL, ref
+        assert rel(got["step1"], want["step1"]) < REL, ref
+    assert uneven["ddp1"]["metrics"]["kl"] > 0  # the ref pass ran: beta > 0 on an adapter that moved
+    assert any(v.abs().sum() > 0 for k, v in uneven["fsdp2"]["grads"].items() if "lora_B" in k)
 
 
 @pytest.mark.parametrize("sets, message", [

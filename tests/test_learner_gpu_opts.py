@@ -13,7 +13,8 @@ from learner.losses import LossNorm, ObjectiveParams
 from learner.lora import adapter_state_dict
 from learner.microbatch import computed_tokens, count_bounds, mfu, model_flops, token_budget_bounds
 from learner.optim import use_fused
-from learner.passes import GradSync, make_micro_batches, update_actor
+from learner.passes import (GradSync, make_micro_batches, old_log_prob, pad_micro_batches, ref_log_prob,
+                            update_actor)
 from learner.policy import PolicyLearner
 from learner.shared_prefix import SharedPrefixLM
 from learner.types import TrainBatch
@@ -128,6 +129,72 @@ def test_token_budget_micro_batches_give_the_gradients_of_one_batch(loss_type, b
     assert any(g.abs().max() > 0 for g in one.values())
     for name, want in one.items():
         torch.testing.assert_close(cut[name], want, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def all_passes(peft_model, batch: TrainBatch, loss_type: str, pad_to: int | None) -> dict:
+    """old_log_prob, ref and two update_actor epochs (beta > 0, entropy bonus on) over the batch's
+    micro-batches of 3 rows, padded to ``pad_to`` micro-batches (None: as cut); then one folded
+    epoch. Every output, the losses and the LoRA gradients of each optimizer step."""
+    lm = SharedPrefixLM(peft_model)
+    mbs = make_micro_batches(batch, 3)
+    if pad_to is not None:
+        mbs = pad_micro_batches(mbs, pad_to)
+    trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+    grads: list[dict[str, torch.Tensor]] = []
+
+    def step() -> float:
+        grads.append({n: p.grad.detach().clone() for n, p in trainable.items()})
+        for p in trainable.values():
+            p.grad = None
+        return 0.0
+
+    sync = GradSync(backward=lambda loss, last: loss.backward(), step=step)
+    norm = LossNorm(loss_type=loss_type, global_tokens=float(batch.num_response_tokens()), global_sequences=len(batch),
+                    local_tokens=float(batch.num_response_tokens()), max_completion_length=8, dp_size=1)
+    params = ObjectiveParams.from_config(LearnerConfig(beta=0.05, entropy_coef=0.01))
+    olds, rollout, ent = old_log_prob(lm, mbs, 0.7, True)
+    refs = ref_log_prob(lm, peft_model, mbs, 0.7)
+    two = update_actor(lm, mbs, sync, norm, params, temperature=0.7, epochs=2, old=olds, ref=refs, entropy_bonus=True)
+    folded = update_actor(lm, mbs, sync, norm, params, temperature=0.7, epochs=1, old=None, ref=refs,
+                          entropy_bonus=False)
+    real = len(make_micro_batches(batch, 3))
+    return {"n": len(mbs), "olds": olds[:real], "refs": refs[:real], "rollout": rollout, "ent": ent,
+            "two": (two.loss, two.sums, two.rollout_sums), "folded": (folded.loss, folded.sums, folded.rollout_sums),
+            "grads": grads}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_padding_micro_batches_change_no_number(loss_type):
+    """learner.strategy=fsdp2 pads a rank's micro-batches to the most any rank has: the padding
+    adds exactly 0 to every loss, gradient and metric sum (bit for bit, fp32 on CPU)."""
+    peft_model = lora(tiny_llama())
+    batch = two_groups(torch.Generator().manual_seed(11))
+    want = all_passes(peft_model, batch, loss_type, None)
+    got = all_passes(peft_model, batch, loss_type, want["n"] + 2)
+    assert (want["n"], got["n"]) == (3, 5)
+    for key in ("rollout", "ent", "two", "folded"):
+        assert got[key] == want[key], key
+    for key in ("olds", "refs"):
+        assert all(torch.equal(a, e) for a, e in zip(got[key], want[key])), key
+    assert len(got["grads"]) == len(want["grads"]) == 3
+    assert any(g.abs().max() > 0 for g in want["grads"][0].values())
+    for got_step, want_step in zip(got["grads"], want["grads"]):
+        for name, g in want_step.items():
+            assert torch.equal(got_step[name], g), name
+
+
+def test_pad_micro_batches_appends_masked_rows_only():
+    batch = two_groups(torch.Generator().manual_seed(2))
+    mbs = make_micro_batches(batch, 4, causal_only=True, logprob_chunk=5)
+    padded = pad_micro_batches(mbs, 4)
+    assert padded[:2] == mbs and all(mb.padding for mb in padded[2:]) and not any(mb.padding for mb in mbs)
+    pad = padded[-1]
+    assert pad.input_ids.shape == (1, 2) and pad.attention_mask.all() and not pad.mask.any()
+    assert (pad.causal_only, pad.logprob_chunk, pad.tokens, pad.shared_prefix) == (True, 5, 0, 0)
+    assert pad_micro_batches(mbs, 2) == mbs
+    assert [mb.padding for mb in pad_micro_batches([], 2)] == [True, True]  # a rank without rows joins too
+    with pytest.raises(ValueError, match="cannot pad 2 micro-batches down to 1"):
+        pad_micro_batches(mbs, 1)
 
 
 def test_token_budget_micro_batches_keep_each_groups_shared_prompt():

@@ -28,7 +28,8 @@ from config.learner import LearnerConfig
 from learner.lora import adapter_state_dict
 from learner.losses import LossNorm, ObjectiveParams
 from learner.memory_plan import (
-    LORA_BYTES_PER_PARAM, ModelShape, fixed_bytes, layer_activation_bytes, lora_params, memory_plan, per_token_bytes,
+    LORA_BYTES_PER_PARAM, ModelShape, Sharding, fixed_bytes, layer_activation_bytes, layer_params, lora_params,
+    memory_plan, per_token_bytes, weight_bytes,
 )
 from learner.microbatch import capped_count_bounds, count_bounds
 from learner.passes import (
@@ -419,3 +420,55 @@ def test_the_new_learner_values_parse_and_old_ones_keep_their_meaning():
                 {"memory_budget_gib": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             RunConfig.model_validate({"learner": bad})
+
+
+# ------------------------------------------------------------------ the plan under fsdp2
+# Qwen3-32B's config.json: hidden 5120, 64 layers, 64 heads x 128, 8 KV heads, MLP 25600, vocab 151936, untied
+QWEN3_32B = ModelShape(params=32_762_106_880, hidden=5120, intermediate=25600, layers=64, vocab=151_936,
+                       q_dim=8192, kv_dim=1024, dtype_bytes=2)
+QWEN3_32B_LORA32 = 268_435_456  # 64 layers x 32 x (13312 + 6144 + 6144 + 13312 + 30720 + 30720 + 30720)
+
+
+def test_fsdp2_plan_counts_one_ranks_shard_qwen3_32b_over_8():
+    # one layer: 2 x 5120 x 8192 + 2 x 5120 x 1024 + 3 x 5120 x 25600 + 2 x 5120; the root: 2 x 151936 x 5120 + 5120
+    assert layer_params(QWEN3_32B) == 487_598_080
+    assert QWEN3_32B.params == 64 * 487_598_080 + 1_555_829_760 and lora_params(QWEN3_32B, 32) == QWEN3_32B_LORA32
+    ddp = 32_762_106_880 * 2 + 268_435_456 * 16  # all weights in bf16, LoRA weight, gradient, two moments
+    assert weight_bytes(QWEN3_32B, QWEN3_32B_LORA32) == ddp == 69_819_181_056
+    fsdp = (32_762_106_880 // 8 * 2  # the rank's shard of the weights
+            + 1_555_829_760 * 2  # the root (embeddings, head, final norm) gathered for the pass
+            + 2 * 487_598_080 * 2  # two decoder layers gathered (running, prefetched)
+            + 268_435_456 * 4  # LoRA gradients whole between micro-batches
+            + 268_435_456 * 16 // 8)  # LoRA weight, sharded gradient, AdamW moments: the rank's shard
+    assert weight_bytes(QWEN3_32B, QWEN3_32B_LORA32, Sharding(8)) == fsdp == 14_863_191_296
+    offload = 1_555_829_760 * 2 + 2 * 487_598_080 * 2 + 268_435_456 * 4  # the shards in host memory
+    assert weight_bytes(QWEN3_32B, QWEN3_32B_LORA32, Sharding(8, cpu_offload=True)) == offload
+    slices, reserve = 6 * 256 * 151_936 * 4, int(0.1 * 80 * GIB)
+    assert fixed_bytes(QWEN3_32B, QWEN3_32B_LORA32, 80 * GIB, 256, Sharding(8)) == fsdp + slices + reserve
+    # an 80 GiB card, rows of 4096 tokens, 8 rows a rank: per token 1,997,184 bytes checkpointed
+    # (64 x 2 x 5120 layer inputs + 2 x 367,040 for two layers + 2 x 2 x 151936 logits)
+    assert per_token_bytes(QWEN3_32B, 32, True, 256) == 64 * 2 * 5120 + 2 * 367_040 + 4 * 151_936 == 1_997_184
+    whole = memory_plan(QWEN3_32B, 32, QWEN3_32B_LORA32, 80 * GIB, 4096, 256, rows=8)
+    sharded = memory_plan(QWEN3_32B, 32, QWEN3_32B_LORA32, 80 * GIB, 4096, 256, rows=8, sharding=Sharding(8))
+    assert whole.fixed_bytes == ddp + slices + reserve and not whole.fits  # DDP: one 4096-token row does not fit
+    assert whole.micro_batch_tokens == (80 * GIB - ddp - slices - reserve) // 1_997_184 == 3282
+    assert sharded.gradient_checkpointing and sharded.fits
+    assert sharded.micro_batch_tokens == (80 * GIB - fsdp - slices - reserve) // 1_997_184 == 30_799  # 7 rows of 4096
+    # without checkpointing 24,465,344 bytes a token (65 layers x 367,040 + logits): 2514 tokens, not one row
+    assert memory_plan(QWEN3_32B, 32, QWEN3_32B_LORA32, 80 * GIB, 4096, 256, False,
+                       sharding=Sharding(8)).micro_batch_tokens == (80 * GIB - fsdp - slices - reserve) // 24_465_344
+
+
+def test_the_policy_plans_with_its_sharding(tmp_path):
+    tiny_llama(tmp_path)
+    learner = policy(tmp_path)
+    assert learner.memory_sharding is None  # ddp
+    batch = two_groups(3)
+    longest = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+    simulated_cuda_plan(learner, 40 * MIB)
+    learner.memory_sharding = Sharding(4)  # what an fsdp2 learner over 4 ranks sets
+    trainable = learner.lora_trainable
+    want = memory_plan(learner.memory_shape, 4, trainable, 40 * MIB, longest, 0, rows=len(batch), max_rows=4,
+                       sharding=Sharding(4))
+    assert want != memory_plan(learner.memory_shape, 4, trainable, 40 * MIB, longest, 0, rows=len(batch), max_rows=4)
+    assert learner.plan(batch, len(batch)) == (want.gradient_checkpointing, want.micro_batch_tokens, 4)
