@@ -10,6 +10,8 @@ learner section and a few overrides:
   (share_prompt_prefix), no graphs;
 - ``eager``: no shared prefix, no graphs;
 - ``graphs``: the update's forward and backward captured as CUDA graphs (learner/graphed.py);
+- ``fsdp2``, ``fsdp2_offload``: learner.strategy=fsdp2 (learner/fsdp.py) on a one-rank process group
+  (nccl on a GPU, gloo on CPU), the second with FSDP2's CPU offload of the sharded base;
 - ``fused``, ``graphs_fused``: ``eager`` and ``graphs`` with peft's LoRA layers run as one autograd
   function each and A, B cast to bf16 once per step (learner/fused_lora.py, issue 34); the others
   set learner.fused_lora=false, since its 'auto' is on for a CUDA worker.
@@ -42,6 +44,11 @@ VARIANTS = {
     "graphs": {"share_prompt_prefix": False, "cuda_graphs": True, "fused_lora": False},
     "fused": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": True},
     "graphs_fused": {"share_prompt_prefix": False, "cuda_graphs": True, "fused_lora": True},
+    # issue 35: the base sharded by FSDP2 over a one-rank process group (the code path a Ray Train
+    # worker runs under learner.strategy=fsdp2); its s/step beside ``eager`` is what sharding costs
+    "fsdp2": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "strategy": "fsdp2"},
+    "fsdp2_offload": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "strategy": "fsdp2",
+                      "fsdp_cpu_offload": True},
 }
 
 
@@ -102,6 +109,18 @@ def profile_step(policy, batch, gpu: bool) -> dict:
             "top": [{"name": e.key[:70], "ms": getattr(e, attr, 0.0) / 1e3, "calls": e.count} for e in top]}
 
 
+def one_rank_group(gpu: bool) -> None:
+    """A process group of this process alone, as a one-worker Ray Train job has (fsdp2 needs one)."""
+    import os
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29531")
+        dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
+
+
 def run_variant(name: str, args, data) -> tuple[dict, dict]:
     import torch
 
@@ -114,22 +133,28 @@ def run_variant(name: str, args, data) -> tuple[dict, dict]:
     if gpu:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    if cfg.learner.strategy == "fsdp2":
+        one_rank_group(gpu)
     t = time.perf_counter()
     policy = PolicyLearner.for_run(cfg, device="cuda" if gpu else "cpu")
     load_s = time.perf_counter() - t
-    init = {k: v.clone() for k, v in adapter_state_dict(policy.peft_model).items()}  # CPU tensors are views
+    def adapter_now() -> dict:  # fsdp2 holds shards: gather the full tensors, as the worker does
+        full = policy.full_adapter()
+        return {k: v.detach().cpu() for k, v in full.items()} if full is not None else adapter_state_dict(policy.peft_model)
+
+    init = {k: v.clone() for k, v in adapter_now().items()}  # CPU tensors are views
     steps, exports, metrics = [], [], []
     for batch in data:
         t = time.perf_counter()
         m, phases = policy.step(batch)
         e = time.perf_counter()
-        policy.payload(adapter_version(policy.step_count))  # exported every step, as the worker does
+        policy.payload(adapter_version(policy.step_count), policy.full_adapter())  # every step, as the worker does
         if gpu:
             torch.cuda.synchronize()
         steps.append(time.perf_counter() - t)
         exports.append(time.perf_counter() - e)
         metrics.append(m)
-    final = adapter_state_dict(policy.peft_model)
+    final = adapter_now()
     row = {"variant": name, "load_s": load_s, "steps_s": steps,
            "update_s": statistics.median(steps[args.warmup:]) if len(steps) > args.warmup else None,
            "export_s": statistics.median(exports[args.warmup:]) if len(exports) > args.warmup else None,
@@ -140,6 +165,10 @@ def run_variant(name: str, args, data) -> tuple[dict, dict]:
     if args.profile:
         row["profile"] = profile_step(policy, data[-1], gpu)
     del policy
+    if cfg.learner.strategy == "fsdp2":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return row, {"init": init, "final": final}
 
 

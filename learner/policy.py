@@ -471,6 +471,9 @@ class PolicyLearner:
 
     def payload(self, version: int, adapter: dict[str, torch.Tensor] | None = None) -> AdapterPayload:
         """The adapter for the engines; ``adapter``: its full tensors (``full_adapter``, FSDP2)."""
+        if self.sharded and adapter is None:  # the model's tensors are this rank's shards
+            raise ValueError("PolicyLearner.payload under learner.strategy=fsdp2 needs the adapter gathered by "
+                             "full_adapter() on every rank")
         with record_function("cp.export"):
             return self.adapter_export.payload(self.peft_model, version, dtype=self.payload_dtype, state=adapter)
 
