@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -239,7 +239,7 @@ class PolicyLearner:
             fused.refresh()
             return norm
 
-        return GradSync(backward=sync.backward, step=step)
+        return replace(sync, step=step)  # its backward and micro-batch context (DDP's no_sync) as they are
 
     def _base(self, model_cfg, shared_base: BaseExport | None, share_required: bool):
         """(the frozen base model, the owner's fence or None): mapped from ``shared_base`` where

@@ -64,3 +64,50 @@ def test_ddp_ranks_with_unequal_micro_batch_counts_take_the_step_of_one_rank(une
     assert got["metrics"]["sequences"] == want["metrics"]["sequences"] == 3.0
     assert got["metrics"]["response_tokens"] == want["metrics"]["response_tokens"] == 16.0
     assert want["metrics"]["kl"] > 0  # the ref pass ran: beta > 0 on an adapter that moved
+
+
+def test_ddp_all_reduces_once_per_update_pass_not_per_micro_batch(tmp_path):
+    """ddp_grad_sync's no_sync covers each micro-batch's forward as well as its backward (the
+    ``micro_batch`` context): with it round the backward only, DDP's forward has already armed
+    the reducer and every backward all-reduced. Counted by a comm hook on DDP over a 1-rank gloo
+    group: a pass of 3 micro-batches all-reduces what a pass of 1 does."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from learner.losses import LossNorm, ObjectiveParams
+    from learner.passes import ddp_grad_sync, update_actor
+    from learner.policy import PolicyLearner
+    from test_learner_fsdp import free_port
+
+    cfg = uneven_config("ddp", 1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        learner = PolicyLearner.for_run(cfg, rank=0, world_size=1)
+        ddp = DistributedDataParallel(learner.lm)
+        calls = []
+
+        def hook(state, bucket):
+            calls.append(bucket.index())
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        ddp.register_comm_hook(None, hook)
+        sync = ddp_grad_sync(ddp, learner.optimizer, cfg.learner.max_grad_norm)
+        batch = uneven_batch()
+        norm = LossNorm(loss_type=cfg.learner.loss_type, global_tokens=float(batch.num_response_tokens()),
+                        global_sequences=len(batch), local_tokens=float(batch.num_response_tokens()),
+                        max_completion_length=4, dp_size=1)
+        mbs = make_micro_batches(batch, 1)
+        per_pass = []
+        for cut in (mbs, mbs[:1], mbs):
+            calls.clear()
+            update_actor(ddp, cut, sync, norm, ObjectiveParams.from_config(cfg.learner.model_copy(update={"beta": 0.0})),
+                         temperature=1.0, epochs=1,
+                         old=None, ref=None, entropy_bonus=False)
+            per_pass.append(sorted(calls))
+        assert len(mbs) == 3 and per_pass[0], per_pass
+        assert per_pass[0] == per_pass[1] == per_pass[2]  # every bucket once per pass
+        assert sorted(set(per_pass[0])) == per_pass[0]
+    finally:
+        dist.destroy_process_group()
