@@ -139,9 +139,11 @@ def padding_micro_batch(device: torch.device | str = "cpu", causal_only: bool = 
 
 
 def pad_micro_batches(mbs: list[MicroBatch], count: int, device: torch.device | str = "cpu") -> list[MicroBatch]:
-    """``mbs`` followed by padding micro-batches up to ``count`` (learner.strategy=fsdp2: every
-    forward and backward is a collective, so every rank runs the same number; the ranks agree on
-    the largest). ``device`` only where ``mbs`` is empty; else that of its micro-batches."""
+    """``mbs`` followed by padding micro-batches up to ``count``: over 2+ ranks every rank runs
+    the same number, the largest any has (fsdp2: every forward and backward is a collective;
+    ddp: buffer broadcasts in the forward, the pass's last backward all-reduces; deepspeed:
+    ZeRO-2 reduces in every backward). ``device`` only where ``mbs`` is empty; else that of its
+    micro-batches."""
     if count < len(mbs):
         raise ValueError(f"cannot pad {len(mbs)} micro-batches down to {count}")
     if mbs:
