@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import record_function
@@ -138,9 +139,11 @@ def padding_micro_batch(device: torch.device | str = "cpu", causal_only: bool = 
 
 
 def pad_micro_batches(mbs: list[MicroBatch], count: int, device: torch.device | str = "cpu") -> list[MicroBatch]:
-    """``mbs`` followed by padding micro-batches up to ``count`` (learner.strategy=fsdp2: every
-    forward and backward is a collective, so every rank runs the same number; the ranks agree on
-    the largest). ``device`` only where ``mbs`` is empty; else that of its micro-batches."""
+    """``mbs`` followed by padding micro-batches up to ``count``: over 2+ ranks every rank runs
+    the same number, the largest any has (fsdp2: every forward and backward is a collective;
+    ddp: buffer broadcasts in the forward, the pass's last backward all-reduces; deepspeed:
+    ZeRO-2 reduces in every backward). ``device`` only where ``mbs`` is empty; else that of its
+    micro-batches."""
     if count < len(mbs):
         raise ValueError(f"cannot pad {len(mbs)} micro-batches down to {count}")
     if mbs:
@@ -333,17 +336,31 @@ class UpdateResult:
     rollout_sums: dict[str, float]  # filled when old log-probs were folded into the update
 
 
+def _no_context(last: bool) -> AbstractContextManager:
+    return contextlib.nullcontext()
+
+
 @dataclass
 class GradSync:
-    """How gradients are produced and applied: plain/DDP here, DeepSpeed in learner.worker."""
+    """How gradients are produced and applied: plain/DDP here, DeepSpeed in learner.policy,
+    FSDP2 in learner.fsdp. Wrappers that replace one part keep the others (dataclasses.replace)."""
 
     backward: Callable[[torch.Tensor, bool], None]  # (loss, is_last_micro_batch_of_the_pass)
     step: Callable[[], float]  # clip, optimizer step, zero grads; returns the pre-clip grad norm
+    # entered around a micro-batch's forward AND backward, (is_last_micro_batch_of_the_pass):
+    # DDP decides in the forward whether the backward all-reduces (ddp_grad_sync)
+    micro_batch: Callable[[bool], AbstractContextManager] = field(default=_no_context)
 
 
 def ddp_grad_sync(model, optimizer: torch.optim.Optimizer, max_grad_norm: float,
                   keep_grads: bool = False) -> GradSync:
     """Gradient accumulation over micro-batches; a DDP model all-reduces on the last one only.
+
+    DDP's ``no_sync`` has to hold over the forward too: the forward prepares the reducer, whose
+    hooks then all-reduce in the backward whatever the flag says by then (torch's no_sync doc).
+    So it is the ``micro_batch`` context, not part of ``backward``. Every rank must run as many
+    micro-batches (the forward broadcasts buffers after a synced pass, the last backward
+    all-reduces): learner/policy.py pads the ranks with fewer (``pad_micro_batches``).
 
     ``keep_grads``: the parameters' .grad tensors exist before the first backward and are zeroed,
     not freed, after each optimizer step, so every backward ADDS into them in place. A graphed
@@ -352,13 +369,15 @@ def ddp_grad_sync(model, optimizer: torch.optim.Optimizer, max_grad_norm: float,
     no_sync = getattr(model, "no_sync", None)
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
 
+    def micro_batch(last: bool) -> AbstractContextManager:
+        return no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
+
     def backward(loss: torch.Tensor, last: bool) -> None:
         if keep_grads:
             for p in trainable:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-        with no_sync() if (no_sync is not None and not last) else contextlib.nullcontext():
-            loss.backward()
+        loss.backward()
 
     def step() -> float:
         norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm))
@@ -366,7 +385,7 @@ def ddp_grad_sync(model, optimizer: torch.optim.Optimizer, max_grad_norm: float,
         optimizer.zero_grad(set_to_none=not keep_grads)
         return norm
 
-    return GradSync(backward=backward, step=step)
+    return GradSync(backward=backward, step=step, micro_batch=micro_batch)
 
 
 Scorer = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -406,28 +425,30 @@ def update_actor(
     for _ in range(epochs):
         epoch_loss = None
         for i, mb in enumerate(mbs):
-            with record_function("cp.forward"):
-                logp, ent = scorer(model, mb, temperature, "grad" if entropy_bonus else "detached", amp_dtype)
-            if old is None:
-                old_mb = logp.detach()
-                if not mb.padding:
-                    rollout_sums = merge_sums(rollout_sums,
-                                              rollout_mismatch_sum_tensors(mb.rollout_logprobs, old_mb, mb.mask))
-            else:
-                old_mb = old[i]
-            inp = LossInputs(
-                logprobs=logp,
-                old_logprobs=old_mb,
-                advantages=mb.advantages,
-                mask=mb.mask,
-                rollout_logprobs=mb.rollout_logprobs,
-                ref_logprobs=ref[i] if ref is not None else None,
-                entropy=ent,
-            )
-            with record_function("cp.loss"):
-                out = policy_loss(inp, norm, params, entropy_bonus=entropy_bonus)
-            with record_function("cp.backward"):
-                sync.backward(out.loss, i == len(mbs) - 1)
+            last = i == len(mbs) - 1
+            with sync.micro_batch(last):  # forward and backward (DDP: no_sync but on the last)
+                with record_function("cp.forward"):
+                    logp, ent = scorer(model, mb, temperature, "grad" if entropy_bonus else "detached", amp_dtype)
+                if old is None:
+                    old_mb = logp.detach()
+                    if not mb.padding:
+                        rollout_sums = merge_sums(rollout_sums,
+                                                  rollout_mismatch_sum_tensors(mb.rollout_logprobs, old_mb, mb.mask))
+                else:
+                    old_mb = old[i]
+                inp = LossInputs(
+                    logprobs=logp,
+                    old_logprobs=old_mb,
+                    advantages=mb.advantages,
+                    mask=mb.mask,
+                    rollout_logprobs=mb.rollout_logprobs,
+                    ref_logprobs=ref[i] if ref is not None else None,
+                    entropy=ent,
+                )
+                with record_function("cp.loss"):
+                    out = policy_loss(inp, norm, params, entropy_bonus=entropy_bonus)
+                with record_function("cp.backward"):
+                    sync.backward(out.loss, last)
             epoch_loss = out.loss.detach() if epoch_loss is None else epoch_loss + out.loss.detach()
             if not mb.padding:  # its sums are zeros but for the row it counts under "sequences"
                 sums = merge_sums(sums, out.sum_tensors)

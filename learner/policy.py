@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -239,7 +239,7 @@ class PolicyLearner:
             fused.refresh()
             return norm
 
-        return GradSync(backward=sync.backward, step=step)
+        return replace(sync, step=step)  # its backward and micro-batch context (DDP's no_sync) as they are
 
     def _base(self, model_cfg, shared_base: BaseExport | None, share_required: bool):
         """(the frozen base model, the owner's fence or None): mapped from ``shared_base`` where
@@ -357,7 +357,10 @@ class PolicyLearner:
                                      token_budget=token_budget, max_rows=max_rows,
                                      pad_multiple=cfg.graph_pad_tokens if scorer is not None else 1,
                                      causal_only=self.causal_only, logprob_chunk=self.logprob_chunk)
-        if self.sharded and self.world_size > 1:  # each forward all-gathers: every rank runs as many
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():  # every rank runs as many
+            # fsdp2: each forward all-gathers; ddp: each forward broadcasts buffers and each pass's
+            # last backward all-reduces; deepspeed: ZeRO-2 reduces in every backward. A rank with
+            # fewer micro-batches would leave the others waiting in a collective it never joins.
             count = torch.tensor([len(mbs)], dtype=torch.int64, device=self.device)  # NCCL: on the GPU
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
             mbs = pad_micro_batches(mbs, int(count), self.device)  # zero-loss micro-batches (learner/passes.py)

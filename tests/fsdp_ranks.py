@@ -12,15 +12,17 @@ and the optimizer step), the losses, the published payload's bytes, the base wei
 (full), and the files of the checkpoint.
 
 ``uneven``: one step on a batch of 3 rows (``uneven_batch``) that 2 ranks cut into 2 and 1
-micro-batches, with every pass a collective under fsdp2 (old_log_prob not folded, ref with
-beta > 0, two update epochs); rank 0 writes its metrics, the LoRA gradients of the last epoch
-and the adapter after the step.
+micro-batches, with every pass a collective under fsdp2 and every update forward/backward one
+under DDP (old_log_prob not folded, ref with beta > 0, two update epochs); rank 0 writes its
+metrics, the LoRA gradients of the last epoch and the adapter after the step; every rank writes
+OUT_DIR/backwards_rank{RANK}.pt, the ``last`` flag of each backward it ran.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import RunConfig  # noqa: E402
 from learner.checkpoint import checkpoint_dir  # noqa: E402
-from learner.passes import GradSync  # noqa: E402
 from learner.policy import PolicyLearner  # noqa: E402
 from learner.types import TrainBatch  # noqa: E402
 from learner.worker import save_answer, step_answer  # noqa: E402
@@ -82,7 +83,9 @@ def main_uneven(strategy: str, world: int, rank: int, port: int, out: Path) -> N
     learner = PolicyLearner.for_run(uneven_config(strategy, world), rank=rank, world_size=world)
     grads: dict = {}
     capture_grads(learner, grads)
+    lasts = record_backwards(learner)
     metrics, _ = learner.step(uneven_batch())
+    torch.save(lasts, out / f"backwards_rank{rank}.pt")
     result = {"metrics": metrics, "grads": grads, "step1": adapter(learner)}
     if rank == 0:
         torch.save(result, out / "result.pt")
@@ -114,7 +117,19 @@ def capture_grads(learner: PolicyLearner, into: dict) -> None:
             into[names[id(p)]] = full(p.grad)
         return sync.step()
 
-    learner.grad_sync = GradSync(backward=sync.backward, step=step)
+    learner.grad_sync = replace(sync, step=step)  # keeps the rest of how it syncs
+
+
+def record_backwards(learner: PolicyLearner) -> list[bool]:
+    """The ``last`` flag of every backward the update runs on this rank, in order."""
+    sync, lasts = learner.grad_sync, []
+
+    def backward(loss: torch.Tensor, last: bool) -> None:
+        lasts.append(last)
+        sync.backward(loss, last)
+
+    learner.grad_sync = replace(sync, backward=backward)
+    return lasts
 
 
 def main(strategy: str, world: int, rank: int, port: int, out: Path, resume_from: Path | None) -> None:

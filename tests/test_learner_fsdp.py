@@ -135,8 +135,8 @@ def uneven(tmp_path_factory):
 def test_fsdp2_ranks_with_unequal_micro_batch_counts_take_the_step_of_one_rank(uneven):
     """3 rows over 2 ranks, one row per micro-batch: rank 1 runs a padding micro-batch in each
     of old_log_prob, ref and both update epochs (learner/passes.py pad_micro_batches); the step
-    is the one rank's (plain and fsdp2) to the tolerance above. (Not DDP over 2 ranks: DDP's
-    per-forward buffer broadcast and bucket all-reduces do not survive unequal counts either.)"""
+    is the one rank's (plain and fsdp2) to the tolerance above. (DDP over 2 ranks, padded the
+    same way: tests/test_learner_ddp_uneven.py.)"""
     for ref in ("ddp1", "fsdp1"):
         got, want = uneven["fsdp2"], uneven[ref]
         assert got["metrics"]["loss"] == pytest.approx(want["metrics"]["loss"], rel=2e-6), ref
