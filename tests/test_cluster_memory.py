@@ -213,3 +213,15 @@ def test_the_cli_refuses_bad_input_in_one_line(args, message):
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and done.stdout == "" and len(lines) == 1, done.stderr[-2000:]
     assert lines[0].startswith("error: ") and message in lines[0]
+
+
+def test_the_readme_shows_what_the_cli_prints(shape_32b):
+    """README "Training a 27-70B model on a cluster" pastes the table: it must be today's."""
+    from services.memory_budget import format_cluster_memory
+
+    cfg = _cfg_32b()
+    table = format_cluster_memory(cfg, shape_32b, cluster_memory(cfg, shape_32b), H100_80GB_GIB)
+    readme = (REPO / "README.md").read_text()
+    missing = [line for line in table.splitlines() if line and line not in readme]
+    assert not missing, "README's table is stale; paste `python -m services.memory_budget --config " \
+                        "configs/mle-tree-qwen3-32b.yaml`:\n" + "\n".join(missing)
