@@ -302,3 +302,53 @@ def test_gpu_bench_placements_reserve_what_the_host_has(name, overrides, gpus):
     assert cfg.rollout.num_gpus <= 1 and cfg.learner.gpus_per_worker <= 1
     if cfg.rollout.num_gpus < 1:
         assert cfg.rollout.num_gpus + cfg.learner.gpus_per_worker <= 1
+
+
+def test_the_32b_cluster_config_fits_two_nodes_of_eight_gpus(tmp_path: Path):
+    """configs/mle-tree-qwen3-32b.yaml names a hub id (nothing is downloaded: the model's shape is
+    the shipped configs/shapes/qwen3-32b.json): 2 TP=4 vLLM replicas on one node's 8 GPUs, 8 fsdp2
+    learner workers on the other's; it passes every check preflight can make offline at that shape,
+    its parts find room on two such nodes, and each GPU's memory fits an 80 GB card."""
+    import json
+
+    from rollout.engines.vllm_engine import parallel_shape_problem
+    from services.launch import required_resources
+    from services.memory_budget import H100_80GB_GIB, cluster_memory, gpu_totals
+    from services.placement import Node, needs_of, placement_problems
+    from services.preflight import preflight
+
+    path = CONFIGS[0].parent / "mle-tree-qwen3-32b.yaml"
+    cfg = load_config(path)
+    r, lc = cfg.rollout, cfg.learner
+    assert cfg.model.name_or_path == "Qwen/Qwen3-32B" and cfg.model.dtype == "bfloat16"
+    assert r.engine == "vllm" and r.num_gpus == r.parallel_size == r.tensor_parallel_size == 4
+    assert r.vllm_lora == "unmerged" and r.max_lora_rank >= lc.lora.r == 32 and lc.lora.target_modules == "all-linear"
+    # long sequences: a script of 4k tokens after a prompt of thousands, prefilled in chunks, prefixes cached
+    assert r.max_tokens == 4096 and r.max_model_len >= r.max_tokens + 8192
+    assert r.enable_chunked_prefill and r.enable_prefix_caching and r.max_num_batched_tokens < r.max_model_len
+    assert lc.strategy == "fsdp2" and lc.gradient_checkpointing is True and lc.use_gpu and lc.workers == 8
+    assert cfg.gpu_sharing.mode == "timeslice" and cfg.trainer.rollout_mode == "tree"
+    assert required_resources(cfg)["GPU"] == 16
+    # what the schema refuses at this shape: merged LoRA at TP > 1, GPUs per replica other than TP x PP
+    with pytest.raises(ConfigError, match="vllm_lora=merged"):
+        load_config(path, ["rollout.vllm_lora=merged"])
+    with pytest.raises(ConfigError, match="set rollout.num_gpus=8"):
+        load_config(path, ["rollout.tensor_parallel_size=8"])
+    # every preflight check that needs no service, at the model's real shape (a directory holding
+    # only its config.json): the TP size divides its heads, the code-exec pool loads
+    shape = json.loads((CONFIGS[0].parent / "shapes" / "qwen3-32b.json").read_text())
+    assert parallel_shape_problem(shape, r.tensor_parallel_size) is None
+    model = tmp_path / "Qwen3-32B"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(shape))
+    preflight(load_config(path, [f"model.name_or_path={model}"]), ports=False)
+    # two 8-GPU nodes, one offering the replicas' rollout_slot, one the workers' learner_slot (deploy/)
+    nodes = [Node("head", True, {}, {"CPU": 8.0}),
+             Node("rollout-node", True, {}, {"CPU": 64.0, "GPU": 8.0, "rollout_slot": 2.0}),
+             Node("learner-node", True, {}, {"CPU": 96.0, "GPU": 8.0, "learner_slot": 8.0})]
+    assert placement_problems(nodes, needs_of(cfg)) == []
+    assert r.replicas * r.resources["rollout_slot"] == 2 and r.replicas * r.num_gpus == 8
+    assert lc.workers * lc.resources_per_worker["learner_slot"] == 8 and lc.workers * lc.gpus_per_worker == 8
+    assert placement_problems(nodes[:2], needs_of(cfg))  # no learner node: refused before start
+    totals = gpu_totals(cluster_memory(cfg, shape))
+    assert set(totals) == {"rollout", "learner"} and max(totals.values()) <= H100_80GB_GIB, totals

@@ -269,3 +269,75 @@ def test_an_install_the_way_the_image_installs_imports_every_package_and_runs(tm
                            "--set", f"trainer.runs_dir={tmp_path / 'runs'}", cwd=image).stdout)
     assert shown["config"]["model"]["name_or_path"] == "tiny-random" and shown["receipt"]["status"] == "dry_run"
     assert not (tmp_path / "runs").exists()
+
+
+def _offered(start_params: dict) -> dict[str, float]:
+    """The custom resources a group's `ray start` offers (rayStartParams.resources: a quoted JSON)."""
+    raw = start_params.get("resources")
+    return json.loads(yaml.safe_load(raw)) if raw else {}
+
+
+def test_rayjob_train_32b():
+    """Two 8-GPU pods, one offering the config's rollout_slot and one its learner_slot, hold every
+    replica and worker of configs/mle-tree-qwen3-32b.yaml (services/placement.py's rule per replica
+    and worker, and the totals per pod); the driver calls the RayService's code-exec app."""
+    from services.launch import required_resources
+    from services.placement import Node, fitting_nodes, needs_of, placement_problems
+
+    job = kind_doc(DEPLOY / "kuberay" / "rayjob-train-32b.yaml", "RayJob")
+    assert job["apiVersion"] == "ray.io/v1"
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:4] == ["counterpoint", "train", "--config", "configs/mle-tree-qwen3-32b.yaml"]
+    cfg = load_config(REPO / argv[3], [argv[i + 1] for i, arg in enumerate(argv) if arg == "--set"])
+    assert cfg.trainer.ray_address == "auto" and cfg.grader.app_name == "code-exec"
+    graders = kind_doc(DEPLOY / "kuberay" / "rayservice-graders.yaml", "RayService")
+    apps = {a["name"]: a for a in yaml.safe_load(graders["spec"]["serveConfigV2"])["applications"]}
+    assert apps[cfg.grader.app_name]["args"]["task"] == cfg.grader.task == "code-exec"
+    assert apps[cfg.grader.app_name]["args"]["token_env"] == cfg.grader.token_env
+    cluster = job["spec"]["rayClusterSpec"]
+    head = cluster["headGroupSpec"]
+    (head_container,) = head["template"]["spec"]["containers"]
+    assert gpu_limit(head) == 0 and cfg.trainer.metrics_port in {p["containerPort"] for p in head_container["ports"]}
+    (env,) = [e for e in head_container["env"] if e["name"] == cfg.grader.token_env]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "counterpoint-grader-token", "key": "token"}
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    assert set(groups) == {"rollout", "learner"} and all(g["replicas"] == 1 and gpu_limit(g) == 8 for g in groups.values())
+    assert sum(gpu_limit(g) for g in groups.values()) == required_resources(cfg)["GPU"] == 16
+
+    def node(name: str, group: dict) -> Node:
+        (container,) = group["template"]["spec"]["containers"]
+        return Node(name, True, {}, {"CPU": float(container["resources"]["limits"]["cpu"]),
+                                     "GPU": float(gpu_limit(group)), **_offered(group["rayStartParams"])})
+
+    nodes = [node(name, g) for name, g in groups.items()]
+    assert placement_problems(nodes, needs_of(cfg)) == []
+    r, lc = cfg.rollout, cfg.learner
+    rollout_need, learner_need = needs_of(cfg)[:2]
+    # each part lands on its own pod only, and that pod holds all of it
+    (pod,) = fitting_nodes(nodes, rollout_need)
+    assert pod.node_id == "rollout" and r.replicas * r.num_gpus <= pod.resources["GPU"]
+    assert r.replicas * r.num_cpus <= pod.resources["CPU"] and r.replicas <= pod.resources["rollout_slot"]
+    (pod,) = fitting_nodes(nodes, learner_need)
+    assert pod.node_id == "learner" and lc.workers * lc.gpus_per_worker <= pod.resources["GPU"]
+    assert lc.workers * lc.num_cpus_per_worker <= pod.resources["CPU"] and lc.workers <= pod.resources["learner_slot"]
+    for group in groups.values():  # vLLM's TP ranks and NCCL need more than the default 64 MiB /dev/shm
+        volumes = {v["name"]: v for v in group["template"]["spec"]["volumes"]}
+        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+
+
+def test_ray_cluster_launcher_32b():
+    """deploy/ray/cluster-32b.yaml: a rollout node and a learner node of 8 GPUs, offering the
+    config's custom resources, hold its replicas and workers; the head holds its graders."""
+    from services.placement import Node, needs_of, placement_problems
+
+    cluster = yaml.safe_load((DEPLOY / "ray" / "cluster-32b.yaml").read_text())
+    types = cluster["available_node_types"]
+    assert cluster["head_node_type"] == "head" and set(types) == {"head", "rollout-node", "learner-node"}
+    assert all(types[t]["min_workers"] == types[t]["max_workers"] == 1 for t in ("rollout-node", "learner-node"))
+    cfg = load_config(REPO / "configs" / "mle-tree-qwen3-32b.yaml")
+    nodes = [Node(name, True, {}, {k: float(v) for k, v in t["resources"].items()}) for name, t in types.items()]
+    assert placement_problems(nodes, needs_of(cfg)) == []
+    assert types["rollout-node"]["resources"]["rollout_slot"] == cfg.rollout.replicas
+    assert types["learner-node"]["resources"]["learner_slot"] == cfg.learner.workers
+    assert types["head"]["resources"]["CPU"] >= cfg.grader.replicas * cfg.grader.num_cpus + 1
+    assert any("counterpoint[train,vllm,deepspeed]" in cmd for cmd in cluster["setup_commands"])
