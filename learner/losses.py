@@ -148,9 +148,12 @@ def policy_loss(
     clipped_ratio = torch.clamp(ratio, 1 - params.epsilon_low, 1 + params.epsilon_high)
     pg = torch.maximum(-adv * ratio, -adv * clipped_ratio)
     if params.tis_cap is not None and inp.rollout_logprobs is not None:
-        tis_w = torch.clamp(torch.exp(inp.old_logprobs - inp.rollout_logprobs), max=params.tis_cap).detach()
+        tis_raw = torch.exp(inp.old_logprobs - inp.rollout_logprobs).detach()
+        tis_w = torch.clamp(tis_raw, max=params.tis_cap)
+        tis_capped = tis_raw > params.tis_cap
     else:
         tis_w = torch.ones_like(pg)
+        tis_capped = torch.zeros_like(mask, dtype=torch.bool)
     per_token = pg * tis_w
     kl = None
     if params.beta > 0:
@@ -176,6 +179,7 @@ def policy_loss(
             "clip_frac_high/tok_sum": (high.float() * mask).sum(),
             "ratio/tok_sum": (ratio * mask).sum(),
             "tis_weight/tok_sum": (tis_w * mask).sum(),
+            "tis_clip_frac/tok_sum": (tis_capped.float() * mask).sum(),  # tokens whose weight hit tis_cap
             "kl/tok_sum": (kl * mask).sum() if kl is not None else mask.new_zeros(()),
         }
         if inp.entropy is not None:

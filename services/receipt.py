@@ -73,6 +73,7 @@ UPDATABLE_FIELDS = (
     "base_weights",  # the learner's base: mapped from the replica ("shared") or its own copy, and why
     "adapter_transport",  # how adapters reach the replica: in device memory or host memory, and why
     "gpu_sharing",  # time-sliced or under CUDA MPS (services/mps.py), recorded by services/train.py
+    "rollout_quantization",  # the engine's weight format against the learner's (config/run.py rollout_quantization)
 )
 
 ExitStatus = Literal["completed", "interrupted", "failed"]

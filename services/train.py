@@ -460,7 +460,7 @@ def start_rollout_and_learner(at: Attempt, parts: Services, stack: ExitStack, st
         learner.begin(at.checkpoint)
     rollout = parts.rollout = start_rollout(cfg, stack, env=parts.gpu.env("rollout"))
     stages.done("rollout replicas")
-    receipt.update(rollout_stop_tokens=stop_token_report(rollout))
+    receipt.update(rollout_stop_tokens=stop_token_report(rollout), rollout_quantization=cfg.rollout_quantization())
     init = learner.started() if beside else learner.start(at.checkpoint)
     base_weights = init.base_weights if share else {"mode": "own", "reason": share_reason}
     if parts.refusals and base_weights["mode"] == "own":

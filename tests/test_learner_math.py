@@ -282,6 +282,20 @@ def test_truncated_importance_weights():
     assert off.loss.item() == pytest.approx(5.82 / 5, abs=1e-5)
 
 
+def test_tis_clip_fraction_counts_the_capped_tokens():
+    # exp(old - rollout) = [[3, 0.5, (masked) 4], [1, 2.5, 1]]: 3 and 2.5 exceed the cap of 2 -> 2 of 5 tokens
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.5, -2.0]])
+    rollout = old - torch.tensor([[math.log(3), math.log(0.5), math.log(4)], [0.0, math.log(2.5), 0.0]])
+    capped = policy_loss(_inputs(rollout_logprobs=rollout), _norm("dapo"), dataclasses.replace(PARAMS, tis_cap=2.0))
+    assert finalize(capped.sums)["tis_clip_frac"] == pytest.approx(2 / 5)
+    assert finalize(capped.sums)["tis_weight"] == pytest.approx((2 + 0.5 + 1 + 2 + 1) / 5)
+    # weights under the cap clip nothing; nor does TIS off (tis_cap=None)
+    at_cap = policy_loss(_inputs(rollout_logprobs=old - math.log(2.0)), _norm("dapo"), dataclasses.replace(PARAMS, tis_cap=2.5))
+    assert finalize(at_cap.sums)["tis_clip_frac"] == 0.0
+    off = policy_loss(_inputs(rollout_logprobs=rollout), _norm("dapo"), PARAMS)
+    assert PARAMS.tis_cap is None and finalize(off.sums)["tis_clip_frac"] == 0.0
+
+
 def test_kl_leash_and_entropy_bonus():
     inp = _inputs(
         ref_logprobs=torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.5, -2.0]]),  # = old

@@ -19,6 +19,8 @@
 #   decode MODEL PROMPTS [--set k=v ...]   where generation time goes (bench/vllm_decode.py)
 #   train SHAPES MODES [--set k=v ...]   `counterpoint train` on Ray (bench/gpu_vs_trl.py train); e.g.
 #                        --set gpu_sharing.mode=mps for the replica and learner under CUDA MPS
+#                        or --set rollout.quantization=fp8 for fp8 rollouts (vLLM's online fp8, LoRA
+#                        unmerged; rows keep ppl_ratio, rollout_k3_kl, tis_clip_frac; 0.6B/4B shapes only)
 #   memory SHAPES [--set k=v ...] [--trl-arg=FLAG ...] [--systems ...]   GPU memory per process and
 #                        phase, TRL + vLLM colocate (0.09, checkpointing) then counterpoint train
 #                        (0.09, checkpointing, then the --sets) back to back (bench/memory.py); 4B 1x8

@@ -47,6 +47,9 @@ def make_engine(
         raise ValueError(f"rollout.tensor_parallel_size={rollout_cfg.tensor_parallel_size} x pipeline_parallel_size="
                          f"{rollout_cfg.pipeline_parallel_size} needs vLLM, which this replica's node lacks (the hf "
                          "engine samples on one device): pip install 'counterpoint[vllm]' there")
+    if chosen == "hf" and rollout_cfg.quantization is not None:
+        raise ValueError(f"rollout.quantization={rollout_cfg.quantization} needs vLLM, which this replica's node lacks "
+                         "(the hf engine samples in model.dtype): pip install 'counterpoint[vllm]' there, or quantization=null")
     if chosen == "vllm":
         from rollout.engines.vllm_engine import VllmEngine
 

