@@ -99,6 +99,19 @@ def _linear_sizes(shape: ModelShape) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
+def rollout_weight_bytes(shape: ModelShape, quantization: str | None = None) -> int:
+    """What a replica's base weights take in all (before any split over GPUs). Under
+    rollout.quantization=fp8 vLLM quantizes every decoder linear to one byte per weight (its
+    online Fp8LinearMethod, a float32 scale per layer); embeddings, the output head and the
+    norms stay in the model's dtype."""
+    if quantization is None:
+        return shape.params * shape.dtype_bytes
+    if quantization != "fp8":
+        raise ValueError(f"rollout.quantization={quantization!r}: the memory table knows null and 'fp8'")
+    linear = shape.layers * sum(fan_in * fan_out for fan_in, fan_out in _linear_sizes(shape).values())
+    return linear + (shape.params - linear) * shape.dtype_bytes + shape.layers * 7 * 4
+
+
 def _targets(targets: Sequence[str] | str) -> list[str]:
     return list(LINEAR_NAMES) if targets == "all-linear" else [t for t in targets if t in LINEAR_NAMES]
 
@@ -148,6 +161,7 @@ class ReplicaNeeds:
     w0_on_device: bool  # merged with rollout.merged_w0=device
     lora_slots: int  # unmerged: vLLM's max_loras
     lora_slot_rank: int  # unmerged: vLLM's max_lora_rank
+    quantization: str | None = None  # rollout.quantization: fp8 holds the linears in one byte each
 
 
 @dataclass(frozen=True)
@@ -232,7 +246,7 @@ def split_memory(budget_gib: float, model: str, shape: ModelShape, replica: Repl
     contexts = int(2 * CUDA_CONTEXT_GIB * GIB)
     trainable = lora_params(shape, learner.rank, learner.targets)
     # inside vLLM's budget: weights, the profiling peak, unmerged LoRA's slots
-    inside = weights + int(ROLLOUT_ACTIVATION_GIB * GIB)
+    inside = rollout_weight_bytes(shape, replica.quantization) + int(ROLLOUT_ACTIVATION_GIB * GIB)
     if not replica.merged:
         inside += lora_slot_bytes(shape, replica.lora_slots, replica.lora_slot_rank)
     # outside it: CUDA graphs' pool, merged LoRA's buffers
@@ -293,7 +307,8 @@ def split_for_run(cfg: RunConfig, model_config: Mapping[str, Any], w0_on_device:
     need = row if mbt == "auto" else max(mbt, row) if mbt is not None else min(lc.micro_batch_size, sequences) * row
     replica = ReplicaNeeds(sequences=sequences, sequence_tokens=math.ceil(row / block) * block,
                            merged=settings.lora == "merged", cuda_graphs=not settings.enforce_eager,
-                           w0_on_device=w0_on_device, lora_slots=r.max_loras, lora_slot_rank=r.max_lora_rank)
+                           w0_on_device=w0_on_device, lora_slots=r.max_loras, lora_slot_rank=r.max_lora_rank,
+                           quantization=r.quantization)
     learner = LearnerNeeds(
         rank=lc.lora.r, targets=lc.lora.target_modules if isinstance(lc.lora.target_modules, str)
         else tuple(lc.lora.target_modules), micro_batch_tokens=need,
@@ -344,7 +359,7 @@ def _rollout_rows(cfg: RunConfig, model_config: Mapping[str, Any], shape: ModelS
     world = tp * pp
     budget = (r.gpu_memory_gib if r.gpu_memory_gib is not None else r.gpu_memory_utilization * gpu_gib) * GIB
     # vLLM splits every weight over the TP ranks (the vocabulary too) and the layers over the stages
-    weights = -(-shape.params * b // world)
+    weights = -(-rollout_weight_bytes(shape, r.quantization) // world)
     slots = 0 if settings.lora == "merged" else lora_slot_bytes(shape, r.max_loras, r.max_lora_rank, tp, pp)
     activation = ROLLOUT_ACTIVATION_GIB * GIB
     kv = budget - weights - slots - activation
@@ -360,7 +375,8 @@ def _rollout_rows(cfg: RunConfig, model_config: Mapping[str, Any], shape: ModelS
     rows = [
         MemoryRow(ROLLOUT, "CUDA context", CUDA_CONTEXT_GIB, "stated"),
         MemoryRow(ROLLOUT, f"base weights, 1/{world} ({where})", weights / GIB,
-                  f"{shape.params * b / GIB:.2f} GiB in all"),
+                  f"{rollout_weight_bytes(shape, r.quantization) / GIB:.2f} GiB in all"
+                  + (" (fp8 linears)" if r.quantization == "fp8" else "")),
     ]
     if slots:
         rows.append(MemoryRow(ROLLOUT, f"LoRA slots: {r.max_loras} x rank {r.max_lora_rank}, unmerged", slots / GIB,

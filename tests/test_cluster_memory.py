@@ -131,6 +131,23 @@ def test_tensor_parallel_halves_the_weights_per_gpu(shape_32b, narrow, wide):
     assert weights(wide) == pytest.approx(weights(narrow) / 2)
 
 
+def test_fp8_rollout_holds_the_linears_in_one_byte(shape_32b):
+    """rollout.quantization=fp8: the decoder linears at one byte a weight (and a float32 scale per
+    linear), the embeddings, head and norms still bf16; the KV cache gets what that frees."""
+    bf16 = cluster_memory(_cfg_32b(), shape_32b)
+    fp8 = cluster_memory(_cfg_32b("rollout.quantization=fp8"), shape_32b)
+    h, i, layers = 5120, 25600, 64
+    q, kv = 64 * 128, 8 * 128
+    linear = layers * (2 * h * q + 2 * h * kv + 3 * h * i)
+    total = parameter_count(shape_32b)
+    expected = (linear + (total - linear) * 2 + layers * 7 * 4) / 4  # TP=4
+    assert _row(fp8, ROLLOUT, "base weights").gib * GIB == pytest.approx(expected, abs=1)
+    freed = _row(bf16, ROLLOUT, "base weights").gib - _row(fp8, ROLLOUT, "base weights").gib
+    assert freed == pytest.approx(linear / 4 / GIB, rel=1e-6)
+    assert _row(fp8, ROLLOUT, "KV cache").gib == pytest.approx(_row(bf16, ROLLOUT, "KV cache").gib + freed)
+    assert gpu_totals(fp8)[LEARNER] == gpu_totals(bf16)[LEARNER]  # the learner trains the bf16 weights
+
+
 @pytest.mark.parametrize("workers", [2, 4, 8, 16])
 def test_fsdp2_world_size_divides_the_shard(shape_32b, workers):
     rows = cluster_memory(_cfg_32b(f"learner.workers={workers}"), shape_32b)

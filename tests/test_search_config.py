@@ -33,7 +33,7 @@ def test_tree_mode_refusals_name_the_key(extra, names):
         load_config(None, [*TREE, *extra])
 
 
-@pytest.mark.parametrize("name", ["mle-tree.yaml", "mle-tree-qwen3-4b.yaml"])
+@pytest.mark.parametrize("name", ["mle-tree.yaml", "mle-tree-qwen3-4b.yaml", "mle-tree-qwen3-32b.yaml"])
 def test_shipped_tree_configs(name):
     cfg = load_config(REPO / "configs" / name)
     assert cfg.trainer.rollout_mode == "tree" and cfg.grader.task == "code-exec"
