@@ -68,7 +68,8 @@ class LearnerConfig(BaseModel):
         1.0, gt=0, le=1, description="GPUs each worker reserves in Ray when use_gpu. A fraction lets "
         "rollout replicas share a learner's GPU (e.g. 0.6 here with rollout.num_gpus=0.4): a replica "
         "holding part of a GPU otherwise keeps whole-GPU workers waiting forever. Above 0.5, so that "
-        "two workers (NCCL ranks) never land on one GPU."
+        "two workers (NCCL ranks) never land on one GPU. At most 1: a worker is one rank on one GPU; a model "
+        "larger than one GPU is spread by more workers under strategy=fsdp2 (each holds 1/workers of the base)."
     )
     strategy: LearnerStrategy = Field(
         "ddp", description="How the workers split the update. 'ddp': every worker holds the whole base and "
