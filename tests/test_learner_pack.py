@@ -256,3 +256,17 @@ def test_packed_fsdp2_over_two_ranks_takes_the_step_of_one_rank(tmp_path):
         assert rel_dict(fsdp["grads"], want["grads"]) < RANKS_REL
         assert rel_dict(fsdp["step1"], want["step1"]) < RANKS_REL
     assert any(v.abs().sum() > 0 for k, v in fsdp["grads"].items() if "lora_B" in k)
+
+
+def test_auto_checkpointing_weighs_packed_rows_by_their_mean_length():
+    """7 rows, the longest 584 tokens, on 24 GiB (Qwen3-4B, r=32): padded, 3 rows fit a plain
+    micro-batch (3 micro-batches), so the plan checkpoints (all 7 in one); packed rows of 250
+    tokens on average fit 7 in one plain micro-batch: no checkpointing."""
+    from learner.memory_plan import memory_plan
+    from tests.test_learner_memory import GIB, QWEN3_4B, QWEN3_4B_LORA32
+
+    args = (QWEN3_4B, 32, QWEN3_4B_LORA32, 24 * GIB, 584, 256)
+    padded = memory_plan(*args, rows=7)
+    packed = memory_plan(*args, rows=7, row_tokens=250)
+    assert padded.gradient_checkpointing and not packed.gradient_checkpointing
+    assert packed.micro_batch_tokens >= 7 * 250 and packed.fits
