@@ -19,7 +19,8 @@ learner section and a few overrides:
   issue 35 item 3): what the block-diagonal mask costs, or, with ``--response-min`` below
   ``--response-len`` (rows of different lengths), what the padding it drops saved.
 The batches are random tokens in GRPO groups of G=8, with the bench's shape: ~200 prompt and 384
-response tokens (each row's response drawn from [--response-min, --response-len]; all equal by default). A step counts what learner/worker.py counts as update_actor, the adapter's
+response tokens (each row's response drawn from [--response-min, --response-len]; all equal by
+default). A step counts what learner/worker.py counts as update_actor, the adapter's
 export included. The first ``--warmup`` steps hold the graph capture and are left out.
 
 Checks: ``graphs`` and the fused variants must end where ``eager`` ends from the same init on the same batches

@@ -37,7 +37,8 @@ the reserve are per micro-batch, the same as under DDP.
 Both per-token parts count every token of the micro-batch, although the learner computes logits
 only from the shortest prompt on (``logits_to_keep``): an overestimate, on the safe side.
 Not counted: a packed micro-batch's block-diagonal attention mask (sdpa, eager: T x T booleans,
-and their additive float copy, for T tokens; flash attention needs none), CUDA graphs' memory pools (learner.cuda_graphs, off by default), peft's float32
+and their additive float copy, for T tokens; flash attention needs none), CUDA graphs' memory
+pools (learner.cuda_graphs, off by default), peft's float32
 input casts of a bf16 model without autocast, DeepSpeed's buffers.
 
 The choice: no checkpointing only where it splits the update into no more micro-batches than

@@ -4,7 +4,8 @@ Micro-batches by token budget (``learner.micro_batch_tokens``): a fixed count of
 either wastes the GPU on short completions or runs out of memory on long ones. The cost of a
 micro-batch is its padded size, rows x longest row (what the forward allocates), or, with
 ``packed`` (learner.pack_sequences: the rows concatenated into one row, no padding), the sum of
-its rows' lengths; consecutive rows are taken while that stays within the budget. A GRPO group is kept whole where it fits,
+its rows' lengths; consecutive rows are taken while that stays within the budget. A GRPO group
+is kept whole where it fits,
 so its rows share their prompt (learner.shared_prefix); a group too big for the budget is cut
 by rows; a single row longer than the budget goes alone (never dropped). The loss is the same
 for any cut: losses.py normalises by the GLOBAL token and sequence counts, so micro-batch
