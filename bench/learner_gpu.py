@@ -14,9 +14,13 @@ learner section and a few overrides:
   (nccl on a GPU, gloo on CPU), the second with FSDP2's CPU offload of the sharded base;
 - ``fused``, ``graphs_fused``: ``eager`` and ``graphs`` with peft's LoRA layers run as one autograd
   function each and A, B cast to bf16 once per step (learner/fused_lora.py, issue 34); the others
-  set learner.fused_lora=false, since its 'auto' is on for a CUDA worker.
+  set learner.fused_lora=false, since its 'auto' is on for a CUDA worker;
+- ``packed``: ``eager`` with each micro-batch's rows as one unpadded row (learner.pack_sequences,
+  issue 35 item 3): what the block-diagonal mask costs, or, with ``--response-min`` below
+  ``--response-len`` (rows of different lengths), what the padding it drops saved.
 The batches are random tokens in GRPO groups of G=8, with the bench's shape: ~200 prompt and 384
-response tokens. A step counts what learner/worker.py counts as update_actor, the adapter's
+response tokens (each row's response drawn from [--response-min, --response-len]; all equal by
+default). A step counts what learner/worker.py counts as update_actor, the adapter's
 export included. The first ``--warmup`` steps hold the graph capture and are left out.
 
 Checks: ``graphs`` and the fused variants must end where ``eager`` ends from the same init on the same batches
@@ -43,6 +47,9 @@ VARIANTS = {
     "eager": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False},
     "graphs": {"share_prompt_prefix": False, "cuda_graphs": True, "fused_lora": False},
     "fused": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": True},
+    # issue 35 item 3: each micro-batch's rows as one unpadded row (learner.pack_sequences); beside
+    # ``eager`` it says what the block-diagonal mask costs or the padding saved
+    "packed": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "pack_sequences": True},
     "graphs_fused": {"share_prompt_prefix": False, "cuda_graphs": True, "fused_lora": True},
     # issue 35: the base sharded by FSDP2 over a one-rank process group (the code path a Ray Train
     # worker runs under learner.strategy=fsdp2); its s/step beside ``eager`` is what sharding costs
@@ -67,10 +74,11 @@ def learner_config(model: str, prompts: int, overrides: dict, cpu: bool):
     return RunConfig.model_validate(tree)
 
 
-def batches(n: int, prompts: int, vocab: int, prompt_len: int, response_len: int):
+def batches(n: int, prompts: int, vocab: int, prompt_len: int, response_len: int, response_min: int | None = None):
     from bench.synthetic import grouped_batch
 
-    return [grouped_batch(prompts * 8, 8, prompt_len, (response_len, response_len), vocab, seed=100 + k,
+    lo = response_len if response_min is None else response_min
+    return [grouped_batch(prompts * 8, 8, prompt_len, (lo, response_len), vocab, seed=100 + k,
                           rollout_logprob=-12.0) for k in range(n)]
 
 
@@ -182,6 +190,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--response-len", type=int, default=384)
+    ap.add_argument("--response-min", type=int, default=None,
+                    help="shortest response (drawn uniformly up to --response-len); default: all --response-len")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="dry run on CPU (a tiny model, short rows)")
     ap.add_argument("--out", type=Path)
@@ -190,7 +200,7 @@ def main() -> int:
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(str(args.model)).vocab_size
-    data = batches(args.steps, args.prompts, vocab, args.prompt_len, args.response_len)
+    data = batches(args.steps, args.prompts, vocab, args.prompt_len, args.response_len, args.response_min)
     rows, states = [], {}
     for name in args.variants.split(","):
         try:

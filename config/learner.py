@@ -158,7 +158,20 @@ class LearnerConfig(BaseModel):
         "None = on for CPU workers (the default run's update: 42.8 s -> 13.7 s), off on CUDA workers, "
         "where the update is bound by kernel launches, not FLOPs: two passes launch twice, and a "
         "shared prefix cannot be captured as a CUDA graph (cuda_graphs); off under strategy=fsdp2, which "
-        "frees each layer's gathered weights after the prompt's forward (true is refused there)."
+        "frees each layer's gathered weights after the prompt's forward (true is refused there), and off "
+        "with pack_sequences."
+    )
+    pack_sequences: bool = Field(
+        False, description="Concatenate each micro-batch's rows into ONE row without padding, the "
+        "position ids restarting at 0 for every row and no attention mask, so that transformers builds "
+        "a block-diagonal causal mask (sdpa, eager, flex) or runs flash attention's varlen kernel from the "
+        "position ids (learner/passes.py make_micro_batches); the token budget (micro_batch_tokens) then "
+        "counts a micro-batch's real tokens, not rows x longest row, so more rows fit. Same loss and "
+        "gradients as the padded micro-batches up to float rounding (tests/test_learner_pack.py). Off by "
+        "default: not yet measured on a GPU, where sdpa with a block-diagonal mask runs a masked kernel "
+        "and may lose to the padded plain causal one (flash_attention_2 should not). A model whose "
+        "attention implementation cannot take packed rows runs padded, with one warning. Not with "
+        "share_prompt_prefix=true (another layout of the same rows) or cuda_graphs=true (fixed shapes)."
     )
     cuda_graphs: bool = Field(
         False, description="On a CUDA worker, capture the update's forward and backward as CUDA graphs, "
@@ -262,6 +275,16 @@ class LearnerConfig(BaseModel):
             raise ValueError("learner.fused_lora=true with learner.strategy=fsdp2: the fused layer keeps cast copies "
                              "of whole LoRA parameters, which FSDP2 shards and gathers per forward; set fused_lora "
                              "to auto or false")
+        return self
+
+    @model_validator(mode="after")
+    def _packing_has_its_own_layout(self) -> "LearnerConfig":
+        if self.pack_sequences and self.share_prompt_prefix:
+            raise ValueError("learner.pack_sequences=true with learner.share_prompt_prefix=true: a packed micro-batch "
+                             "is one row without a shared prompt to run once; set one of them to false")
+        if self.pack_sequences and self.cuda_graphs:
+            raise ValueError("learner.pack_sequences=true with learner.cuda_graphs=true: a graph replays fixed shapes "
+                             "and a packed row's length and boundaries change every micro-batch; set one to false")
         return self
 
     @model_validator(mode="after")

@@ -6,7 +6,8 @@ The problem: a micro-batch of a fixed number of rows either wastes a large GPU o
 small one, and checkpointing (recompute each decoder layer in the backward, ~1/3 more compute) is
 only worth its cost where the update would not fit without it. The plan: estimate what the
 update keeps on the device, as a fixed part plus a part per token of a micro-batch (its padded
-size, rows x longest row, as learner/microbatch.py counts it), and divide.
+size, rows x longest row, as learner/microbatch.py counts it; with learner.pack_sequences its
+real tokens, the sum of its rows' lengths), and divide.
 
 The estimate, in bytes (b = bytes per element of the base dtype, 2 for bf16; h hidden, I the
 MLP's intermediate size, q / kv the query and key-value widths, r the LoRA rank, L layers, V the
@@ -35,7 +36,9 @@ and the LoRA weights, sharded gradients and AdamW moments (16 bytes a parameter)
 the reserve are per micro-batch, the same as under DDP.
 Both per-token parts count every token of the micro-batch, although the learner computes logits
 only from the shortest prompt on (``logits_to_keep``): an overestimate, on the safe side.
-Not counted: CUDA graphs' memory pools (learner.cuda_graphs, off by default), peft's float32
+Not counted: a packed micro-batch's block-diagonal attention mask (sdpa, eager: T x T booleans,
+and their additive float copy, for T tokens; flash attention needs none), CUDA graphs' memory
+pools (learner.cuda_graphs, off by default), peft's float32
 input casts of a bf16 model without autocast, DeepSpeed's buffers.
 
 The choice: no checkpointing only where it splits the update into no more micro-batches than
@@ -171,13 +174,17 @@ def fixed_bytes(shape: ModelShape, trainable: int, budget_bytes: int, logprob_ch
 
 def memory_plan(shape: ModelShape, rank: int, trainable: int, budget_bytes: int, longest: int,
                 logprob_chunk_tokens: int, checkpointing: bool | None = None, rows: int = 1,
-                max_rows: int | None = None, sharding: Sharding | None = None) -> MemoryPlan:
+                max_rows: int | None = None, sharding: Sharding | None = None,
+                row_tokens: int | None = None) -> MemoryPlan:
     """Checkpointing and the micro-batch token budget for a device of ``budget_bytes`` that holds
     the model ``shape`` with ``trainable`` LoRA parameters of rank ``rank``, for rows of at most
     ``longest`` tokens. ``checkpointing``: given (learner.gradient_checkpointing true/false), only
     the token budget is planned; None (auto) chooses it too, for an update of ``rows`` rows of
     which a micro-batch takes at most ``max_rows`` (None: no bound but the tokens). ``sharding``:
-    learner.strategy=fsdp2's share of the weights and LoRA state per rank (None: DDP, all of it)."""
+    learner.strategy=fsdp2's share of the weights and LoRA state per rank (None: DDP, all of it).
+    ``row_tokens``: what one row adds to a micro-batch where auto weighs the micro-batch counts:
+    None = ``longest`` (padded rows); packed rows (learner.pack_sequences) cost their own
+    lengths, so the caller passes the rows' mean length."""
     if budget_bytes <= 0 or longest < 1:
         raise ValueError(f"memory_plan needs a positive budget and row length, got {budget_bytes} and {longest}")
     fixed = fixed_bytes(shape, trainable, budget_bytes, logprob_chunk_tokens, sharding)
@@ -187,7 +194,7 @@ def memory_plan(shape: ModelShape, rank: int, trainable: int, budget_bytes: int,
         return max(0, (budget_bytes - fixed) // per), per
 
     def micro_batches(n: int) -> int:
-        per_batch = max(1, min(max_rows or rows, n // longest))
+        per_batch = max(1, min(max_rows or rows, n // (row_tokens or longest)))
         return -(-rows // per_batch)
 
     ckpt = checkpointing

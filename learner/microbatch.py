@@ -2,8 +2,10 @@
 
 Micro-batches by token budget (``learner.micro_batch_tokens``): a fixed count of sequences
 either wastes the GPU on short completions or runs out of memory on long ones. The cost of a
-micro-batch is its padded size, rows x longest row (what the forward allocates); consecutive
-rows are packed while that stays within the budget. A GRPO group is kept whole where it fits,
+micro-batch is its padded size, rows x longest row (what the forward allocates), or, with
+``packed`` (learner.pack_sequences: the rows concatenated into one row, no padding), the sum of
+its rows' lengths; consecutive rows are taken while that stays within the budget. A GRPO group
+is kept whole where it fits,
 so its rows share their prompt (learner.shared_prefix); a group too big for the budget is cut
 by rows; a single row longer than the budget goes alone (never dropped). The loss is the same
 for any cut: losses.py normalises by the GLOBAL token and sequence counts, so micro-batch
@@ -38,29 +40,39 @@ def _runs(groups: Sequence[int], n: int) -> list[tuple[int, int]]:
     return out
 
 
-def token_budget_bounds(lengths: Sequence[int], budget: int, groups: Sequence[int] = ()) -> list[tuple[int, int]]:
-    """[lo, hi) row ranges covering every row in order, each with (hi - lo) * max(length) <=
-    ``budget`` unless it is a single row. Whole groups (runs of equal ``groups`` ids) stay in one
-    micro-batch where they fit; a group that does not fit is split by rows."""
+def micro_batch_cost(lengths: Sequence[int], packed: bool = False) -> int:
+    """Tokens a micro-batch of rows of these lengths allocates: rows x longest (right-padded),
+    or the sum of the lengths (``packed``: one row, no padding)."""
+    if not lengths:
+        return 0
+    return sum(lengths) if packed else len(lengths) * max(lengths)
+
+
+def token_budget_bounds(lengths: Sequence[int], budget: int, groups: Sequence[int] = (),
+                        packed: bool = False) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges covering every row in order, each costing (``micro_batch_cost``) at
+    most ``budget`` unless it is a single row. Whole groups (runs of equal ``groups`` ids) stay in
+    one micro-batch where they fit; a group that does not fit is split by rows."""
     if budget < 1:
         raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
     n = len(lengths)
     atoms: list[tuple[int, int]] = []
     for lo, hi in _runs(groups, n):
-        if (hi - lo) * max(lengths[lo:hi]) <= budget:
+        if micro_batch_cost(lengths[lo:hi], packed) <= budget:
             atoms.append((lo, hi))
         else:
             atoms.extend((i, i + 1) for i in range(lo, hi))
     out: list[tuple[int, int]] = []
-    cur: tuple[int, int, int] | None = None  # lo, hi, longest
+    cur: tuple[int, int, int, int] | None = None  # lo, hi, longest, sum of lengths
     for lo, hi in atoms:
-        longest = max(lengths[lo:hi])
-        if cur is not None and (hi - cur[0]) * max(cur[2], longest) <= budget:
-            cur = (cur[0], hi, max(cur[2], longest))
-            continue
+        longest, total = max(lengths[lo:hi]), sum(lengths[lo:hi])
         if cur is not None:
+            merged = (cur[0], hi, max(cur[2], longest), cur[3] + total)
+            if (merged[3] if packed else (hi - cur[0]) * merged[2]) <= budget:
+                cur = merged
+                continue
             out.append((cur[0], cur[1]))
-        cur = (lo, hi, longest)
+        cur = (lo, hi, longest, total)
     if cur is not None:
         out.append((cur[0], cur[1]))
     return out
@@ -74,19 +86,19 @@ def count_bounds(n: int, size: int) -> list[tuple[int, int]]:
 
 
 def capped_count_bounds(lengths: Sequence[int], size: int, budget: int,
-                        groups: Sequence[int] = ()) -> list[tuple[int, int]]:
-    """``count_bounds`` (``size`` rows each), except that a micro-batch whose padded size
-    exceeds ``budget`` tokens is cut further by ``token_budget_bounds`` (groups whole where they
-    fit). With a budget that every count micro-batch fits, exactly ``count_bounds``: the cut of
+                        groups: Sequence[int] = (), packed: bool = False) -> list[tuple[int, int]]:
+    """``count_bounds`` (``size`` rows each), except that a micro-batch whose cost
+    (``micro_batch_cost``) exceeds ``budget`` tokens is cut further by ``token_budget_bounds``
+    (groups whole where they fit). With a budget that every count micro-batch fits, exactly ``count_bounds``: the cut of
     ``learner.micro_batch_tokens=auto`` when the memory allows micro_batch_size rows."""
     if groups and len(groups) != len(lengths):
         raise ValueError(f"{len(groups)} group ids for {len(lengths)} rows")
     out: list[tuple[int, int]] = []
     for lo, hi in count_bounds(len(lengths), size):
-        if (hi - lo) * max(lengths[lo:hi]) <= budget:
+        if micro_batch_cost(lengths[lo:hi], packed) <= budget:
             out.append((lo, hi))
             continue
-        sub = token_budget_bounds(lengths[lo:hi], budget, groups[lo:hi] if groups else ())
+        sub = token_budget_bounds(lengths[lo:hi], budget, groups[lo:hi] if groups else (), packed)
         out.extend((lo + a, lo + b) for a, b in sub)
     return out
 

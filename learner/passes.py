@@ -8,6 +8,13 @@ micro-batch cover only the positions that can hold response tokens: the model is
 log-softmax over the 49k vocabulary never run on prompt positions the loss cannot see; and the
 tokens every row of a micro-batch shares (a group's prompt) run once (learner.shared_prefix).
 The model passed in is a ``SharedPrefixLM`` (or DDP/DeepSpeed around one).
+
+Packed micro-batches (learner.pack_sequences): the rows run as ONE row of their summed length,
+without padding, their position ids restarting at 0 at every row and no attention mask, from
+which transformers builds a block-diagonal causal mask (masking_utils find_packed_sequence_indices:
+sdpa, eager, flex) or flash attention takes the rows' boundaries (varlen). Logits are kept only at
+the positions predicting response tokens; their log-probs are then laid out as the padded
+micro-batch's [B, W] (``MicroBatch.unpack``), so the losses see the same tensors either way.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.profiler import record_function
@@ -35,8 +42,8 @@ _LEARNER, _ROLLOUT = LearnerConfig(), RolloutConfig()  # the schema's defaults: 
 class MicroBatch:
     """B sequences right-padded to L tokens; W = L - 1 - s scored positions from position s."""
 
-    input_ids: torch.Tensor  # [B, L] long
-    attention_mask: torch.Tensor  # [B, L] long
+    input_ids: torch.Tensor  # [B, L] long (packed: [1, T])
+    attention_mask: torch.Tensor | None  # [B, L] long (packed: None)
     start: int  # s: first scored position (predicts token s + 1)
     mask: torch.Tensor  # [B, W] float, 1 = response token in the loss
     rollout_logprobs: torch.Tensor  # [B, W] float
@@ -46,6 +53,14 @@ class MicroBatch:
     causal_only: bool = False  # run without the attention mask (see make_micro_batches)
     logprob_chunk: int = 0  # token_logprobs' chunk_tokens (learner.logprob_chunk_tokens; 0 = plain)
     padding: bool = False  # runs only to join the ranks' collectives (pad_micro_batches): adds nothing
+    # packed (learner.pack_sequences): input_ids is ONE row [1, T] of the B rows end to end, no attention mask
+    position_ids: torch.Tensor | None = None  # [1, T] long, 0.. at every row's first token
+    keep: torch.Tensor | None = None  # [K + 1] long: positions whose logits are computed (K scored, one spare)
+    unpack: torch.Tensor | None = None  # [B, W] long: each scored column's index in the K log-probs; K = none
+
+    @property
+    def packed(self) -> bool:
+        return self.position_ids is not None
 
 
 def make_micro_batches(
@@ -59,6 +74,7 @@ def make_micro_batches(
     causal_only: bool = False,
     logprob_chunk: int = 0,
     max_rows: int | None = None,
+    pack: bool = False,
 ) -> list[MicroBatch]:
     """Consecutive rows in micro-batches of ``size``, or, with ``token_budget``, of at most that
     many padded tokens (learner/microbatch.py: groups kept whole where they fit). The
@@ -73,23 +89,30 @@ def make_micro_batches(
     differ. It lets attention run its plain causal kernel. ``logprob_chunk``: the micro-batches'
     log-probs are computed in slices of that many tokens (``token_logprobs``). ``max_rows`` with
     ``token_budget``: ``max_rows`` consecutive rows each, as by count, and only a micro-batch that
-    would exceed the budget cut further by it (learner/microbatch.py ``capped_count_bounds``)."""
+    would exceed the budget cut further by it (learner/microbatch.py ``capped_count_bounds``).
+
+    ``pack`` (learner.pack_sequences): each micro-batch's rows concatenated into one row
+    (``pack_rows``), its length rounded up to ``pad_multiple`` at the end only; the token budget
+    counts the rows' real tokens; no shared prefix. mask, rollout_logprobs and advantages are the
+    padded micro-batch's, to which the forward's log-probs are unpacked (``forward_logprobs``)."""
     if pad_multiple < 1:
         raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
     if token_budget is None:
         bounds = count_bounds(len(batch), size)
     else:
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        bounds = (token_budget_bounds(lengths, token_budget, batch.group_ids) if max_rows is None
-                  else capped_count_bounds(lengths, max_rows, token_budget, batch.group_ids))
+        bounds = (token_budget_bounds(lengths, token_budget, batch.group_ids, packed=pack) if max_rows is None
+                  else capped_count_bounds(lengths, max_rows, token_budget, batch.group_ids, packed=pack))
     out = []
     for lo, hi in bounds:
         rows = range(lo, hi)
         prompts = [batch.prompt_ids[i] for i in rows]
         resps = [batch.response_ids[i] for i in rows]
-        width = -(-max(len(p) + len(r) for p, r in zip(prompts, resps)) // pad_multiple) * pad_multiple
-        start = (min(len(p) for p in prompts) - 1) // pad_multiple * pad_multiple
-        shared = shared_prefix_len([list(p) + list(r) for p, r in zip(prompts, resps)], start) if share_prefix else 0
+        grain = 1 if pack else pad_multiple  # packed: the one row is rounded up instead
+        width = -(-max(len(p) + len(r) for p, r in zip(prompts, resps)) // grain) * grain
+        start = (min(len(p) for p in prompts) - 1) // grain * grain
+        shared = (shared_prefix_len([list(p) + list(r) for p, r in zip(prompts, resps)], start)
+                  if share_prefix and not pack else 0)
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         attn = torch.zeros((len(rows), width), dtype=torch.long)
         mask = torch.zeros((len(rows), width - 1 - start))
@@ -102,21 +125,80 @@ def make_micro_batches(
             keep = batch.response_mask[i] if batch.response_mask is not None else [1] * len(r)
             mask[b, at : at + len(r)] = torch.tensor(keep, dtype=torch.float32)
             rlp[b, at : at + len(r)] = torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32)
-        out.append(
-            MicroBatch(
-                input_ids=ids.to(device),
-                attention_mask=attn.to(device),
-                start=start,
-                mask=mask.to(device),
-                rollout_logprobs=rlp.to(device),
-                advantages=torch.tensor([batch.advantages[i] for i in rows], dtype=torch.float32).to(device),
-                shared_prefix=shared,
-                tokens=computed_tokens([len(p) + len(r) for p, r in zip(prompts, resps)], shared),
-                causal_only=causal_only,
-                logprob_chunk=logprob_chunk,
-            )
+        here = "cpu" if pack else device  # packed: pack_rows moves what it keeps
+        mb = MicroBatch(
+            input_ids=ids.to(here),
+            attention_mask=attn.to(here),
+            start=start,
+            mask=mask.to(here),
+            rollout_logprobs=rlp.to(here),
+            advantages=torch.tensor([batch.advantages[i] for i in rows], dtype=torch.float32).to(here),
+            shared_prefix=shared,
+            tokens=computed_tokens([len(p) + len(r) for p, r in zip(prompts, resps)], shared),
+            causal_only=causal_only,
+            logprob_chunk=logprob_chunk,
         )
+        out.append(pack_rows(mb, prompts, resps, pad_id, pad_multiple, device) if pack else mb)
     return out
+
+
+def pack_rows(mb: MicroBatch, prompts: list, resps: list, pad_id: int, pad_multiple: int,
+              device: torch.device | str) -> MicroBatch:
+    """``mb`` (right-padded, no shared prefix) as one packed row: the rows end to end, then pad
+    tokens up to a multiple of ``pad_multiple`` (their own block of positions 0..). Row b's
+    response token k sits at o_b + len(p_b) + k, predicted by the position before it; its column
+    in ``mb.mask`` is len(p_b) - 1 - start + k. ``keep`` lists the predicting positions of every
+    response token in row order (K of them), then the last position, whose logits score nothing
+    (``token_logprobs`` takes W + 1 logits for W targets); ``unpack`` maps [B, W] to them. The
+    position after a row's last token (the next row's first) is never scored."""
+    ids, pos, keep = [], [], []
+    w = mb.mask.shape[1]
+    unpack = torch.full((len(prompts), w), -1, dtype=torch.long)
+    offset = 0
+    for b, (p, r) in enumerate(zip(prompts, resps)):
+        n = len(p) + len(r)
+        ids.extend(list(p) + list(r))
+        pos.extend(range(n))
+        at = len(p) - 1 - mb.start
+        unpack[b, at: at + len(r)] = torch.arange(len(keep), len(keep) + len(r))
+        keep.extend(range(offset + len(p) - 1, offset + n - 1))
+        offset += n
+    tail = -(-offset // pad_multiple) * pad_multiple - offset
+    ids.extend([pad_id] * tail)
+    pos.extend(range(tail))
+    keep.append(offset + tail - 1)
+    unpack[unpack < 0] = len(keep) - 1  # K: the spare slot, a 0 in the unpacked log-probs
+    return replace(mb, input_ids=torch.tensor([ids], dtype=torch.long, device=device), attention_mask=None,
+                   mask=mb.mask.to(device), rollout_logprobs=mb.rollout_logprobs.to(device),
+                   advantages=mb.advantages.to(device),
+                   start=0, causal_only=False, position_ids=torch.tensor([pos], dtype=torch.long, device=device),
+                   keep=torch.tensor(keep, dtype=torch.long, device=device), unpack=unpack.to(device))
+
+
+# attention implementations that take packed rows from position_ids with attention_mask=None:
+# transformers' masking_utils builds the block-diagonal causal mask for these (sdpa, eager, flex),
+# flash attention runs its varlen kernel from the position ids (modeling_flash_attention_utils)
+PACKABLE_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3",
+                      "flash_attention_4")
+
+
+def packing_refusal(model) -> str | None:
+    """Why ``model`` (a transformers causal LM, or peft around one) cannot run packed rows, or
+    None. transformers 5 detects packed rows in ``create_causal_mask`` (a restart of the position
+    ids, with no attention mask and no cache) only for the attention implementations it has mask
+    functions for; any other would attend across the rows' boundaries."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl in PACKABLE_ATTENTION:
+        return None
+    return f"attention implementation {impl!r} is not one of {', '.join(PACKABLE_ATTENTION)}"
+
+
+def unpack_scores(values: torch.Tensor, unpack: torch.Tensor) -> torch.Tensor:
+    """[1, K] per-token values of a packed row laid out as [B, W] (``MicroBatch.unpack``), 0
+    where no response token is; differentiable (a gather)."""
+    flat = torch.cat([values[0], values.new_zeros(1)])
+    return flat[unpack]
 
 
 def padding_micro_batch(device: torch.device | str = "cpu", causal_only: bool = False,
@@ -254,6 +336,13 @@ def forward_logprobs(
     """Log-probs [B, W] of the scored tokens, and entropies [B, W] (``token_logprobs``), of one
     forward of ``model`` over the micro-batch. ``amp_dtype``: the model's forward runs under CUDA
     autocast in that dtype (learner.autocast)."""
+    if mb.packed:
+        with amp_context(amp_dtype):
+            logits = model(input_ids=mb.input_ids, attention_mask=None, logits_to_keep=mb.keep,
+                           position_ids=mb.position_ids)
+        targets = mb.input_ids[:, mb.keep[:-1] + 1]
+        logp, ent = token_logprobs(logits, targets, temperature, entropy, mb.logprob_chunk)
+        return unpack_scores(logp, mb.unpack), (None if ent is None else unpack_scores(ent, mb.unpack))
     keep = mb.input_ids.shape[1] - mb.start
     with amp_context(amp_dtype):
         logits = model(

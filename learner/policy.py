@@ -31,8 +31,8 @@ from learner.lora import AdapterExport, attach_lora, disable_lora_input_casts, l
 from learner.memory_plan import ModelShape, Sharding, memory_plan
 from learner.microbatch import mfu, model_flops
 from learner.optim import build_optimizer, build_scheduler, rebase_lr
-from learner.passes import (GradSync, ddp_grad_sync, make_micro_batches, old_log_prob, pad_micro_batches, ref_log_prob,
-                            update_actor)
+from learner.passes import (GradSync, ddp_grad_sync, make_micro_batches, old_log_prob, packing_refusal,
+                            pad_micro_batches, ref_log_prob, update_actor)
 from learner.rollout_correction import finalize
 from learner.shared_prefix import SharedPrefixLM
 from learner.types import TrainBatch, shard_bounds
@@ -195,13 +195,20 @@ class PolicyLearner:
             self.device.type == "cuda"), self.device)
         self.optimizer = build_optimizer(self.peft_model.parameters(), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, spec.total_steps)
+        # learner.pack_sequences: each micro-batch one row without padding (learner/passes.py), where
+        # the model's attention takes packed rows; else padded, said once
+        refusal = packing_refusal(base) if cfg.pack_sequences else None
+        if refusal is not None:
+            log.warning("learner: learner.pack_sequences=true but %s; micro-batches stay padded", refusal)
+        self.pack = cfg.pack_sequences and refusal is None
+        self.pack_refusal = refusal
         # FSDP2 frees each layer's gathered weights after its forward: the prompt's forward, whose
         # KV cache the rows' forward reuses with gradients, would need them again in the backward.
         self.share_prefix = ((not on_cuda and not self.sharded) if cfg.share_prompt_prefix is None
-                             else cfg.share_prompt_prefix) and cfg.gradient_checkpointing is not True
+                             else cfg.share_prompt_prefix) and cfg.gradient_checkpointing is not True and not self.pack
         graphs = (cfg.cuda_graphs and (on_cuda or graph_capture is not None) and world_size == 1
                   and cfg.strategy == "ddp" and cfg.gradient_checkpointing is not True and cfg.lora.dropout == 0
-                  and not self.share_prefix)
+                  and not self.share_prefix and not self.pack)
         # Right-padded rows need no attention mask (learner/passes.py): on CUDA that is the plain
         # causal attention kernel; CPU keeps the mask, and with it its measured numerics.
         self.causal_only = on_cuda or graphs
@@ -302,6 +309,9 @@ class PolicyLearner:
             need = longest  # the plan chooses the budget: one row must fit
             # checkpointing=auto weighs the micro-batches of this worker's rows in either mode
             shape = dict(rows=max(1, rows), max_rows=cfg.micro_batch_size)
+            if self.pack:  # a packed micro-batch costs its rows' real tokens (learner/microbatch.py)
+                lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+                shape["row_tokens"] = -(-sum(lengths) // len(lengths))
         else:
             need = max(tokens, longest) if tokens is not None else min(cfg.micro_batch_size, rows) * longest
             shape = {}
@@ -356,7 +366,8 @@ class PolicyLearner:
                                      share_prefix=self.share_prefix and not checkpointing,
                                      token_budget=token_budget, max_rows=max_rows,
                                      pad_multiple=cfg.graph_pad_tokens if scorer is not None else 1,
-                                     causal_only=self.causal_only, logprob_chunk=self.logprob_chunk)
+                                     causal_only=self.causal_only, logprob_chunk=self.logprob_chunk,
+                                     pack=self.pack)
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():  # every rank runs as many
             # fsdp2: each forward all-gathers; ddp: each forward broadcasts buffers and each pass's
             # last backward all-reduces; deepspeed: ZeRO-2 reduces in every backward. A rank with
@@ -484,6 +495,7 @@ class PolicyLearner:
         """How the update ran, for the receipt: graphs captured and replayed, or why not."""
         return {"cuda_graphs": self.scorer.stats() if self.scorer is not None else None,
                 "share_prompt_prefix": self.share_prefix, "autocast": str(self.amp_dtype),
+                "pack_sequences": self.pack if self.pack_refusal is None else f"off: {self.pack_refusal}",
                 "payload_dtype": str(self.payload_dtype or "float32"), "base_weights": self.base_weights,
                 "adapter_transport": self.adapter_export.stats(),
                 "gradient_checkpointing": self.checkpointing, "logprob_chunk_tokens": self.logprob_chunk,

@@ -41,8 +41,10 @@ class SharedPrefixLM(torch.nn.Module):
 
     ``forward(input_ids, attention_mask, logits_to_keep, shared_prefix=c)`` returns the logits
     of the last ``logits_to_keep`` positions, like the wrapped model's output ``.logits``.
-    ``shared_prefix=0`` is the plain forward. Rows must be right-padded (the learner's
-    micro-batches are), so every row's first c tokens are real and at the same positions;
+    ``shared_prefix=0`` is the plain forward (``position_ids``: of packed rows, passed on;
+    ``logits_to_keep`` may then be a tensor of positions, as transformers allows). Rows must be
+    right-padded (the learner's micro-batches are), so every row's first c tokens are real and
+    at the same positions;
     ``attention_mask=None`` is then exact too (learner.passes.make_micro_batches).
     """
 
@@ -54,15 +56,19 @@ class SharedPrefixLM(torch.nn.Module):
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        logits_to_keep: int,
+        logits_to_keep: int | torch.Tensor,
         shared_prefix: int = 0,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         c = int(shared_prefix)
         width = input_ids.shape[1]
-        if c <= 0:
+        if c <= 0:  # position_ids: packed rows (learner/passes.py pack_rows), or None
             return self.lm(
-                input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep, use_cache=False
+                input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep, use_cache=False,
+                position_ids=position_ids,
             ).logits
+        if position_ids is not None:
+            raise ValueError("a shared prefix and packed rows (position_ids) are two layouts of a micro-batch")
         if not 0 < logits_to_keep <= width - c:
             raise ValueError(f"a shared prefix of {c} tokens needs logits_to_keep in (0, {width - c}], got {logits_to_keep}")
         if bool((input_ids[1:, :c] != input_ids[:1, :c]).any()) or (

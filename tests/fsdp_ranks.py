@@ -2,6 +2,7 @@
 
     python tests/fsdp_ranks.py STRATEGY WORLD RANK PORT OUT_DIR [RESUME_FROM]
     python tests/fsdp_ranks.py uneven STRATEGY WORLD RANK PORT OUT_DIR
+    python tests/fsdp_ranks.py packed on|off STRATEGY WORLD RANK PORT OUT_DIR
 
 Each rank builds the learner (learner.strategy=STRATEGY over WORLD gloo ranks on the CPU), takes
 one step on batch 0, saves a checkpoint, takes a second step on batch 1; then a second learner
@@ -16,6 +17,9 @@ micro-batches, with every pass a collective under fsdp2 and every update forward
 under DDP (old_log_prob not folded, ref with beta > 0, two update epochs); rank 0 writes its
 metrics, the LoRA gradients of the last epoch and the adapter after the step; every rank writes
 OUT_DIR/backwards_rank{RANK}.pt, the ``last`` flag of each backward it ran.
+
+``packed``: the same, with learner.pack_sequences on or off, two rows per micro-batch, on
+``packed_batch`` (tests/test_learner_pack.py).
 """
 
 from __future__ import annotations
@@ -76,15 +80,35 @@ def uneven_batch() -> TrainBatch:
                       [[-10.8 + 0.1 * i for i in range(len(r))] for r in responses], advantages=[1.0, -1.0, 0.5])
 
 
-def main_uneven(strategy: str, world: int, rank: int, port: int, out: Path) -> None:
+def packed_config(strategy: str, workers: int, pack: bool) -> RunConfig:
+    """``uneven_config`` with two rows per micro-batch, packed into one row or padded."""
+    cfg = uneven_config(strategy, workers).model_dump()
+    cfg["learner"].update(micro_batch_size=2, pack_sequences=pack, logprob_chunk_tokens=8)
+    return RunConfig.model_validate(cfg)
+
+
+def packed_batch() -> TrainBatch:
+    """Five rows of very different lengths in two groups: over 2 ranks rank 0 runs micro-batches
+    of 2 and 1 rows, rank 1 one of 2 rows and a padding micro-batch (unpacked)."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 400, (n,), generator=g).tolist() for n in (4, 7)]
+    responses = [torch.randint(1, 400, (n,), generator=g).tolist() for n in (2, 17, 5, 3, 21)]
+    return TrainBatch([prompts[0]] * 3 + [prompts[1]] * 2, responses,
+                      [[-10.8 + 0.1 * i for i in range(len(r))] for r in responses],
+                      advantages=[1.0, -1.0, 0.5, -0.5, 2.0], group_ids=[0, 0, 0, 1, 1])
+
+
+def main_uneven(strategy: str, world: int, rank: int, port: int, out: Path, pack: bool | None = None) -> None:
+    """``pack`` None: the uneven run; True/False: ``packed_config``'s on ``packed_batch``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    learner = PolicyLearner.for_run(uneven_config(strategy, world), rank=rank, world_size=world)
+    cfg = uneven_config(strategy, world) if pack is None else packed_config(strategy, world, pack)
+    learner = PolicyLearner.for_run(cfg, rank=rank, world_size=world)
     grads: dict = {}
     capture_grads(learner, grads)
     lasts = record_backwards(learner)
-    metrics, _ = learner.step(uneven_batch())
+    metrics, _ = learner.step(uneven_batch() if pack is None else packed_batch())
     torch.save(lasts, out / f"backwards_rank{rank}.pt")
     result = {"metrics": metrics, "grads": grads, "step1": adapter(learner)}
     if rank == 0:
@@ -179,6 +203,9 @@ def main(strategy: str, world: int, rank: int, port: int, out: Path, resume_from
 if __name__ == "__main__" and sys.argv[1] == "uneven":
     strategy_, world_, rank_, port_, out_ = sys.argv[2:7]
     main_uneven(strategy_, int(world_), int(rank_), int(port_), Path(out_))
+elif __name__ == "__main__" and sys.argv[1] == "packed":
+    pack_, strategy_, world_, rank_, port_, out_ = sys.argv[2:8]
+    main_uneven(strategy_, int(world_), int(rank_), int(port_), Path(out_), pack=pack_ == "on")
 elif __name__ == "__main__":
     strategy_, world_, rank_, port_, out_ = sys.argv[1:6]
     main(strategy_, int(world_), int(rank_), int(port_), Path(out_),
