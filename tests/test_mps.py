@@ -6,7 +6,9 @@ H200 by bench/device/session.sh)."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -120,11 +122,15 @@ def control_binary(tmp_path, monkeypatch):
     return binary
 
 
-def test_run_starts_its_daemon_and_quits_it(control_binary, tmp_path, monkeypatch):
+def test_run_starts_its_daemon_and_quits_it(control_binary, tmp_path, monkeypatch, request):
     from services import mps
 
     monkeypatch.setattr(mps, "DEFAULT_PIPE_DIR", str(tmp_path / "no-daemon-here"))
-    run_dir = tmp_path / "run"
+    # a run directory short enough for the daemon's socket path (pytest's tmp_path under xdist is
+    # not: the plan then puts the pipe under /tmp, the other table row of test_plan)
+    run_dir = Path(tempfile.mkdtemp(prefix="cp-mps-test-", dir="/tmp")) / "run"
+    request.addfinalizer(lambda: shutil.rmtree(run_dir.parent, ignore_errors=True))
+    assert len(str(run_dir.resolve() / "mps" / "pipe")) <= MAX_PIPE_DIR_CHARS
     cfg = RunConfig(gpu_sharing={"mode": "mps"}, **GPU_RUN)
     gpu = GpuSharing.for_run(cfg, run_dir)
     assert find_control_binary() == str(control_binary)
