@@ -96,25 +96,35 @@ def two_groups(g: torch.Generator) -> TrainBatch:
                                group_shift=0.1, vocab=VOCAB)
 
 
-def gradients(peft_model, batch: TrainBatch, loss_type: str, **cut) -> tuple[int, float, dict[str, torch.Tensor]]:
-    """Micro-batch count, loss and LoRA gradients of one update_actor pass (no optimizer step)."""
-    lm = SharedPrefixLM(peft_model)
-    mbs = make_micro_batches(batch, cut.pop("size", len(batch)), **cut)
+def capturing_sync(peft_model) -> tuple[GradSync, list[dict[str, torch.Tensor]]]:
+    """A GradSync whose optimizer step only records the LoRA gradients (one dict per step)."""
     trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
-    grads: dict[str, torch.Tensor] = {}
+    grads: list[dict[str, torch.Tensor]] = []
 
     def step() -> float:
-        grads.update({n: p.grad.detach().clone() for n, p in trainable.items()})
+        grads.append({n: p.grad.detach().clone() for n, p in trainable.items()})
         for p in trainable.values():
             p.grad = None
         return 0.0
 
-    sync = GradSync(backward=lambda loss, last: loss.backward(), step=step)
-    norm = LossNorm(loss_type=loss_type, global_tokens=float(batch.num_response_tokens()), global_sequences=len(batch),
-                    local_tokens=float(batch.num_response_tokens()), max_completion_length=8, dp_size=1)
-    res = update_actor(lm, mbs, sync, norm, ObjectiveParams.from_config(LearnerConfig()),
+    return GradSync(backward=lambda loss, last: loss.backward(), step=step), grads
+
+
+def one_rank_norm(batch: TrainBatch, loss_type: str, max_completion_length: int) -> LossNorm:
+    """The loss normalisation of one rank holding the whole batch."""
+    tokens = float(batch.num_response_tokens())
+    return LossNorm(loss_type=loss_type, global_tokens=tokens, global_sequences=len(batch), local_tokens=tokens,
+                    max_completion_length=max_completion_length, dp_size=1)
+
+
+def gradients(peft_model, batch: TrainBatch, loss_type: str, **cut) -> tuple[int, float, dict[str, torch.Tensor]]:
+    """Micro-batch count, loss and LoRA gradients of one update_actor pass (no optimizer step)."""
+    lm = SharedPrefixLM(peft_model)
+    mbs = make_micro_batches(batch, cut.pop("size", len(batch)), **cut)
+    sync, grads = capturing_sync(peft_model)
+    res = update_actor(lm, mbs, sync, one_rank_norm(batch, loss_type, 8), ObjectiveParams.from_config(LearnerConfig()),
                        temperature=0.7, epochs=1, old=None, ref=None, entropy_bonus=False)
-    return len(mbs), res.loss, grads
+    return len(mbs), res.loss, grads[0]
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
@@ -139,18 +149,8 @@ def all_passes(peft_model, batch: TrainBatch, loss_type: str, pad_to: int | None
     mbs = make_micro_batches(batch, 3)
     if pad_to is not None:
         mbs = pad_micro_batches(mbs, pad_to)
-    trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
-    grads: list[dict[str, torch.Tensor]] = []
-
-    def step() -> float:
-        grads.append({n: p.grad.detach().clone() for n, p in trainable.items()})
-        for p in trainable.values():
-            p.grad = None
-        return 0.0
-
-    sync = GradSync(backward=lambda loss, last: loss.backward(), step=step)
-    norm = LossNorm(loss_type=loss_type, global_tokens=float(batch.num_response_tokens()), global_sequences=len(batch),
-                    local_tokens=float(batch.num_response_tokens()), max_completion_length=8, dp_size=1)
+    sync, grads = capturing_sync(peft_model)
+    norm = one_rank_norm(batch, loss_type, 8)
     params = ObjectiveParams.from_config(LearnerConfig(beta=0.05, entropy_coef=0.01))
     olds, rollout, ent = old_log_prob(lm, mbs, 0.7, True)
     refs = ref_log_prob(lm, peft_model, mbs, 0.7)

@@ -22,14 +22,15 @@ import torch
 
 from config import ConfigError, RunConfig, load_config
 from config.learner import LearnerConfig
-from learner.losses import LossNorm, ObjectiveParams
+from learner.losses import ObjectiveParams
 from learner.lora import adapter_state_dict
 from learner.microbatch import micro_batch_cost, token_budget_bounds
-from learner.passes import (GradSync, forward_logprobs, make_micro_batches, old_log_prob, packing_refusal,
+from learner.passes import (forward_logprobs, make_micro_batches, old_log_prob, packing_refusal,
                             ref_log_prob, update_actor)
 from learner.policy import PolicyLearner
 from learner.shared_prefix import SharedPrefixLM
 from learner.types import TrainBatch
+from tests.test_learner_gpu_opts import capturing_sync, one_rank_norm
 from tests.test_shared_prefix import VOCAB, lora, tiny_llama
 
 REL, ABS = 1e-5, 5e-6
@@ -129,18 +130,8 @@ def passes(peft_model, batch: TrainBatch, loss_type: str, pack: bool) -> dict:
     lm = SharedPrefixLM(peft_model)
     mbs = make_micro_batches(batch, 1, token_budget=BUDGET, share_prefix=False,
                              logprob_chunk=16, pack=pack)
-    trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
-    grads: list[dict[str, torch.Tensor]] = []
-
-    def step() -> float:
-        grads.append({n: p.grad.detach().clone() for n, p in trainable.items()})
-        for p in trainable.values():
-            p.grad = None
-        return 0.0
-
-    sync = GradSync(backward=lambda loss, last: loss.backward(), step=step)
-    norm = LossNorm(loss_type=loss_type, global_tokens=float(batch.num_response_tokens()), global_sequences=len(batch),
-                    local_tokens=float(batch.num_response_tokens()), max_completion_length=40, dp_size=1)
+    sync, grads = capturing_sync(peft_model)
+    norm = one_rank_norm(batch, loss_type, 40)
     params = ObjectiveParams.from_config(LearnerConfig(beta=0.05, entropy_coef=0.01, loss_type=loss_type))
     olds, rollout, ent = old_log_prob(lm, mbs, 0.7, True)
     refs = ref_log_prob(lm, peft_model, mbs, 0.7)
