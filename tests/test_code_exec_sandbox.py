@@ -399,3 +399,12 @@ def test_workspace_quota_is_enospc_for_bytes_and_for_files():
     assert words["bytes"][0] == "ENOSPC" and int(words["bytes"][1]) < 8 * 2**20, res.tail
     assert words["files"][0] == "ENOSPC" and int(words["files"][1]) < 64, res.tail
     assert res.limits["workspace_bytes"] == 8 * 2**20 and res.limits["workspace_files"] == 64
+
+
+def test_the_wrappers_own_lines_leave_the_tail():
+    """unshare's report of a signal that lands mid-kill is not the script's output: a debug prompt
+    shows the tail, and a resumed tree run must regrow the same prompts (tests/test_tree_driver.py)."""
+    noisy = "step 1\nunshare: sigprocmask unblock failed: Invalid argument\nstep 2\n"
+    assert sb.without_wrapper_lines(noisy) == "step 1\nstep 2\n"
+    assert sb.without_wrapper_lines("unshare: sigprocmask unblock failed: Invalid argument\n") == ""
+    assert sb.without_wrapper_lines("x = 'unshare: inside a line'\nno newline") == "x = 'unshare: inside a line'\nno newline"

@@ -116,6 +116,14 @@ class SandboxRun:
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning|[A-Z]\w*))(?::|$)")
 
 
+def without_wrapper_lines(tail: str) -> str:
+    """The script's output without what the namespace wrapper itself printed. Killed at the wall
+    limit, `unshare` sometimes reports its own signal handling ("unshare: sigprocmask unblock
+    failed: Invalid argument"), depending on when the signal lands: not the script's output, and
+    a debug prompt shows the policy this tail (search/prompts.py), so it must not vary with it."""
+    return "".join(line for line in tail.splitlines(keepends=True) if not line.startswith("unshare: "))
+
+
 def exc_type_of(tail: str, returncode: int | None) -> str | None:
     """The exception class named by the last traceback in `tail`, else the killing signal."""
     if "Traceback (most recent call last)" in tail or "SyntaxError" in tail:
@@ -589,6 +597,8 @@ class Sandbox:
         rc = proc.returncode
         if ns and rc == SETUP_FAIL and SETUP_MARK in tail:
             raise SandboxError(tail.strip().splitlines()[-1])
+        if ns:
+            tail = without_wrapper_lines(tail)
         cpu_hit = rc in (-signal.SIGXCPU, 128 + signal.SIGXCPU)
         if killed_for and killed_for[0] == "output_limit":
             outcome, exc = "output_limit", "OutputLimitExceeded"
