@@ -128,13 +128,13 @@ PY
     bench counterpoint --engine vllm --shapes "$1" --out "$OUT/loop-${1//[:,]/-}.json" 2>&1 \
       | tee "$OUT/loop-${1//[:,]/-}.log" | grep -E "^\[counterpoint\]|Error" | cut -c 1-1500 ;;
   decode)
-    M=$1; P=$2; shift 2; tag=$(printf '%s' "$*" | tr -c 'A-Za-z0-9_.=' '_' | cut -c 1-40)
+    M=$1; P=$2; shift 2; tag=$(printf '%s' "$*" | tr -c 'A-Za-z0-9_.' '_' | cut -c 1-40)
     python3 bench/vllm_decode.py --model "$MODELS/$M" --tokenizer "$TOK" --prompts "$P" \
       --out "$OUT/decode-$M${tag:+-$tag}.json" "$@" 2>&1 | tee "$OUT/decode-$M${tag:+-$tag}.log" \
       | grep -vE "INFO|WARNING|Loading|it/s\]|^$" | cut -c 1-400 ;;
   train)
     SHAPES=$1; MODES=$2; shift 2
-    tag=$(printf '%s' "$*" | sed 's/--set //g' | tr -c 'A-Za-z0-9_.=' '_' | cut -c 1-60)  # runs that differ by --set keep apart
+    tag=$(printf '%s' "$*" | sed 's/--set //g' | tr -c 'A-Za-z0-9_.' '_' | cut -c 1-60)  # runs that differ by --set keep apart; no '=' in a name: the device tool returns no such file
     # shellcheck disable=SC2046
     f="$OUT/train-${SHAPES//[:,]/-}-${MODES//,/-}${tag:+-$tag}.json"
     bench train --shapes "$SHAPES" --modes "$MODES" --out "$f" $(choice) "$@" 2>&1 | grep -E "^\[train\]|Error" \
