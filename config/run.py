@@ -156,7 +156,8 @@ class RunConfig(BaseModel):
 
     gpu_sharing: GpuSharingConfig = Field(
         default_factory=GpuSharingConfig, description="How the rollout replica and the learner share a GPU: "
-        "time-sliced (the default) or under CUDA MPS with per-role SM shares (config/gpu_sharing.py)."
+        "time-sliced, or under CUDA MPS with per-role SM shares; 'auto' (the default) picks MPS where it "
+        "was measured to pay (config/gpu_sharing.py)."
     )
 
     share_base_weights: Literal["auto"] | bool = Field(
@@ -229,6 +230,31 @@ class RunConfig(BaseModel):
         if why is not None:
             raise ValueError(f"gpu_sharing.mode=mps shares a GPU between the rollout replica and the learner, but {why}")
         return self
+
+    def gpu_sharing_auto_blocker(self) -> str | None:
+        """Why gpu_sharing.mode=auto time-slices this run (None: it runs the replica and the learner
+        under MPS). MPS pays only where generation and the update run at once on one GPU, as
+        measured (one_step_off, vLLM); in sync mode they take turns and the learner's SM cap would
+        only slow its update."""
+        r, learner = self.rollout, self.learner
+        if r.num_gpus == 0:
+            return "rollout.num_gpus=0 (a CPU-only rollout)"
+        if not learner.use_gpu:
+            return "learner.use_gpu=false (a CPU learner)"
+        if r.replicas != 1 or learner.workers != 1:
+            return (f"rollout.replicas={r.replicas} and learner.workers={learner.workers} (MPS is chosen where one "
+                    "replica and one learner worker share a GPU)")
+        if r.num_gpus + learner.gpus_per_worker > 1:
+            return (f"rollout.num_gpus={r.num_gpus:g} and learner.gpus_per_worker={learner.gpus_per_worker:g} add "
+                    "up to more than one GPU, so Ray places them on different GPUs")
+        if self.trainer.mode != "one_step_off":
+            return (f"trainer.mode={self.trainer.mode}: generation and the update take turns, and the learner's SM "
+                    "cap would only slow its update")
+        if r.engine == "hf":
+            return "rollout.engine=hf (MPS was measured with the vLLM engine only)"
+        if self.trainer.ray_address:
+            return f"trainer.ray_address={self.trainer.ray_address} joins a cluster (the daemon is started on the driver's host only)"
+        return None
 
     def base_sharing_blocker(self) -> str | None:
         """Why the learner cannot map the rollout replica's base weights in this configuration

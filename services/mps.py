@@ -1,9 +1,10 @@
 """CUDA MPS for a run whose rollout replica and learner share a GPU (config/gpu_sharing.py).
 
 ``plan_mps`` is the rule (a pure function, table-tested in tests/test_mps.py): time-slice and do
-nothing; join a daemon that already answers; or start one of the run's own, with its pipe and
-log directories under the run directory (a short directory under /tmp when that path would
-exceed a Unix socket's length limit). ``GpuSharing`` carries the plan out: it starts the daemon
+nothing (also mode=auto where RunConfig.gpu_sharing_auto_blocker names a reason); join a daemon
+that already answers; or start one of the run's own, with its pipe and log directories under
+the run directory (a short directory under /tmp when that path would exceed a Unix socket's
+length limit). ``GpuSharing`` carries the plan out: it starts the daemon
 before any GPU client exists, hands each role its variables (``env``: Ray's runtime_env of the
 replicas and the learner's workers; vLLM's engine core is the replica's child and inherits
 them), and quits a daemon it started when the run's ExitStack closes, after Ray has stopped the
@@ -20,7 +21,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -58,11 +59,20 @@ class MpsPlan:
 
 
 def plan_mps(mode: str, sm_percent: Mapping[str, int], environ: Mapping[str, str], run_dir: Path,
-             daemon_answers: Callable[[str], bool], control_binary: str | None) -> MpsPlan:
+             daemon_answers: Callable[[str], bool], control_binary: str | None,
+             auto_blocker: str | None = None) -> MpsPlan:
     """The rule. ``environ``: the driver's environment (a CUDA_MPS_PIPE_DIRECTORY there names the
     daemon the user runs, or wants); ``daemon_answers(pipe_dir)``: whether a daemon answers there;
-    ``control_binary``: the control binary's path, None when none is found. ValueError (one line)
-    when MPS is asked for and cannot be had."""
+    ``control_binary``: the control binary's path, None when none is found; ``auto_blocker``: why
+    mode=auto time-slices this run (RunConfig.gpu_sharing_auto_blocker), None where it would take
+    MPS. ValueError (one line) when MPS is asked for and cannot be had; auto never raises."""
+    if mode == "auto":
+        why = auto_blocker or (None if control_binary else f"{CONTROL_BINARY} is not on this host")
+        if why is not None:
+            return MpsPlan("none", f"gpu_sharing.mode=auto: time-sliced, as {why}")
+        chosen = plan_mps("mps", sm_percent, environ, run_dir, daemon_answers, control_binary)
+        return replace(chosen, reason="gpu_sharing.mode=auto: MPS (one replica and one learner worker share a GPU, "
+                                      f"one_step_off); {chosen.reason}")
     if mode != "mps":
         return MpsPlan("none", f"gpu_sharing.mode={mode}")
     shares = {role: int(sm_percent[role]) for role in ROLES}
@@ -122,18 +132,19 @@ class GpuSharing:
     ExitStack callback registered before Ray's shutdown, so it runs after it) quits a daemon this
     run started. ``record`` is run.json's ``gpu_sharing``."""
 
-    def __init__(self, plan: MpsPlan, binary: str | None):
-        self.plan, self.binary, self.timeout_s = plan, binary, CONTROL_TIMEOUT_S
+    def __init__(self, plan: MpsPlan, binary: str | None, requested: str = "mps"):
+        self.plan, self.binary, self.requested, self.timeout_s = plan, binary, requested, CONTROL_TIMEOUT_S
         self.started = False
         self.quit: str | None = None
 
     @classmethod
     def for_run(cls, cfg, run_dir: Path) -> "GpuSharing":
         g = cfg.gpu_sharing
-        binary = find_control_binary() if g.mode == "mps" else None
+        blocker = cfg.gpu_sharing_auto_blocker() if g.mode == "auto" else None
+        binary = find_control_binary() if g.mode == "mps" or (g.mode == "auto" and blocker is None) else None
         plan = plan_mps(g.mode, {"rollout": g.rollout_sm_percent, "learner": g.learner_sm_percent}, os.environ,
-                        run_dir, lambda pipe_dir: daemon_answers(binary, pipe_dir), binary)
-        return cls(plan, binary)
+                        run_dir, lambda pipe_dir: daemon_answers(binary, pipe_dir), binary, blocker)
+        return cls(plan, binary, g.mode)
 
     def env(self, role: str) -> dict[str, str]:
         return self.plan.env(role)
@@ -150,8 +161,13 @@ class GpuSharing:
         done = _control(self.binary, plan.pipe_dir, plan.log_dir, None, self.timeout_s)
         if done.returncode != 0 or not daemon_answers(self.binary, plan.pipe_dir, self.timeout_s):
             detail = (done.stderr or done.stdout or "").strip().splitlines()
-            raise RuntimeError(f"gpu_sharing.mode=mps: {self.binary} -d did not start a daemon at {plan.pipe_dir} "
-                               f"(exit {done.returncode}{': ' + detail[-1] if detail else ''}; its log: {plan.log_dir})")
+            why = (f"{self.binary} -d did not start a daemon at {plan.pipe_dir} "
+                   f"(exit {done.returncode}{': ' + detail[-1] if detail else ''}; its log: {plan.log_dir})")
+            if self.requested == "auto":  # no GPU process exists yet: time-slicing is still open
+                log.warning("gpu_sharing.mode=auto: %s; the run time-slices the GPU", why)
+                self.plan = MpsPlan("none", f"gpu_sharing.mode=auto: time-sliced, as {why}")
+                return
+            raise RuntimeError(f"gpu_sharing.mode=mps: {why}")
         self.started = True
         log.info("MPS daemon started: pipe %s, log %s", plan.pipe_dir, plan.log_dir)
 
@@ -169,8 +185,8 @@ class GpuSharing:
 
     def record(self) -> dict[str, Any]:
         p = self.plan
-        out: dict[str, Any] = {"mode": "mps" if p.action != "none" else "timeslice", "daemon": p.action,
-                               "reason": p.reason}
+        out: dict[str, Any] = {"mode": "mps" if p.action != "none" else "timeslice", "requested": self.requested,
+                               "daemon": p.action, "reason": p.reason}
         if p.action != "none":
             out.update(pipe_dir=p.pipe_dir, log_dir=p.log_dir, sm_percent=dict(p.sm_percent),
                        control_binary=self.binary)

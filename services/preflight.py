@@ -149,7 +149,7 @@ def check_gpu_sharing(cfg: RunConfig) -> None:
 
     if cfg.gpu_sharing.mode == "mps" and find_control_binary() is None:
         raise PreflightError(f"gpu_sharing.mode=mps, but {CONTROL_BINARY} is neither on PATH nor in "
-                             f"{', '.join(DRIVER_BIN_DIRS)} (it ships with the NVIDIA driver); use gpu_sharing.mode=timeslice")
+                             f"{', '.join(DRIVER_BIN_DIRS)} (it ships with the NVIDIA driver); use gpu_sharing.mode=timeslice, or auto, which time-slices without it")
 
 
 def preflight(cfg: RunConfig, *, ports: bool = True) -> None:

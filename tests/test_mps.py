@@ -20,8 +20,8 @@ SHARES = {"rollout": 100, "learner": 50}
 RUN = Path("/runs/r1")
 
 
-def plan(mode="mps", environ=None, answering=(), binary="/bin/mps-control", run_dir=RUN, shares=SHARES):
-    return plan_mps(mode, shares, environ or {}, run_dir, lambda d: d in answering, binary)
+def plan(mode="mps", environ=None, answering=(), binary="/bin/mps-control", run_dir=RUN, shares=SHARES, blocker=None):
+    return plan_mps(mode, shares, environ or {}, run_dir, lambda d: d in answering, binary, blocker)
 
 
 @pytest.mark.parametrize("case, kwargs, action, pipe_dir", [
@@ -35,10 +35,27 @@ def plan(mode="mps", environ=None, answering=(), binary="/bin/mps-control", run_
     ("no daemon: the run starts its own under the run directory", {}, "start", "/runs/r1/mps/pipe"),
     ("a run directory too deep for a socket: under /tmp instead",
      dict(run_dir=Path("/r") / ("d" * MAX_PIPE_DIR_CHARS)), "start", ""),
+    ("auto with a reason against MPS time-slices, even with a daemon up",
+     dict(mode="auto", blocker="trainer.mode=sync: ...", answering=("/tmp/nvidia-mps",)), "none", None),
+    ("auto without the control binary time-slices", dict(mode="auto", binary=None), "none", None),
+    ("auto where MPS pays joins a daemon that answers", dict(mode="auto", answering=("/tmp/nvidia-mps",)),
+     "join", "/tmp/nvidia-mps"),
+    ("auto where MPS pays and no daemon answers: the run starts its own", dict(mode="auto"), "start",
+     "/runs/r1/mps/pipe"),
 ])
 def test_plan_table(case, kwargs, action, pipe_dir):
     got = plan(**kwargs)
     assert (got.action, got.pipe_dir) == (action, pipe_dir), case
+    if kwargs.get("mode") == "auto":  # the reason says auto chose, and why
+        assert got.reason.startswith("gpu_sharing.mode=auto: " + ("MPS" if action != "none" else "time-sliced, as "))
+        assert kwargs.get("blocker", "") in got.reason and "\n" not in got.reason
+
+
+def test_auto_reason_names_the_blocker_or_the_missing_binary():
+    assert plan(mode="auto", blocker="learner.use_gpu=false (a CPU learner)").reason == \
+        "gpu_sharing.mode=auto: time-sliced, as learner.use_gpu=false (a CPU learner)"
+    assert plan(mode="auto", binary=None).reason == \
+        "gpu_sharing.mode=auto: time-sliced, as nvidia-cuda-mps-control is not on this host"
 
 
 def test_plan_env_per_role():
@@ -57,6 +74,7 @@ def test_plan_without_control_binary_is_one_line():
         plan(binary=None)
     assert "\n" not in str(err.value)
     assert plan(mode="timeslice", binary=None).action == "none"  # nothing needed then
+    assert plan(mode="auto", binary=None).action == "none"  # auto never fails for want of MPS
 
 
 GPU_RUN = {"rollout": {"num_gpus": 0.4}, "learner": {"use_gpu": True, "gpus_per_worker": 0.6}}
@@ -78,10 +96,32 @@ def test_config_refuses(tree, needle):
         config_from_dict(tree, "test")
 
 
-def test_config_accepts_mps_on_a_shared_gpu_and_defaults_to_timeslice():
-    assert RunConfig().gpu_sharing.mode == "timeslice"
+def test_config_accepts_mps_on_a_shared_gpu_and_defaults_to_auto():
+    assert RunConfig().gpu_sharing.mode == "auto"
     cfg = RunConfig(gpu_sharing={"mode": "mps", "learner_sm_percent": 40}, **GPU_RUN)
     assert cfg.gpu_sharing.learner_sm_percent == 40
+    RunConfig(gpu_sharing={"mode": "auto"})  # auto is never refused: it time-slices where MPS cannot be had
+
+
+ONE_STEP_OFF = {**GPU_RUN, "trainer": {"mode": "one_step_off"}}
+
+
+@pytest.mark.parametrize("tree, blocker", [
+    ({}, "rollout.num_gpus=0 (a CPU-only rollout)"),
+    ({**ONE_STEP_OFF, "learner": {"use_gpu": False}}, "learner.use_gpu=false (a CPU learner)"),
+    ({**ONE_STEP_OFF, "rollout": {"num_gpus": 0.4, "replicas": 2}}, "rollout.replicas=2 and learner.workers=1"),
+    ({**ONE_STEP_OFF, "learner": {"use_gpu": True, "gpus_per_worker": 0.6, "workers": 2}},
+     "rollout.replicas=1 and learner.workers=2"),
+    ({**ONE_STEP_OFF, "rollout": {"num_gpus": 1}}, "rollout.num_gpus=1 and learner.gpus_per_worker=0.6 add up"),
+    (GPU_RUN, "trainer.mode=sync: generation and the update take turns"),
+    ({**ONE_STEP_OFF, "rollout": {"num_gpus": 0.4, "engine": "hf"}}, "rollout.engine=hf"),
+    ({**GPU_RUN, "trainer": {"mode": "one_step_off", "ray_address": "10.0.0.1:6379"}}, "trainer.ray_address=10.0.0.1"),
+    (ONE_STEP_OFF, None),
+    ({**ONE_STEP_OFF, "rollout": {"num_gpus": 0.4, "engine": "vllm"}}, None),
+])
+def test_auto_blocker_table(tree, blocker):
+    got = RunConfig(**tree).gpu_sharing_auto_blocker()
+    assert got == blocker if blocker is None else (got or "").startswith(blocker), got
 
 
 def test_preflight_names_the_missing_binary(monkeypatch, tmp_path):
@@ -93,7 +133,8 @@ def test_preflight_names_the_missing_binary(monkeypatch, tmp_path):
     cfg = RunConfig(gpu_sharing={"mode": "mps"}, **GPU_RUN)
     with pytest.raises(PreflightError, match="gpu_sharing.mode=mps, but nvidia-cuda-mps-control"):
         check_gpu_sharing(cfg)
-    check_gpu_sharing(RunConfig())  # timeslice needs no binary
+    check_gpu_sharing(RunConfig(gpu_sharing={"mode": "timeslice"}))  # timeslice needs no binary
+    check_gpu_sharing(RunConfig(gpu_sharing={"mode": "auto"}, **ONE_STEP_OFF))  # auto time-slices without one
 
 
 # A stand-in for the control binary: `-d` makes the daemon's control socket (a file here) and
@@ -165,9 +206,36 @@ def test_a_daemon_that_does_not_come_up_fails_in_one_line(tmp_path):
     binary.write_text("#!/bin/sh\necho 'cannot open log' >&2\nexit 3\n")
     binary.chmod(0o755)
     gpu = GpuSharing(MpsPlan("start", "test", str(tmp_path / "p"), str(tmp_path / "l"), SHARES), str(binary))
-    with pytest.raises(RuntimeError, match=r"did not start a daemon .*exit 3: cannot open log"):
+    with pytest.raises(RuntimeError, match=r"gpu_sharing.mode=mps: .* did not start a daemon .*exit 3: cannot open log"):
         gpu.start()
     assert gpu.record()["quit"] is None and not gpu.started
+
+    # mode=auto asked for nothing in particular: before any GPU process exists it time-slices instead
+    auto = GpuSharing(MpsPlan("start", "test", str(tmp_path / "p"), str(tmp_path / "l"), SHARES), str(binary), "auto")
+    auto.start()
+    record = auto.record()
+    assert not auto.started and auto.env("learner") == {} and auto.env("rollout") == {}
+    assert record["mode"] == "timeslice" and record["requested"] == "auto" and record["daemon"] == "none"
+    assert record["reason"].startswith("gpu_sharing.mode=auto: time-sliced, as ") and "exit 3: cannot open log" in record["reason"]
+
+
+def test_auto_run_where_mps_pays_starts_the_daemon(control_binary, tmp_path, monkeypatch, request):
+    from services import mps
+
+    monkeypatch.setattr(mps, "DEFAULT_PIPE_DIR", str(tmp_path / "no-daemon-here"))
+    run_dir = Path(tempfile.mkdtemp(prefix="cp-mps-test-", dir="/tmp")) / "run"
+    request.addfinalizer(lambda: shutil.rmtree(run_dir.parent, ignore_errors=True))
+    gpu = GpuSharing.for_run(RunConfig(**ONE_STEP_OFF), run_dir)
+    gpu.start()
+    assert gpu.started and gpu.env("learner")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    gpu.stop()
+    record = gpu.record()
+    assert (record["mode"], record["requested"], record["daemon"], record["quit"]) == ("mps", "auto", "start", "ok")
+    # the same run in sync mode: nothing started, the control binary not even called
+    sync = GpuSharing.for_run(RunConfig(**GPU_RUN), run_dir)
+    sync.start()
+    assert not sync.started and sync.record()["reason"].startswith("gpu_sharing.mode=auto: time-sliced, as trainer.mode=sync")
+    assert (tmp_path / "calls.log").read_text().count(" -d ") == 1
 
 
 def test_the_replicas_get_the_role_env():

@@ -64,7 +64,8 @@ def test_relative_paths_from_the_users_directory_then_resume_then_eval(tmp_path:
     assert timing_steps(run) == [1, 2]
     receipt = json.loads((run / "run.json").read_text())
     assert receipt["config"]["trainer"]["runs_dir"] == str(user_dir / "runs")
-    assert receipt["gpu_sharing"] == {"mode": "timeslice", "daemon": "none", "reason": "gpu_sharing.mode=timeslice"}
+    assert receipt["gpu_sharing"] == {"mode": "timeslice", "requested": "auto", "daemon": "none",
+                                      "reason": "gpu_sharing.mode=auto: time-sliced, as rollout.num_gpus=0 (a CPU-only rollout)"}
 
     # A driver killed after training step 2, before its checkpoint: no end recorded, pid gone.
     shutil.rmtree(run / "checkpoints" / "step_2")
