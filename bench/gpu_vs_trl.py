@@ -68,6 +68,7 @@ import importlib.metadata as md
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -111,8 +112,8 @@ PROMPT_TOKENS = 200
 LORA_R, LORA_ALPHA = 32, 64
 LR = 1e-5
 SHAPE_KEYS = ("model", "prompts", "group_size", "tokens", "trl_s_per_step", "trl_vllm_s_per_step",
-              "counterpoint_s_per_step", "counterpoint_train_s_per_step", "counterpoint_train_modes", "phases_s",
-              "peak_gib", "mfu")
+              "counterpoint_s_per_step", "counterpoint_train_s_per_step", "counterpoint_train_variant",
+              "counterpoint_train_modes", "phases_s", "peak_gib", "mfu")
 PHASES = ("gen", "score", "adv", "old_log_prob", "ref", "update_actor", "update_weights")
 SHOWN_PHASES = ("gen", "score", "update_actor", "update_weights")  # the report's columns: the rest are ~0 here
 
@@ -626,6 +627,7 @@ def train_figures(run: Path, skip: int, mode: str) -> dict[str, Any]:
         "status": receipt.get("status"),
         "rollout_engine": receipt.get("rollout_engine"),
         "rollout_quantization": receipt.get("rollout_quantization"),
+        "gpu_sharing": receipt.get("gpu_sharing"),
     }
 
 
@@ -692,9 +694,23 @@ def save(result: dict[str, Any], path: Path | None) -> None:
         path.write_text(json.dumps(result, indent=1))
 
 
+def train_variant(row: dict[str, Any]) -> str:
+    """A `counterpoint train` row's label: its mode, then what it runs differently from the
+    time-sliced bf16 rollout (MPS, fp8 rollouts)."""
+    sharing = (row.get("gpu_sharing") or {}).get("mode")
+    if sharing is None:  # rows from before run.json's gpu_sharing was kept: the command's --set says
+        found = re.search(r"gpu_sharing\.mode=(\w+)", row.get("command") or "")
+        sharing = found.group(1) if found else "timeslice"
+    quant = (row.get("rollout_quantization") or {}).get("mode")
+    return ", ".join([row["mode"]] + (["MPS"] if sharing == "mps" else [])
+                     + ([f"{quant} rollouts"] if quant not in (None, "none") else []))
+
+
 def best_train_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The faster mode's row of one shape (both are reported; the headline takes the faster)."""
-    timed = [r for r in rows if r.get("s_per_step")]
+    """The fastest row of one shape among those with TRL's semantics (bf16 rollouts: an fp8 row
+    samples from another policy, so it is reported beside, never as the headline)."""
+    timed = [r for r in rows if r.get("s_per_step")
+             and (r.get("rollout_quantization") or {}).get("mode") in (None, "none")]
     return min(timed, key=lambda r: r["s_per_step"]) if timed else {}
 
 
@@ -714,7 +730,7 @@ def merge(trl_res: dict[str, Any] | None, cp_res: dict[str, Any] | None, command
     shapes = []
     for key in [k for k in RUNS if k in keys] + sorted(keys - set(RUNS)):
         t, c, tv = trl_rows.get(key, {}), cp_rows.get(key, {}), tv_rows.get(key, {})
-        modes = {r["mode"]: r.get("s_per_step") for r in train_rows.get(key, [])}
+        modes = {train_variant(r): r.get("s_per_step") for r in train_rows.get(key, [])}
         best = best_train_row(train_rows.get(key, []))
         gen = best.get("gen_tokens") or c.get("gen_tokens")
         peak = best.get("peak_gpu_mib") / 1024 if best.get("peak_gpu_mib") else c.get("peak_gib")
@@ -729,6 +745,7 @@ def merge(trl_res: dict[str, Any] | None, cp_res: dict[str, Any] | None, command
             "trl_vllm_s_per_step": tv.get("s_per_step"),
             "counterpoint_s_per_step": c.get("s_per_step"),
             "counterpoint_train_s_per_step": best.get("s_per_step"),
+            "counterpoint_train_variant": train_variant(best) if best else None,
             "counterpoint_train_modes": {m: v for m, v in modes.items() if v is not None},
             "phases_s": best.get("phases_s") or c.get("phases_s") or {},
             "peak_gib": peak,
@@ -823,35 +840,38 @@ def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[s
              "384 new tokens, ~200-token prompts, temperature 1, dapo, beta 0. bench/gpu_vs_trl.py says how.", "",
              "## Command", "", "```", doc["command"], "```", "",
              "## Per step: `counterpoint train` (Ray) against TRL + vLLM colocate (medians over the timed steps)", "",
-             "| model | completions | TRL + vLLM s/step | counterpoint train s/step | ratio | sync | one_step_off | "
-             "gen | score | update_actor | update_weights | TRL `generate` s/step | one-process loop s/step | "
-             "peak GiB | MFU (step) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | completions | TRL + vLLM s/step | counterpoint train s/step | ratio | its variant | "
+             "every variant s/step (ratio) | gen | score | update_actor | update_weights | TRL `generate` s/step | "
+             "one-process loop s/step | peak GiB | MFU (step) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in doc["shapes"]:
-        ph, modes = row["phases_s"], row["counterpoint_train_modes"]
+        ph, modes, trl_s = row["phases_s"], row["counterpoint_train_modes"], row["trl_vllm_s_per_step"]
+        every = "; ".join(f"{m} {fmt(v)}" + (f" ({fmt(_ratio(v, trl_s), '.3f')})" if trl_s else "")
+                          for m, v in sorted(modes.items(), key=lambda mv: mv[1]))
         lines.append(
-            f"| {row['model']} | {row['prompts']}x{row['group_size']} | {fmt(row['trl_vllm_s_per_step'])} | "
+            f"| {row['model']} | {row['prompts']}x{row['group_size']} | {fmt(trl_s)} | "
             f"{fmt(row['counterpoint_train_s_per_step'])} | "
-            f"{fmt(_ratio(row['counterpoint_train_s_per_step'], row['trl_vllm_s_per_step']), '.3f')} | "
-            f"{fmt(modes.get('sync'))} | {fmt(modes.get('one_step_off'))} | "
+            f"{fmt(_ratio(row['counterpoint_train_s_per_step'], trl_s), '.3f')} | "
+            f"{row.get('counterpoint_train_variant') or '–'} | {every or '–'} | "
             + " | ".join(fmt(ph.get(p)) for p in SHOWN_PHASES)
             + f" | {fmt(row['trl_s_per_step'])} | {fmt(row['counterpoint_s_per_step'])} | "
               f"{fmt(row['peak_gib'], '.1f')} | {fmt(row['mfu'], '.4f')} |")
     lines += ["", "## counterpoint train (Ray Serve vLLM replica + Ray Train learner + gRPC grader, one GPU)", "",
-              "| model | completions | mode | exit | timed steps s | gen (wait) | generate call | score | update_actor | "
-              "update_weights | ppl_ratio range | staleness | samples on their step's version (sync) / at most one "
-              "behind | learner graphs | start-up s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| model | completions | variant | exit | timed steps s | gen (wait) | generate call | score | update_actor | "
+              "update_weights | ppl_ratio range | rollout k3 KL | TIS clipped | staleness | samples on their step's "
+              "version (sync) / at most one behind | learner graphs | start-up s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (train_res or {}).get("shapes", []):
         ph = r.get("phases_s", {})
         why = r.get("skipped") or ""
         stale = sorted({int(x) for x in r.get("adapter_staleness", []) if x is not None})
         lines.append(
-            f"| {r['model']} | {r['prompts']}x{GROUP_SIZE} | {r['mode']} | {r.get('exit_code', '–')} | "
+            f"| {r['model']} | {r['prompts']}x{GROUP_SIZE} | {train_variant(r)} | {r.get('exit_code', '–')} | "
             f"{', '.join(fmt(x) for x in r.get('steps_s', [])) or why} | {fmt(ph.get('gen'))} | "
             f"{fmt(r.get('generate_s'))} | "
             + " | ".join(fmt(ph.get(p)) for p in ("score", "update_actor", "update_weights"))
-            + f" | {_range(r.get('ppl_ratio'))} | {stale or '–'} | "
+            + f" | {_range(r.get('ppl_ratio'))} | {_range(r.get('rollout_k3_kl'))} | {_range(r.get('tis_clip_frac'))}"
+              f" | {stale or '–'} | "
               f"{r.get('samples', 0) - r.get('samples_behind', 0)}/{r.get('samples', 0)} on, max behind "
               f"{r.get('max_behind', '–')} ({'OK' if r.get('versions_ok') else 'FAIL'}) | "
               f"{_range(r.get('learner_cuda_graphs'))} | {fmt(r.get('startup_s'), '.0f')} |")

@@ -168,8 +168,9 @@ class LearnerConfig(BaseModel):
         "position ids (learner/passes.py make_micro_batches); the token budget (micro_batch_tokens) then "
         "counts a micro-batch's real tokens, not rows x longest row, so more rows fit. Same loss and "
         "gradients as the padded micro-batches up to float rounding (tests/test_learner_pack.py). Off by "
-        "default: not yet measured on a GPU, where sdpa with a block-diagonal mask runs a masked kernel "
-        "and may lose to the padded plain causal one (flash_attention_2 should not). A model whose "
+        "default: measured on an H200 (4B 4x8, responses of 64-384 tokens), sdpa with the block-diagonal mask "
+        "lost to the padded causal kernel, 1.92 s against 1.67 s a step and 58.9 GiB against 34.7 (the T x T "
+        "mask); flash_attention_2's varlen path is not measured. A model whose "
         "attention implementation cannot take packed rows runs padded, with one warning. Not with "
         "share_prompt_prefix=true (another layout of the same rows) or cuda_graphs=true (fixed shapes)."
     )

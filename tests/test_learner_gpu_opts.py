@@ -287,6 +287,7 @@ def test_gpu_bench_config_and_results_follow_their_schemas(tmp_path):
     # the headline takes the faster mode, its phases and its memory; both modes are kept
     assert four["counterpoint_train_s_per_step"] == 2.0 and four["counterpoint_train_modes"] == {"sync": 2.25,
                                                                                                 "one_step_off": 2.0}
+    assert four["counterpoint_train_variant"] == "one_step_off"
     assert four["phases_s"] == {"gen": 0.1} and four["peak_gib"] == 70.0 and four["counterpoint_s_per_step"] == 4.0
     assert four["mfu"] == pytest.approx(bench.step_model_flops(4_000_000_000, 8, 200.0, 384) / 2.0 / 989e12)
     assert rows[("qwen3-4b", 4)]["counterpoint_s_per_step"] is None and rows[("qwen3-4b", 4)]["tokens"] == 4 * 8 * 384
@@ -294,7 +295,18 @@ def test_gpu_bench_config_and_results_follow_their_schemas(tmp_path):
     assert rows[("qwen3-4b", 4)]["counterpoint_train_modes"] == {}
     assert rows[("qwen3-0.6b", 4)]["trl_s_per_step"] is None and rows[("qwen3-0.6b", 4)]["mfu"] is None
     md = bench.markdown(doc, trl, cp, trl_vllm_res=trl_vllm, train_res=train)
-    assert "| qwen3-4b | 1x8 | 2.50 | 2.00 | 0.800 | 2.25 | 2.00 |" in md
+    assert "| qwen3-4b | 1x8 | 2.50 | 2.00 | 0.800 | one_step_off | one_step_off 2.00 (0.800); sync 2.25 (0.900) |" in md
+    # variants: MPS (run.json's gpu_sharing, else the command's --set) and fp8 rollouts, which are
+    # reported beside but never taken as the headline (another policy samples)
+    mps = {"model": "qwen3-4b", "prompts": 1, "mode": "one_step_off", "s_per_step": 1.9, "phases_s": {"gen": 0.0},
+           "command": "counterpoint train --set gpu_sharing.mode=mps", "rollout_quantization": {"mode": "none"}}
+    fp8 = {**mps, "s_per_step": 1.5, "command": "", "gpu_sharing": {"mode": "mps", "requested": "auto"},
+           "rollout_quantization": {"mode": "fp8"}}
+    doc2 = bench.merge(None, None, "cmd", trl_vllm, {"shapes": train["shapes"] + [mps, fp8]})
+    four2 = {(r["model"], r["prompts"]): r for r in doc2["shapes"]}[("qwen3-4b", 1)]
+    assert four2["counterpoint_train_s_per_step"] == 1.9 and four2["counterpoint_train_variant"] == "one_step_off, MPS"
+    assert four2["counterpoint_train_modes"] == {"sync": 2.25, "one_step_off": 2.0, "one_step_off, MPS": 1.9,
+                                                 "one_step_off, MPS, fp8 rollouts": 1.5}
     # the writer refuses anything off the schema
     with pytest.raises(ValueError, match="keys"):
         bench.validate_results({**doc, "extra": 1})
@@ -305,7 +317,9 @@ def test_gpu_bench_config_and_results_follow_their_schemas(tmp_path):
     # the committed results are in that schema too
     committed = json.loads((bench.ROOT / "bench" / "results" / "gpu-vs-trl.json").read_text())
     bench.validate_results(committed)
-    assert [(r["model"], r["prompts"]) for r in committed["shapes"]] == bench.RUNS
+    # one session's shapes, in the bench's order; the two (4B 1x8 and 4x8) always among them
+    shapes = [(r["model"], r["prompts"]) for r in committed["shapes"]]
+    assert shapes == [k for k in bench.RUNS if k in shapes] and {("qwen3-4b", 1), ("qwen3-4b", 4)} <= set(shapes)
 
 
 def test_ray_overhead_compares_sync_runs_with_the_vllm_loop():

@@ -12,7 +12,7 @@
 #   none                 only take the piece
 #   build MODEL...       only take the piece and build the random-init shapes (no vLLM needed),
 #                        so that the calls carrying pieces also get the models ready
-#   sharded MODEL P:VARIANTS...   the learner alone (bench/learner_gpu.py) on MODEL built with weights,
+#   sharded MODEL P:VARIANTS... [-- FLAGS]   the learner alone (bench/learner_gpu.py) on MODEL built with weights,
 #                        e.g. `sharded qwen3-14b 1:eager,fsdp2`: fsdp2's s/step beside DDP's (issue 35)
 #   trl SHAPES [FLAGS]   TRL + vLLM colocate (bench/gpu_vs_trl.py trl --vllm)
 #   loop SHAPES          counterpoint's step loop in one process with the vLLM engine (no Ray)
@@ -108,11 +108,14 @@ PY
     ;;
   sharded)  # sharded MODEL P:VARIANTS...: the learner alone, DDP's path against fsdp2's (issue 35), on a
             # checkpoint with weights (fsdp2 loads safetensors slice by slice: 14B's are built too, 29.5 GB)
-    M=$1; shift
+            # [-- FLAGS...]: more bench/learner_gpu.py flags for every P, e.g. -- --response-min 64 (packing)
+    M=$1; shift; PS=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do PS+=("$1"); shift; done; [ $# -gt 0 ] && shift
     python3 -c 'import sys; from pathlib import Path; sys.path.insert(0, "."); from bench.gpu_vs_trl import build_model; build_model(sys.argv[3], Path(sys.argv[1]), Path(sys.argv[2]) / sys.argv[3], "cuda", weights=True)' "$TOK" "$MODELS" "$M" || exit 1
-    for P in "$@"; do
-      python3 bench/learner_gpu.py --model "$MODELS/$M" --prompts "${P%%:*}" --variants "${P#*:}" \
-        --out "$OUT/learner-$M-${P%%:*}.json" 2>&1 | tee "$OUT/learner-$M-${P%%:*}.log" | grep -v "Loading weights" | tail -8
+    tag=$(printf '%s' "$*" | tr -c 'A-Za-z0-9_.' '_' | cut -c 1-40)
+    for P in "${PS[@]}"; do
+      f="$OUT/learner-$M-${P%%:*}${tag:+-$tag}"
+      python3 bench/learner_gpu.py --model "$MODELS/$M" --prompts "${P%%:*}" --variants "${P#*:}" "$@" \
+        --out "$f.json" 2>&1 | tee "$f.log" | grep -v "Loading weights" | tail -8
     done ;;
   trl)  # trl SHAPE FLAGS... [-- FALLBACK FLAGS...]: the fallback runs when the first errs (e.g. out of memory)
     S=$1; shift; FIRST=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do FIRST+=("$1"); shift; done; [ $# -gt 0 ] && shift
