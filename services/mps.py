@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,12 @@ DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"  # the daemon's own default, when CUDA_MPS_
 MAX_PIPE_DIR_CHARS = 80
 ROLES = ("rollout", "learner")
 CONTROL_TIMEOUT_S = 30.0  # the control client answers in milliseconds; quit waits for the servers to exit
+# mode=auto's check that a CUDA client comes up under the daemon: the control daemon starts on any
+# GPU, but its server starts with the first client, and NVIDIA documents MPS for data-center and
+# workstation GPUs only. A client that cannot connect would fail the replica after Ray started it;
+# this throwaway process fails first, while time-slicing is still open.
+PROBE_COMMAND = (sys.executable, "-c", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()")
+PROBE_TIMEOUT_S = 180.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,20 @@ def daemon_answers(binary: str | None, pipe_dir: str, timeout: float = CONTROL_T
         return False
 
 
+def client_fails(command: tuple[str, ...] | list[str], pipe_dir: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """None when ``command`` (a CUDA client) runs to exit 0 under the daemon at ``pipe_dir``, else why
+    not in one line."""
+    try:
+        done = subprocess.run(list(command), env=dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=pipe_dir), text=True,
+                              capture_output=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"a CUDA client under it did not come up ({type(err).__name__}: {err})"
+    if done.returncode == 0:
+        return None
+    detail = (done.stderr or done.stdout or "").strip().splitlines()
+    return f"a CUDA client under it exited {done.returncode}" + (f": {detail[-1]}" if detail else "")
+
+
 class GpuSharing:
     """The run's MPS plan carried out. ``start`` before Ray creates any GPU client; ``stop`` (an
     ExitStack callback registered before Ray's shutdown, so it runs after it) quits a daemon this
@@ -134,6 +155,7 @@ class GpuSharing:
 
     def __init__(self, plan: MpsPlan, binary: str | None, requested: str = "mps"):
         self.plan, self.binary, self.requested, self.timeout_s = plan, binary, requested, CONTROL_TIMEOUT_S
+        self.probe_command = PROBE_COMMAND
         self.started = False
         self.quit: str | None = None
 
@@ -150,6 +172,17 @@ class GpuSharing:
         return self.plan.env(role)
 
     def start(self) -> None:
+        self._start_daemon()
+        if self.requested != "auto" or self.plan.action == "none":
+            return
+        why = client_fails(self.probe_command, str(self.plan.pipe_dir))
+        if why is not None:  # still before any GPU process of the run: time-slice instead
+            log.warning("gpu_sharing.mode=auto: MPS at %s, but %s; the run time-slices the GPU", self.plan.pipe_dir, why)
+            self.stop()
+            self.plan = MpsPlan("none", f"gpu_sharing.mode=auto: time-sliced, as MPS at {self.plan.pipe_dir} was up "
+                                        f"but {why}")
+
+    def _start_daemon(self) -> None:
         plan = self.plan
         if plan.action != "start":
             return

@@ -226,16 +226,45 @@ def test_auto_run_where_mps_pays_starts_the_daemon(control_binary, tmp_path, mon
     run_dir = Path(tempfile.mkdtemp(prefix="cp-mps-test-", dir="/tmp")) / "run"
     request.addfinalizer(lambda: shutil.rmtree(run_dir.parent, ignore_errors=True))
     gpu = GpuSharing.for_run(RunConfig(**ONE_STEP_OFF), run_dir)
+    pipe = run_dir.resolve() / "mps" / "pipe"
+    # the client check: a process that sees the daemon's pipe, as a CUDA client would
+    gpu.probe_command = ("/bin/sh", "-c", f'test "$CUDA_MPS_PIPE_DIRECTORY" = "{pipe}" && test -e "{pipe}/control"')
     gpu.start()
     assert gpu.started and gpu.env("learner")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
     gpu.stop()
     record = gpu.record()
     assert (record["mode"], record["requested"], record["daemon"], record["quit"]) == ("mps", "auto", "start", "ok")
+
+    # a GPU whose MPS server takes no client (MPS is documented for data-center and workstation
+    # GPUs): auto quits the daemon it started and time-slices, before any GPU process of the run
+    refused = GpuSharing.for_run(RunConfig(**ONE_STEP_OFF), run_dir)
+    refused.probe_command = ("/bin/sh", "-c", "echo 'cudaErrorMpsConnectionFailed: MPS client failed to connect' >&2; exit 1")
+    refused.start()
+    assert not refused.started and not (pipe / "control").exists() and refused.env("rollout") == {}
+    record = refused.record()
+    assert (record["mode"], record["requested"], record["daemon"]) == ("timeslice", "auto", "none")
+    assert record["reason"].endswith("exited 1: cudaErrorMpsConnectionFailed: MPS client failed to connect")
+    # an explicit mps is what the user asked for: no client check, the daemon stays up
+    asked = GpuSharing.for_run(RunConfig(gpu_sharing={"mode": "mps"}, **ONE_STEP_OFF), run_dir)
+    asked.probe_command = refused.probe_command
+    asked.start()
+    assert asked.started and (pipe / "control").exists()
+    asked.stop()
     # the same run in sync mode: nothing started, the control binary not even called
     sync = GpuSharing.for_run(RunConfig(**GPU_RUN), run_dir)
     sync.start()
     assert not sync.started and sync.record()["reason"].startswith("gpu_sharing.mode=auto: time-sliced, as trainer.mode=sync")
-    assert (tmp_path / "calls.log").read_text().count(" -d ") == 1
+    assert (tmp_path / "calls.log").read_text().count(" -d ") == 3  # auto, auto refused, mps; not sync
+
+
+def test_client_check_reports_in_one_line(tmp_path):
+    from services.mps import client_fails
+
+    assert client_fails(("/bin/sh", "-c", "exit 0"), str(tmp_path)) is None
+    why = client_fails(("/bin/sh", "-c", "echo one >&2; echo 'two: the last' >&2; exit 3"), str(tmp_path))
+    assert why == "a CUDA client under it exited 3: two: the last"
+    assert client_fails((str(tmp_path / "missing"),), str(tmp_path)).startswith("a CUDA client under it did not come up (")
+    assert "TimeoutExpired" in client_fails(("/bin/sh", "-c", "sleep 5"), str(tmp_path), timeout=0.2)
 
 
 def test_the_replicas_get_the_role_env():
