@@ -102,6 +102,20 @@ def plan_mps(mode: str, sm_percent: Mapping[str, int], environ: Mapping[str, str
                    pipe_dir, log_dir, shares)
 
 
+def preview(cfg, control_binary: str | None) -> dict[str, Any]:
+    """run.json's ``gpu_sharing`` as ``--dry-run`` shows it: the mode the run would take and why,
+    without asking or starting a daemon (the start-up checks of mode=auto are named, not run)."""
+    g = cfg.gpu_sharing
+    if g.mode != "auto":
+        return {"requested": g.mode, "mode": g.mode, "reason": f"gpu_sharing.mode={g.mode}"}
+    why = cfg.gpu_sharing_auto_blocker() or (None if control_binary else f"{CONTROL_BINARY} is not on this host")
+    if why is not None:
+        return {"requested": "auto", "mode": "timeslice", "reason": f"gpu_sharing.mode=auto: time-sliced, as {why}"}
+    return {"requested": "auto", "mode": "mps", "reason": "gpu_sharing.mode=auto: MPS (one replica and one learner "
+            "worker share a GPU, one_step_off), if the daemon comes up and a CUDA client connects under it at "
+            "start-up; else time-sliced"}
+
+
 def find_control_binary(path: str | None = None) -> str | None:
     """The control binary: on PATH, else in the driver's usual bin directories."""
     found = shutil.which(CONTROL_BINARY, path=path)

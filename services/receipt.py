@@ -384,6 +384,7 @@ def dry_run_preview(cfg: RunConfig, pool: list[str] | None = None) -> dict[str, 
     """The receipt a run of ``cfg`` would start with (nothing is written). With the pool's case
     ids the prompt sampling plan is included too."""
     from config import resolved
+    from services import mps
     from services.sampler import sampler_from_config
 
     preview: dict[str, Any] = {
@@ -397,4 +398,5 @@ def dry_run_preview(cfg: RunConfig, pool: list[str] | None = None) -> dict[str, 
     }
     if pool is not None:
         preview["prompt_sampling"] = sampler_from_config(pool, cfg.trainer, cfg.seed).plan()
+    preview["gpu_sharing"] = mps.preview(cfg, mps.find_control_binary())
     return preview

@@ -275,3 +275,17 @@ def test_the_replicas_get_the_role_env():
     app = rollout_app(ModelConfig(), RolloutConfig(), registry=None, env={"CUDA_MPS_PIPE_DIRECTORY": "/p"})
     env = app._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/p" and env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_dry_run_shows_the_choice_without_a_daemon():
+    from services.mps import preview
+    from services.receipt import dry_run_preview
+
+    assert dry_run_preview(RunConfig())["gpu_sharing"] == {
+        "requested": "auto", "mode": "timeslice",
+        "reason": "gpu_sharing.mode=auto: time-sliced, as rollout.num_gpus=0 (a CPU-only rollout)"}
+    pays = RunConfig(**ONE_STEP_OFF)
+    assert preview(pays, "/bin/mps-control")["mode"] == "mps"
+    assert preview(pays, None)["reason"].endswith("as nvidia-cuda-mps-control is not on this host")
+    assert preview(RunConfig(gpu_sharing={"mode": "mps"}, **GPU_RUN), None) == {
+        "requested": "mps", "mode": "mps", "reason": "gpu_sharing.mode=mps"}
