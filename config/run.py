@@ -204,16 +204,8 @@ class RunConfig(BaseModel):
     def _memory_budget_is_one_gpu(self) -> "RunConfig":
         if self.gpu_memory_gib is None:
             return self
-        r, learner = self.rollout, self.learner
-        why = (
-            "rollout.num_gpus=0 (a CPU-only rollout)" if r.num_gpus == 0
-            else "learner.use_gpu=false (a CPU learner)" if not learner.use_gpu
-            else "rollout.engine=hf (only the vLLM engine takes a memory amount)" if r.engine == "hf"
-            else f"rollout.replicas={r.replicas} and learner.workers={learner.workers} (one of each shares the GPU)"
-            if r.replicas != 1 or learner.workers != 1
-            else f"rollout.num_gpus={r.num_gpus:g} and learner.gpus_per_worker={learner.gpus_per_worker:g} add up "
-                 "to more than one GPU, so Ray places them on different GPUs"
-            if r.num_gpus + learner.gpus_per_worker > 1 else None)
+        why = self.one_gpu_pair_blocker() or (
+            "rollout.engine=hf (only the vLLM engine takes a memory amount)" if self.rollout.engine == "hf" else None)
         if why is not None:
             raise ValueError(f"gpu_memory_gib={self.gpu_memory_gib:g} splits ONE GPU between the rollout replica "
                              f"and the learner, but {why}")
@@ -231,26 +223,33 @@ class RunConfig(BaseModel):
             raise ValueError(f"gpu_sharing.mode=mps shares a GPU between the rollout replica and the learner, but {why}")
         return self
 
-    def gpu_sharing_auto_blocker(self) -> str | None:
-        """Why gpu_sharing.mode=auto time-slices this run (None: it runs the replica and the learner
-        under MPS). MPS pays only where generation and the update run at once on one GPU, as
-        measured (one_step_off, vLLM); in sync mode they take turns and the learner's SM cap would
-        only slow its update."""
+    def one_gpu_pair_blocker(self) -> str | None:
+        """Why this run's rollout replica and learner worker do not share ONE GPU (None: one of each,
+        on GPU fractions that fit one device): what gpu_memory_gib and gpu_sharing.mode=auto need."""
         r, learner = self.rollout, self.learner
         if r.num_gpus == 0:
             return "rollout.num_gpus=0 (a CPU-only rollout)"
         if not learner.use_gpu:
             return "learner.use_gpu=false (a CPU learner)"
         if r.replicas != 1 or learner.workers != 1:
-            return (f"rollout.replicas={r.replicas} and learner.workers={learner.workers} (MPS is chosen where one "
-                    "replica and one learner worker share a GPU)")
+            return f"rollout.replicas={r.replicas} and learner.workers={learner.workers} (one of each shares the GPU)"
         if r.num_gpus + learner.gpus_per_worker > 1:
             return (f"rollout.num_gpus={r.num_gpus:g} and learner.gpus_per_worker={learner.gpus_per_worker:g} add "
                     "up to more than one GPU, so Ray places them on different GPUs")
+        return None
+
+    def gpu_sharing_auto_blocker(self) -> str | None:
+        """Why gpu_sharing.mode=auto time-slices this run (None: it runs the replica and the learner
+        under MPS). MPS pays only where generation and the update run at once on one GPU, as
+        measured (one_step_off, vLLM); in sync mode they take turns and the learner's SM cap would
+        only slow its update."""
+        why = self.one_gpu_pair_blocker()
+        if why is not None:
+            return why
         if self.trainer.mode != "one_step_off":
             return (f"trainer.mode={self.trainer.mode}: generation and the update take turns, and the learner's SM "
                     "cap would only slow its update")
-        if r.engine == "hf":
+        if self.rollout.engine == "hf":
             return "rollout.engine=hf (MPS was measured with the vLLM engine only)"
         if self.trainer.ray_address:
             return f"trainer.ray_address={self.trainer.ray_address} joins a cluster (the daemon is started on the driver's host only)"

@@ -65,6 +65,13 @@ class MpsPlan:
         return out
 
 
+def auto_timeslice_reason(auto_blocker: str | None, control_binary: str | None) -> str | None:
+    """run.json's reason where gpu_sharing.mode=auto time-slices before any daemon is asked (None:
+    it goes on to MPS)."""
+    why = auto_blocker or (None if control_binary else f"{CONTROL_BINARY} is not on this host")
+    return None if why is None else f"gpu_sharing.mode=auto: time-sliced, as {why}"
+
+
 def plan_mps(mode: str, sm_percent: Mapping[str, int], environ: Mapping[str, str], run_dir: Path,
              daemon_answers: Callable[[str], bool], control_binary: str | None,
              auto_blocker: str | None = None) -> MpsPlan:
@@ -74,9 +81,9 @@ def plan_mps(mode: str, sm_percent: Mapping[str, int], environ: Mapping[str, str
     mode=auto time-slices this run (RunConfig.gpu_sharing_auto_blocker), None where it would take
     MPS. ValueError (one line) when MPS is asked for and cannot be had; auto never raises."""
     if mode == "auto":
-        why = auto_blocker or (None if control_binary else f"{CONTROL_BINARY} is not on this host")
+        why = auto_timeslice_reason(auto_blocker, control_binary)
         if why is not None:
-            return MpsPlan("none", f"gpu_sharing.mode=auto: time-sliced, as {why}")
+            return MpsPlan("none", why)
         chosen = plan_mps("mps", sm_percent, environ, run_dir, daemon_answers, control_binary)
         return replace(chosen, reason="gpu_sharing.mode=auto: MPS (one replica and one learner worker share a GPU, "
                                       f"one_step_off); {chosen.reason}")
@@ -108,9 +115,9 @@ def preview(cfg, control_binary: str | None) -> dict[str, Any]:
     g = cfg.gpu_sharing
     if g.mode != "auto":
         return {"requested": g.mode, "mode": g.mode, "reason": f"gpu_sharing.mode={g.mode}"}
-    why = cfg.gpu_sharing_auto_blocker() or (None if control_binary else f"{CONTROL_BINARY} is not on this host")
+    why = auto_timeslice_reason(cfg.gpu_sharing_auto_blocker(), control_binary)
     if why is not None:
-        return {"requested": "auto", "mode": "timeslice", "reason": f"gpu_sharing.mode=auto: time-sliced, as {why}"}
+        return {"requested": "auto", "mode": "timeslice", "reason": why}
     return {"requested": "auto", "mode": "mps", "reason": "gpu_sharing.mode=auto: MPS (one replica and one learner "
             "worker share a GPU, one_step_off), if the daemon comes up and a CUDA client connects under it at "
             "start-up; else time-sliced"}
