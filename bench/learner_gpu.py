@@ -15,6 +15,9 @@ learner section and a few overrides:
 - ``fused``, ``graphs_fused``: ``eager`` and ``graphs`` with peft's LoRA layers run as one autograd
   function each and A, B cast to bf16 once per step (learner/fused_lora.py, issue 34); the others
   set learner.fused_lora=false, since its 'auto' is on for a CUDA worker;
+- ``compiled``, ``compiled_peft``: ``fused`` and ``eager`` with each decoder layer compiled
+  (learner.compile_layers): inductor's fused norms, RoPE and activations; the first step holds
+  the compile;
 - ``packed``: ``eager`` with each micro-batch's rows as one unpadded row (learner.pack_sequences,
   issue 35 item 3): what the block-diagonal mask costs, or, with ``--response-min`` below
   ``--response-len`` (rows of different lengths), what the padding it drops saved.
@@ -43,18 +46,22 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
-    "eager_shared": {"share_prompt_prefix": True, "cuda_graphs": False, "fused_lora": False},
-    "eager": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False},
-    "graphs": {"share_prompt_prefix": False, "cuda_graphs": True, "fused_lora": False},
-    "fused": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": True},
+    "eager_shared": {"share_prompt_prefix": True, "cuda_graphs": False, "fused_lora": False, "compile_layers": False},
+    "eager": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "compile_layers": False},
+    "graphs": {"share_prompt_prefix": False, "cuda_graphs": True, "fused_lora": False, "compile_layers": False},
+    "fused": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": True, "compile_layers": False},
     # issue 35 item 3: each micro-batch's rows as one unpadded row (learner.pack_sequences); beside
     # ``eager`` it says what the block-diagonal mask costs or the padding saved
-    "packed": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "pack_sequences": True},
-    "graphs_fused": {"share_prompt_prefix": False, "cuda_graphs": True, "fused_lora": True},
+    "packed": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "compile_layers": False, "pack_sequences": True},
+    # learner.compile_layers: every decoder layer through torch.compile (learner/compiled_layers.py),
+    # over the fused LoRA layers and over peft's own
+    "compiled": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": True, "compile_layers": True},
+    "compiled_peft": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "compile_layers": True},
+    "graphs_fused": {"share_prompt_prefix": False, "cuda_graphs": True, "fused_lora": True, "compile_layers": False},
     # issue 35: the base sharded by FSDP2 over a one-rank process group (the code path a Ray Train
     # worker runs under learner.strategy=fsdp2); its s/step beside ``eager`` is what sharding costs
-    "fsdp2": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "strategy": "fsdp2"},
-    "fsdp2_offload": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "strategy": "fsdp2",
+    "fsdp2": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "compile_layers": False, "strategy": "fsdp2"},
+    "fsdp2_offload": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "compile_layers": False, "strategy": "fsdp2",
                       "fsdp_cpu_offload": True},
 }
 
@@ -240,6 +247,8 @@ def main() -> int:
             for name, part in sorted(p.get("parts", {}).items(), key=lambda kv: -kv[1]["host_ms"]):
                 print(f"{'':<16} {name:<18} x{part['calls']:<4} host {part['host_ms']:8.1f} ms"
                       f"  device {part['device_ms']:8.1f} ms")
+            for op in p["top"][:8]:
+                print(f"{'':<16} {op['name'][:48]:<48} x{op['calls']:<6} {op['ms']:8.1f} ms")
     print("adapter distance (relative to eager's movement):", json.dumps({k: f"{v:.2e}" for k, v in checks.items()}))
     return 0 if all("error" not in r for r in rows) else 1
 

@@ -143,6 +143,15 @@ class LearnerConfig(BaseModel):
         "parameters are gathered per forward; the cast copies are kept per parameter). true needs "
         "lora.dropout=0 and strategy ddp or deepspeed."
     )
+    compile_layers: Literal["auto"] | bool = Field(
+        "auto", description="Compile each decoder layer with torch.compile (learner/compiled_layers.py): "
+        "inductor fuses the element-wise work between the GEMMs (norms, RoPE, SiLU and gate, residual adds, "
+        "and their backwards) into few kernels. Same loss and gradients up to float rounding "
+        "(tests/test_learner_compile.py). The first step of a run pays the compile (about a minute). "
+        "'auto' = off (not yet measured on a GPU). true needs strategy=ddp, cuda_graphs=false and "
+        "share_prompt_prefix not true (its KV cache would make a graph per layer); with true the shared "
+        "prefix defaults to off on CPU workers too."
+    )
     fused_optimizer: bool = Field(
         True, description="AdamW's fused CUDA kernel (one launch for every LoRA tensor) when the "
         "parameters are on a GPU; the for-each implementation on CPU."
@@ -276,6 +285,21 @@ class LearnerConfig(BaseModel):
             raise ValueError("learner.fused_lora=true with learner.strategy=fsdp2: the fused layer keeps cast copies "
                              "of whole LoRA parameters, which FSDP2 shards and gathers per forward; set fused_lora "
                              "to auto or false")
+        return self
+
+    @model_validator(mode="after")
+    def _compiled_layers_run_where_measured(self) -> "LearnerConfig":
+        if self.compile_layers is not True:
+            return self
+        if self.strategy != "ddp":
+            raise ValueError(f"learner.compile_layers=true with learner.strategy={self.strategy}: compiled layers "
+                             "are built and tested for ddp only; set compile_layers to auto or false")
+        if self.cuda_graphs:
+            raise ValueError("learner.compile_layers=true with learner.cuda_graphs=true: two ways to take the "
+                             "launches out of the update; set one of them to false")
+        if self.share_prompt_prefix:
+            raise ValueError("learner.compile_layers=true with learner.share_prompt_prefix=true: the prompt's KV "
+                             "cache makes every layer a graph of its own; set share_prompt_prefix to false or unset")
         return self
 
     @model_validator(mode="after")

@@ -25,6 +25,7 @@ from torch.profiler import record_function
 from config.learner import CUDA_LOGPROB_CHUNK_TOKENS
 from learner import checkpoint
 from learner.losses import LossNorm, ObjectiveParams, entropy_bonus_active
+from learner.compiled_layers import compile_layers
 from learner.fused_lora import FusedLora
 from learner.graphed import Capture, GraphedScorer, cuda_capture
 from learner.lora import AdapterExport, attach_lora, disable_lora_input_casts, load_base_model, save_adapter
@@ -204,7 +205,9 @@ class PolicyLearner:
         self.pack_refusal = refusal
         # FSDP2 frees each layer's gathered weights after its forward: the prompt's forward, whose
         # KV cache the rows' forward reuses with gradients, would need them again in the backward.
-        self.share_prefix = ((not on_cuda and not self.sharded) if cfg.share_prompt_prefix is None
+        # learner.compile_layers (auto: not yet measured on a GPU, so off)
+        self.compiled = cfg.compile_layers is True
+        self.share_prefix = ((not on_cuda and not self.sharded and not self.compiled) if cfg.share_prompt_prefix is None
                              else cfg.share_prompt_prefix) and cfg.gradient_checkpointing is not True and not self.pack
         graphs = (cfg.cuda_graphs and (on_cuda or graph_capture is not None) and world_size == 1
                   and cfg.strategy == "ddp" and cfg.gradient_checkpointing is not True and cfg.lora.dropout == 0
@@ -236,6 +239,7 @@ class PolicyLearner:
         if fused:  # after the restore: its compute copies are made from the weights the first step uses
             self.fused = FusedLora(self.peft_model, compute_dtype=self.amp_dtype)
             self.grad_sync = self._refreshing(self.grad_sync, self.fused)
+        self.compiled_layers = compile_layers(base) if self.compiled else 0
 
     @staticmethod
     def _refreshing(sync: GradSync, fused: FusedLora) -> GradSync:
@@ -500,7 +504,8 @@ class PolicyLearner:
                 "adapter_transport": self.adapter_export.stats(),
                 "gradient_checkpointing": self.checkpointing, "logprob_chunk_tokens": self.logprob_chunk,
                 "memory_plan": self.last_plan.as_dict() if self.last_plan is not None else None,
-                "fused_lora": self.fused.stats() if self.fused is not None else None}
+                "fused_lora": self.fused.stats() if self.fused is not None else None,
+                "compiled_layers": self.compiled_layers}
 
     def save_init_adapter(self, out_dir: Path, adapter: dict[str, torch.Tensor] | None = None) -> str:
         return save_adapter(self.peft_model, out_dir, state=adapter)

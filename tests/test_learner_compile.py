@@ -1,0 +1,89 @@
+"""learner.compile_layers against the eager learner, on CPU with inductor's C++ backend: the loss
+and the LoRA gradients to float32 rounding over peft's LoRA layers and the fused ones; a whole
+PolicyLearner update (fused, gradient checkpointing, the reference pass) with the layers really
+compiled (no graph break) to rounding; the config's refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from config import RunConfig
+from learner.compiled_layers import compile_layers, decoder_layers
+from learner.fused_lora import FusedLora
+from tests.test_fused_lora import learner_steps, relative
+from tests.test_learner_gpu_opts import gradients, two_groups
+from tests.test_shared_prefix import lora, tiny_llama
+
+
+def test_decoder_layers_are_the_models_repeated_blocks():
+    model = tiny_llama()
+    layers = decoder_layers(model)
+    assert [type(m).__name__ for m in layers] == ["LlamaDecoderLayer"] * 2
+    assert layers == list(model.model.layers)
+    assert decoder_layers(torch.nn.Linear(2, 2)) == []  # no _no_split_modules: nothing to compile
+
+
+def test_compiled_layers_give_the_eager_loss_and_gradients():
+    """One update_actor pass (no optimizer step) through peft's LoRA layers and through the fused
+    ones: the loss and every LoRA gradient to float32 rounding. Inductor fuses the norms' and the
+    MLP's element-wise chains and so reorders their sums; a missing or wrong term would be O(1)."""
+    batch = two_groups(torch.Generator().manual_seed(7))
+    counters.clear()
+    for fused in (False, True):
+        eager = lora(tiny_llama())  # q, v and down adapted, B drawn
+        compiled = copy.deepcopy(eager)
+        if fused:
+            FusedLora(eager), FusedLora(compiled)
+        assert compile_layers(compiled.get_base_model()) == 2
+        _, loss_eager, grads_eager = gradients(eager, batch, "dapo", size=4, share_prefix=False)
+        _, loss, grads = gradients(compiled, batch, "dapo", size=4, share_prefix=False)
+        assert loss == pytest.approx(loss_eager, rel=1e-6)
+        for name, want in grads_eager.items():
+            assert want.abs().max() > 0, name
+            assert relative(grads[name], want) < 1e-5, (fused, name)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_policy_update_with_compiled_layers(tmp_path):
+    """The PolicyLearner with learner.compile_layers=true, over the fused layers, with gradient
+    checkpointing (the layer recomputed in the backward) and the reference pass (beta > 0:
+    adapters disabled): its metrics to float32 rounding; its adapters after two AdamW steps within
+    1e-3 of their movement, since AdamW's first steps (update ~ lr g / |g|) scale a rounding
+    difference up where a gradient element is near zero (the gradients themselves agree to 1e-5,
+    above)."""
+    tiny_llama(tmp_path)
+    extra = {"fused_lora": True, "gradient_checkpointing": True, "beta": 0.05}
+    eager, eager_steps = learner_steps(tmp_path, compile_layers=False, **extra)
+    counters.clear()
+    compiled, compiled_steps = learner_steps(tmp_path, compile_layers=True, **extra)
+    assert eager.stats()["compiled_layers"] == 0 and compiled.stats()["compiled_layers"] == 2
+    assert compiled.stats()["fused_lora"]["fused_forwards"] > 0
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert all(getattr(layer, "_compiled_call_impl", None) is not None
+               for layer in decoder_layers(compiled.peft_model.get_base_model()))
+    init = eager_steps[0][1]
+    for (m_eager, a_eager), (m_comp, a_comp) in zip(eager_steps[1:], compiled_steps[1:]):
+        for key in ("loss", "grad_norm", "ppl_ratio", "kl"):
+            assert m_comp[key] == pytest.approx(m_eager[key], rel=1e-5, abs=1e-7), key
+        for name, want in a_eager.items():
+            if (want - init[name]).abs().max() > 0:  # step 1 moves B alone (B starts at zero)
+                assert relative(a_comp[name] - init[name], want - init[name]) < 1e-3, name
+    final = eager_steps[-1][1]
+    assert all((final[name] - init[name]).abs().max() > 0 for name in init)  # by step 2 every A and B moved
+
+
+def test_compile_layers_is_refused_where_it_was_not_built():
+    assert RunConfig().learner.compile_layers == "auto"
+    for bad, match in (({"strategy": "fsdp2"}, "compile_layers=true with learner.strategy=fsdp2"),
+                       ({"strategy": "deepspeed", "use_gpu": True}, "compile_layers=true with learner.strategy=deepspeed"),
+                       ({"cuda_graphs": True}, "compile_layers=true with learner.cuda_graphs=true"),
+                       ({"share_prompt_prefix": True}, "compile_layers=true with learner.share_prompt_prefix=true")):
+        with pytest.raises(ValueError, match=match):
+            RunConfig.model_validate({"learner": {"compile_layers": True, **bad}})
+        RunConfig.model_validate({"learner": {"compile_layers": "auto", **bad}})
+    assert RunConfig.model_json_schema()["$defs"]["LearnerConfig"]["properties"]["compile_layers"].get("description")
