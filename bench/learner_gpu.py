@@ -15,9 +15,9 @@ learner section and a few overrides:
 - ``fused``, ``graphs_fused``: ``eager`` and ``graphs`` with peft's LoRA layers run as one autograd
   function each and A, B cast to bf16 once per step (learner/fused_lora.py, issue 34); the others
   set learner.fused_lora=false, since its 'auto' is on for a CUDA worker;
-- ``compiled``, ``compiled_peft``: ``fused`` and ``eager`` with each decoder layer compiled
-  (learner.compile_layers): inductor's fused norms, RoPE and activations; the first step holds
-  the compile;
+- ``compiled``: ``eager`` with each decoder layer compiled (learner.compile_layers, its 'auto' on
+  one CUDA worker): inductor's fused norms, RoPE, activations and LoRA scale-and-add; the first
+  step holds the compile;
 - ``packed``: ``eager`` with each micro-batch's rows as one unpadded row (learner.pack_sequences,
   issue 35 item 3): what the block-diagonal mask costs, or, with ``--response-min`` below
   ``--response-len`` (rows of different lengths), what the padding it drops saved.
@@ -53,10 +53,9 @@ VARIANTS = {
     # issue 35 item 3: each micro-batch's rows as one unpadded row (learner.pack_sequences); beside
     # ``eager`` it says what the block-diagonal mask costs or the padding saved
     "packed": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "compile_layers": False, "pack_sequences": True},
-    # learner.compile_layers: every decoder layer through torch.compile (learner/compiled_layers.py),
-    # over the fused LoRA layers and over peft's own
-    "compiled": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": True, "compile_layers": True},
-    "compiled_peft": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "compile_layers": True},
+    # learner.compile_layers: every decoder layer through torch.compile (learner/compiled_layers.py), over
+    # peft's LoRA layers (the config refuses it over the fused ones; bench/results/gpu-2026-12-04-a69f1ae)
+    "compiled": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "compile_layers": True},
     "graphs_fused": {"share_prompt_prefix": False, "cuda_graphs": True, "fused_lora": True, "compile_layers": False},
     # issue 35: the base sharded by FSDP2 over a one-rank process group (the code path a Ray Train
     # worker runs under learner.strategy=fsdp2); its s/step beside ``eager`` is what sharding costs

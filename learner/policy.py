@@ -25,7 +25,7 @@ from torch.profiler import record_function
 from config.learner import CUDA_LOGPROB_CHUNK_TOKENS
 from learner import checkpoint
 from learner.losses import LossNorm, ObjectiveParams, entropy_bonus_active
-from learner.compiled_layers import compile_layers
+from learner.compiled_layers import compile_choice, compile_layers
 from learner.fused_lora import FusedLora
 from learner.graphed import Capture, GraphedScorer, cuda_capture
 from learner.lora import AdapterExport, attach_lora, disable_lora_input_casts, load_base_model, save_adapter
@@ -205,8 +205,8 @@ class PolicyLearner:
         self.pack_refusal = refusal
         # FSDP2 frees each layer's gathered weights after its forward: the prompt's forward, whose
         # KV cache the rows' forward reuses with gradients, would need them again in the backward.
-        # learner.compile_layers (auto: not yet measured on a GPU, so off)
-        self.compiled = cfg.compile_layers is True
+        # learner.compile_layers: 'auto' where it was measured (learner/compiled_layers.py)
+        self.compiled = compile_choice(cfg, on_cuda=on_cuda, world_size=world_size, mapped_base=self.served is not None)
         self.share_prefix = ((not on_cuda and not self.sharded and not self.compiled) if cfg.share_prompt_prefix is None
                              else cfg.share_prompt_prefix) and cfg.gradient_checkpointing is not True and not self.pack
         graphs = (cfg.cuda_graphs and (on_cuda or graph_capture is not None) and world_size == 1
@@ -234,12 +234,17 @@ class PolicyLearner:
             self.step_count = int(state["step"])
             self.data_position = state.get("data_position")
             self.resumed_sha256 = state.get("adapter_sha256")
+        # compiled layers fuse peft's LoRA term themselves, and the fused layers' cast cache (keyed by
+        # parameter) would make dynamo compile a graph per layer: one or the other
         fused = (cfg.fused_lora if cfg.fused_lora != "auto"
-                 else on_cuda and cfg.lora.dropout == 0 and cfg.strategy != "fsdp2")
+                 else on_cuda and cfg.lora.dropout == 0 and cfg.strategy != "fsdp2" and not self.compiled)
         if fused:  # after the restore: its compute copies are made from the weights the first step uses
             self.fused = FusedLora(self.peft_model, compute_dtype=self.amp_dtype)
             self.grad_sync = self._refreshing(self.grad_sync, self.fused)
         self.compiled_layers = compile_layers(base) if self.compiled else 0
+        self.compile_s = self._compile_now() if self.compiled else 0.0
+        if self.compiled:
+            log.info("learner: %d decoder layers compiled in %.1f s", self.compiled_layers, self.compile_s)
 
     @staticmethod
     def _refreshing(sync: GradSync, fused: FusedLora) -> GradSync:
@@ -355,6 +360,63 @@ class PolicyLearner:
 
     # ------------------------------------------------------------------ one GRPO step
 
+    def _micro_batches(self, shard: TrainBatch, checkpointing: bool, token_budget: int | None,
+                       max_rows: int | None, scorer) -> list:
+        cfg = self.cfg
+        with record_function("cp.micro_batches"):  # labels for torch.profiler (bench/learner_gpu.py --profile)
+            return make_micro_batches(shard, cfg.micro_batch_size, self.device,
+                                      share_prefix=self.share_prefix and not checkpointing,
+                                      token_budget=token_budget, max_rows=max_rows,
+                                      pad_multiple=cfg.graph_pad_tokens if scorer is not None else 1,
+                                      causal_only=self.causal_only, logprob_chunk=self.logprob_chunk,
+                                      pack=self.pack)
+
+    def _folds_old_logprobs(self) -> bool:
+        """Whether a step takes the pre-update log-probs from its own forward (detached) instead of
+        a no-grad pass first: one epoch, no dropout, and no entropy gate that needs them first."""
+        cfg = self.cfg
+        gate_needs_entropy = cfg.entropy_coef > 0 and cfg.entropy_floor is not None
+        return cfg.fold_old_logprobs and cfg.epochs_per_step == 1 and cfg.lora.dropout == 0 and not gate_needs_entropy
+
+    def _compile_now(self) -> float:
+        """learner.compile_layers: run the step's passes once on a two-row batch at start-up and drop
+        the gradients (no optimizer step, the RNG restored), so that the compile, a minute or more,
+        counts against learner.start_timeout_s instead of the first step's stall deadline
+        (liveness.floor_s, a first micro-batch quiet that long is a stalled learner). Returns seconds."""
+        t = time.perf_counter()
+        vocab = int(getattr(self.peft_model.get_base_model().config, "vocab_size", 2) or 2)
+        rows = TrainBatch(prompt_ids=[[(3 + i) % vocab for i in range(9)]] * 2,
+                          response_ids=[[(5 + i) % vocab for i in range(7)]] * 2,
+                          rollout_logprobs=[[-1.0] * 7] * 2, advantages=[1.0, -1.0], rewards=[1.0, 0.0],
+                          group_ids=[0, 0])
+        cfg, temp = self.cfg, self.spec.temperature
+        mbs = self._micro_batches(rows, self.checkpointing, None, None, None)
+        norm = LossNorm(loss_type=cfg.loss_type, global_tokens=14.0, global_sequences=2, local_tokens=14.0,
+                        max_completion_length=self.spec.max_completion_length, dp_size=1)
+        trainable = [p for p in self.peft_model.parameters() if p.requires_grad]
+
+        def drop_grads() -> float:
+            for p in trainable:
+                p.grad = None
+            return 0.0
+
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            self.peft_model.eval()
+            old = ref = None
+            if not self._folds_old_logprobs():  # the step's no-grad pass, as step() decides it
+                old = old_log_prob(self.lm, mbs, temp, False, self.amp_dtype)[0]
+            if cfg.beta > 0:
+                ref = ref_log_prob(self.lm, self.peft_model, mbs, temp, self.amp_dtype)
+            self.peft_model.train()
+            update_actor(self.model, mbs, replace(self.grad_sync, step=drop_grads), norm,
+                         ObjectiveParams.from_config(cfg), temperature=temp, epochs=1, old=old, ref=ref,
+                         entropy_bonus=False, amp_dtype=self.amp_dtype)
+        drop_grads()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t
+
     def step(self, batch: TrainBatch) -> tuple[dict[str, float], dict[str, float]]:
         """Train on this worker's shard of the global batch; returns (metrics, phases_s),
         metrics already reduced over workers."""
@@ -365,13 +427,7 @@ class PolicyLearner:
         checkpointing, token_budget, max_rows = self.plan(batch, len(shard))
         self._set_checkpointing(checkpointing)
         scorer = None if checkpointing else self.scorer  # a checkpointed step runs eagerly
-        with record_function("cp.micro_batches"):  # labels for torch.profiler (bench/learner_gpu.py --profile)
-            mbs = make_micro_batches(shard, cfg.micro_batch_size, self.device,
-                                     share_prefix=self.share_prefix and not checkpointing,
-                                     token_budget=token_budget, max_rows=max_rows,
-                                     pad_multiple=cfg.graph_pad_tokens if scorer is not None else 1,
-                                     causal_only=self.causal_only, logprob_chunk=self.logprob_chunk,
-                                     pack=self.pack)
+        mbs = self._micro_batches(shard, checkpointing, token_budget, max_rows, scorer)
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():  # every rank runs as many
             # fsdp2: each forward all-gathers; ddp: each forward broadcasts buffers and each pass's
             # last backward all-reduces; deepspeed: ZeRO-2 reduces in every backward. A rank with
@@ -388,7 +444,7 @@ class PolicyLearner:
             dp_size=self.world_size,
         )
         gate_needs_entropy = cfg.entropy_coef > 0 and cfg.entropy_floor is not None
-        fold = cfg.fold_old_logprobs and cfg.epochs_per_step == 1 and cfg.lora.dropout == 0 and not gate_needs_entropy
+        fold = self._folds_old_logprobs()
         phases = {"old_log_prob": 0.0, "ref": 0.0}
 
         t = time.perf_counter()
@@ -505,7 +561,7 @@ class PolicyLearner:
                 "gradient_checkpointing": self.checkpointing, "logprob_chunk_tokens": self.logprob_chunk,
                 "memory_plan": self.last_plan.as_dict() if self.last_plan is not None else None,
                 "fused_lora": self.fused.stats() if self.fused is not None else None,
-                "compiled_layers": self.compiled_layers}
+                "compiled_layers": self.compiled_layers, "compile_s": round(self.compile_s, 1)}
 
     def save_init_adapter(self, out_dir: Path, adapter: dict[str, torch.Tensor] | None = None) -> str:
         return save_adapter(self.peft_model, out_dir, state=adapter)

@@ -13,8 +13,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from config import RunConfig
-from learner.compiled_layers import compile_layers, decoder_layers
-from learner.fused_lora import FusedLora
+from learner.compiled_layers import compile_choice, compile_layers, decoder_layers
 from tests.test_fused_lora import learner_steps, relative
 from tests.test_learner_gpu_opts import gradients, two_groups
 from tests.test_shared_prefix import lora, tiny_llama
@@ -29,40 +28,39 @@ def test_decoder_layers_are_the_models_repeated_blocks():
 
 
 def test_compiled_layers_give_the_eager_loss_and_gradients():
-    """One update_actor pass (no optimizer step) through peft's LoRA layers and through the fused
-    ones: the loss and every LoRA gradient to float32 rounding. Inductor fuses the norms' and the
-    MLP's element-wise chains and so reorders their sums; a missing or wrong term would be O(1)."""
+    """One update_actor pass (no optimizer step) through peft's LoRA layers: the loss and every
+    LoRA gradient to float32 rounding. Inductor fuses the norms', the MLP's and the LoRA term's
+    element-wise chains and so reorders their sums; a missing or wrong term would be O(1)."""
     batch = two_groups(torch.Generator().manual_seed(7))
     counters.clear()
-    for fused in (False, True):
-        eager = lora(tiny_llama())  # q, v and down adapted, B drawn
-        compiled = copy.deepcopy(eager)
-        if fused:
-            FusedLora(eager), FusedLora(compiled)
-        assert compile_layers(compiled.get_base_model()) == 2
-        _, loss_eager, grads_eager = gradients(eager, batch, "dapo", size=4, share_prefix=False)
-        _, loss, grads = gradients(compiled, batch, "dapo", size=4, share_prefix=False)
-        assert loss == pytest.approx(loss_eager, rel=1e-6)
-        for name, want in grads_eager.items():
-            assert want.abs().max() > 0, name
-            assert relative(grads[name], want) < 1e-5, (fused, name)
+    eager = lora(tiny_llama())  # q, v and down adapted, B drawn
+    compiled = copy.deepcopy(eager)
+    assert compile_layers(compiled.get_base_model()) == 2
+    _, loss_eager, grads_eager = gradients(eager, batch, "dapo", size=4, share_prefix=False)
+    _, loss, grads = gradients(compiled, batch, "dapo", size=4, share_prefix=False)
+    assert loss == pytest.approx(loss_eager, rel=1e-6)
+    for name, want in grads_eager.items():
+        assert want.abs().max() > 0, name
+        assert relative(grads[name], want) < 1e-5, name
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
 
 
 def test_policy_update_with_compiled_layers(tmp_path):
-    """The PolicyLearner with learner.compile_layers=true, over the fused layers, with gradient
+    """The PolicyLearner with learner.compile_layers=true, which runs its passes once at start-up
+    to compile (the gradients dropped, the RNG restored: the same numbers after it), with gradient
     checkpointing (the layer recomputed in the backward) and the reference pass (beta > 0:
     adapters disabled): its metrics to float32 rounding; its adapters after two AdamW steps within
     1e-3 of their movement, since AdamW's first steps (update ~ lr g / |g|) scale a rounding
     difference up where a gradient element is near zero (the gradients themselves agree to 1e-5,
     above)."""
     tiny_llama(tmp_path)
-    extra = {"fused_lora": True, "gradient_checkpointing": True, "beta": 0.05}
+    extra = {"gradient_checkpointing": True, "beta": 0.05}
     eager, eager_steps = learner_steps(tmp_path, compile_layers=False, **extra)
     counters.clear()
     compiled, compiled_steps = learner_steps(tmp_path, compile_layers=True, **extra)
     assert eager.stats()["compiled_layers"] == 0 and compiled.stats()["compiled_layers"] == 2
-    assert compiled.stats()["fused_lora"]["fused_forwards"] > 0
+    assert compiled.stats()["compile_s"] > 0 and eager.stats()["compile_s"] == 0  # compiled at start-up
+    assert compiled.stats()["fused_lora"] is None
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert all(getattr(layer, "_compiled_call_impl", None) is not None
                for layer in decoder_layers(compiled.peft_model.get_base_model()))
@@ -82,8 +80,28 @@ def test_compile_layers_is_refused_where_it_was_not_built():
     for bad, match in (({"strategy": "fsdp2"}, "compile_layers=true with learner.strategy=fsdp2"),
                        ({"strategy": "deepspeed", "use_gpu": True}, "compile_layers=true with learner.strategy=deepspeed"),
                        ({"cuda_graphs": True}, "compile_layers=true with learner.cuda_graphs=true"),
-                       ({"share_prompt_prefix": True}, "compile_layers=true with learner.share_prompt_prefix=true")):
+                       ({"share_prompt_prefix": True}, "compile_layers=true with learner.share_prompt_prefix=true"),
+                       ({"fused_lora": True}, "compile_layers=true with learner.fused_lora=true")):
         with pytest.raises(ValueError, match=match):
             RunConfig.model_validate({"learner": {"compile_layers": True, **bad}})
         RunConfig.model_validate({"learner": {"compile_layers": "auto", **bad}})
     assert RunConfig.model_json_schema()["$defs"]["LearnerConfig"]["properties"]["compile_layers"].get("description")
+
+
+@pytest.mark.parametrize("learner, on_cuda, world_size, mapped_base, want", [
+    ({}, True, 1, False, True),  # one CUDA worker, ddp: measured to pay
+    ({}, False, 1, False, False),  # CPU workers: the default run unchanged
+    ({}, True, 2, False, False),  # several ranks: not measured
+    ({}, True, 1, True, False),  # a base mapped from the replica: its correction runs in hooks
+    ({"strategy": "fsdp2"}, True, 1, False, False),
+    ({"strategy": "deepspeed", "use_gpu": True}, True, 1, False, False),
+    ({"cuda_graphs": True}, True, 1, False, False),
+    ({"pack_sequences": True}, True, 1, False, False),
+    ({"share_prompt_prefix": True}, True, 1, False, False),
+    ({"share_prompt_prefix": False}, True, 1, False, True),
+    ({"compile_layers": True}, False, 2, True, True),  # asked for: compiled wherever the config allows it
+    ({"compile_layers": False}, True, 1, False, False),
+])
+def test_compile_choice(learner, on_cuda, world_size, mapped_base, want):
+    cfg = RunConfig.model_validate({"learner": learner}).learner
+    assert compile_choice(cfg, on_cuda=on_cuda, world_size=world_size, mapped_base=mapped_base) is want
