@@ -28,9 +28,12 @@ difference against the eager learner on CPU.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 def compile_choice(cfg: Any, *, on_cuda: bool, world_size: int, mapped_base: bool) -> bool:
@@ -53,7 +56,15 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def compile_layers(model: nn.Module) -> int:
     """Compile each decoder layer of ``model`` (a transformers model, not its peft wrapper) in
-    place; returns how many. Compilation happens at each layer's first call."""
+    place; returns how many (0, said once, where torch.compile is disabled in this process, as
+    TORCH_COMPILE_DISABLE or a vLLM CPU engine created here does). Compilation happens at each
+    layer's first call."""
+    import torch._dynamo
+
+    if torch._dynamo.config.disable:
+        log.warning("learner.compile_layers: torch.compile is disabled in this process "
+                    "(TORCH_COMPILE_DISABLE or torch._dynamo.config.disable); the layers run eagerly")
+        return 0
     layers = decoder_layers(model)
     for layer in layers:
         layer.compile(dynamic=True)

@@ -10,13 +10,28 @@ import copy
 import pytest
 import torch
 import torch._dynamo
+from peft import LoraConfig, get_peft_model
 from torch._dynamo.utils import counters
 
 from config import RunConfig
 from learner.compiled_layers import compile_choice, compile_layers, decoder_layers
 from tests.test_fused_lora import learner_steps, relative
 from tests.test_learner_gpu_opts import gradients, two_groups
-from tests.test_shared_prefix import lora, tiny_llama
+from tests.test_shared_prefix import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def dynamo_on():
+    """torch.compile enabled and its caches empty, whatever this worker process ran before: a vLLM
+    CPU engine created in the same process turns dynamo off process-wide
+    (rollout/engines/vllm_engine.py), and a graph compiled by an earlier test would be reused
+    without counting as a graph here. Module-wide: the tests below share the graphs they compile
+    (the same tiny model, LoRA on every linear layer), the slow part on a CPU."""
+    with torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        counters.clear()
+        yield
+        torch._dynamo.reset()
 
 
 def test_decoder_layers_are_the_models_repeated_blocks():
@@ -27,13 +42,17 @@ def test_decoder_layers_are_the_models_repeated_blocks():
     assert decoder_layers(torch.nn.Linear(2, 2)) == []  # no _no_split_modules: nothing to compile
 
 
-def test_compiled_layers_give_the_eager_loss_and_gradients():
-    """One update_actor pass (no optimizer step) through peft's LoRA layers: the loss and every
+def test_compiled_layers_give_the_eager_loss_and_gradients(dynamo_on):
+    """One update_actor pass (no optimizer step) through peft's LoRA layers (the learner's default
+    targets, every linear layer): the loss and every
     LoRA gradient to float32 rounding. Inductor fuses the norms', the MLP's and the LoRA term's
     element-wise chains and so reorders their sums; a missing or wrong term would be O(1)."""
     batch = two_groups(torch.Generator().manual_seed(7))
-    counters.clear()
-    eager = lora(tiny_llama())  # q, v and down adapted, B drawn
+    eager = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():  # B drawn (peft starts it at zero), so every LoRA gradient is non-zero
+        for name, p in eager.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
     compiled = copy.deepcopy(eager)
     assert compile_layers(compiled.get_base_model()) == 2
     _, loss_eager, grads_eager = gradients(eager, batch, "dapo", size=4, share_prefix=False)
@@ -45,7 +64,7 @@ def test_compiled_layers_give_the_eager_loss_and_gradients():
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
 
 
-def test_policy_update_with_compiled_layers(tmp_path):
+def test_policy_update_with_compiled_layers(tmp_path, dynamo_on):
     """The PolicyLearner with learner.compile_layers=true, which runs its passes once at start-up
     to compile (the gradients dropped, the RNG restored: the same numbers after it), with gradient
     checkpointing (the layer recomputed in the backward) and the reference pass (beta > 0:
@@ -56,7 +75,6 @@ def test_policy_update_with_compiled_layers(tmp_path):
     tiny_llama(tmp_path)
     extra = {"gradient_checkpointing": True, "beta": 0.05}
     eager, eager_steps = learner_steps(tmp_path, compile_layers=False, **extra)
-    counters.clear()
     compiled, compiled_steps = learner_steps(tmp_path, compile_layers=True, **extra)
     assert eager.stats()["compiled_layers"] == 0 and compiled.stats()["compiled_layers"] == 2
     assert compiled.stats()["compile_s"] > 0 and eager.stats()["compile_s"] == 0  # compiled at start-up
@@ -105,3 +123,11 @@ def test_compile_layers_is_refused_where_it_was_not_built():
 def test_compile_choice(learner, on_cuda, world_size, mapped_base, want):
     cfg = RunConfig.model_validate({"learner": learner}).learner
     assert compile_choice(cfg, on_cuda=on_cuda, world_size=world_size, mapped_base=mapped_base) is want
+
+
+def test_no_layer_is_compiled_where_torch_compile_is_disabled(caplog):
+    model = tiny_llama()
+    with torch._dynamo.config.patch(disable=True), caplog.at_level("WARNING"):
+        assert compile_layers(model) == 0
+    assert all(getattr(layer, "_compiled_call_impl", None) is None for layer in decoder_layers(model))
+    assert "torch.compile is disabled in this process" in caplog.text
