@@ -1,11 +1,12 @@
-"""learner.compile_layers against the eager learner, on CPU with inductor's C++ backend: the loss
-and the LoRA gradients to float32 rounding over peft's LoRA layers and the fused ones; a whole
-PolicyLearner update (fused, gradient checkpointing, the reference pass) with the layers really
-compiled (no graph break) to rounding; the config's refusals."""
+"""learner.compile_layers against the eager learner, on CPU with inductor's C++ backend, in a
+fresh process: the loss and the LoRA gradients to float32 rounding; a whole PolicyLearner update
+(compiled at start-up, gradient checkpointing, the reference pass) with the layers really
+compiled (graphs, no graph break) to rounding; where it compiles; the config's refusals."""
 
 from __future__ import annotations
 
 import copy
+import multiprocessing
 
 import pytest
 import torch
@@ -20,18 +21,51 @@ from tests.test_learner_gpu_opts import gradients, two_groups
 from tests.test_shared_prefix import tiny_llama
 
 
+def compile_checks(model_dir: str) -> dict:
+    """Both comparisons below, in a process of their own (``in_fresh_process``): the learner
+    compiles in a fresh worker process, and a pytest worker's earlier tests leave global state
+    behind (a vLLM CPU engine turns dynamo off process-wide, rollout/engines/vllm_engine.py;
+    graphs compiled earlier would be reused uncounted). Returns plain numbers."""
+    torch._dynamo.config.disable = False  # TORCH_COMPILE_DISABLE may come with the environment
+    counters.clear()
+    out: dict = {}
+    # one update_actor pass (no optimizer step) through peft's layers, LoRA on every linear layer
+    batch = two_groups(torch.Generator().manual_seed(7))
+    eager = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():  # B drawn (peft starts it at zero), so every LoRA gradient is non-zero
+        for name, p in eager.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    compiled = copy.deepcopy(eager)
+    out["layers"] = compile_layers(compiled.get_base_model())
+    _, out["loss_eager"], grads_eager = gradients(eager, batch, "dapo", size=4, share_prefix=False)
+    _, out["loss"], grads = gradients(compiled, batch, "dapo", size=4, share_prefix=False)
+    out["grad_rel"] = {n: relative(grads[n], g) for n, g in grads_eager.items()}
+    out["grad_zero"] = [n for n, g in grads_eager.items() if not g.abs().max() > 0]
+    out["graphs"] = counters["stats"]["unique_graphs"]
+    # the PolicyLearner, compiled at start-up, with gradient checkpointing and the reference pass
+    extra = {"gradient_checkpointing": True, "beta": 0.05}
+    eager_p, eager_steps = learner_steps(model_dir, compile_layers=False, **extra)
+    comp_p, comp_steps = learner_steps(model_dir, compile_layers=True, **extra)
+    out["stats"] = {k: (eager_p.stats()[k], comp_p.stats()[k]) for k in ("compiled_layers", "compile_s", "fused_lora")}
+    out["compiled_calls"] = [getattr(layer, "_compiled_call_impl", None) is not None
+                             for layer in decoder_layers(comp_p.peft_model.get_base_model())]
+    init = eager_steps[0][1]
+    out["metrics"] = [{k: (me[k], mc[k]) for k in ("loss", "grad_norm", "ppl_ratio", "kl")}
+                      for (me, _), (mc, _) in zip(eager_steps[1:], comp_steps[1:])]
+    out["adapter_rel"] = [{n: relative(ac[n] - init[n], ae[n] - init[n]) for n in ae if (ae[n] - init[n]).abs().max() > 0}
+                          for (_, ae), (_, ac) in zip(eager_steps[1:], comp_steps[1:])]
+    out["unmoved"] = [n for n in init if not (eager_steps[-1][1][n] - init[n]).abs().max() > 0]
+    out["graph_breaks"] = dict(counters["graph_break"])
+    return out
+
+
 @pytest.fixture(scope="module")
-def dynamo_on():
-    """torch.compile enabled and its caches empty, whatever this worker process ran before: a vLLM
-    CPU engine created in the same process turns dynamo off process-wide
-    (rollout/engines/vllm_engine.py), and a graph compiled by an earlier test would be reused
-    without counting as a graph here. Module-wide: the tests below share the graphs they compile
-    (the same tiny model, LoRA on every linear layer), the slow part on a CPU."""
-    with torch._dynamo.config.patch(disable=False):
-        torch._dynamo.reset()
-        counters.clear()
-        yield
-        torch._dynamo.reset()
+def checked(tmp_path_factory) -> dict:
+    model_dir = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama(model_dir)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(compile_checks, (str(model_dir),))
 
 
 def test_decoder_layers_are_the_models_repeated_blocks():
@@ -42,29 +76,18 @@ def test_decoder_layers_are_the_models_repeated_blocks():
     assert decoder_layers(torch.nn.Linear(2, 2)) == []  # no _no_split_modules: nothing to compile
 
 
-def test_compiled_layers_give_the_eager_loss_and_gradients(dynamo_on):
+def test_compiled_layers_give_the_eager_loss_and_gradients(checked):
     """One update_actor pass (no optimizer step) through peft's LoRA layers (the learner's default
-    targets, every linear layer): the loss and every
-    LoRA gradient to float32 rounding. Inductor fuses the norms', the MLP's and the LoRA term's
-    element-wise chains and so reorders their sums; a missing or wrong term would be O(1)."""
-    batch = two_groups(torch.Generator().manual_seed(7))
-    eager = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    with torch.no_grad():  # B drawn (peft starts it at zero), so every LoRA gradient is non-zero
-        for name, p in eager.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.05)
-    compiled = copy.deepcopy(eager)
-    assert compile_layers(compiled.get_base_model()) == 2
-    _, loss_eager, grads_eager = gradients(eager, batch, "dapo", size=4, share_prefix=False)
-    _, loss, grads = gradients(compiled, batch, "dapo", size=4, share_prefix=False)
-    assert loss == pytest.approx(loss_eager, rel=1e-6)
-    for name, want in grads_eager.items():
-        assert want.abs().max() > 0, name
-        assert relative(grads[name], want) < 1e-5, name
-    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
+    targets, every linear layer): the loss and every LoRA gradient to float32 rounding. Inductor
+    fuses the norms', the MLP's and the LoRA term's element-wise chains and so reorders their
+    sums; a missing or wrong term would be O(1). The layers really compiled: graphs, no break."""
+    assert checked["layers"] == 2 and checked["graphs"] >= 1 and not checked["graph_breaks"], checked["graph_breaks"]
+    assert checked["loss"] == pytest.approx(checked["loss_eager"], rel=1e-6)
+    assert not checked["grad_zero"] and len(checked["grad_rel"]) == 2 * 7 * 2  # A and B of 7 linears, 2 layers
+    assert max(checked["grad_rel"].values()) < 1e-5, checked["grad_rel"]
 
 
-def test_policy_update_with_compiled_layers(tmp_path, dynamo_on):
+def test_policy_update_with_compiled_layers(checked):
     """The PolicyLearner with learner.compile_layers=true, which runs its passes once at start-up
     to compile (the gradients dropped, the RNG restored: the same numbers after it), with gradient
     checkpointing (the layer recomputed in the backward) and the reference pass (beta > 0:
@@ -72,25 +95,15 @@ def test_policy_update_with_compiled_layers(tmp_path, dynamo_on):
     1e-3 of their movement, since AdamW's first steps (update ~ lr g / |g|) scale a rounding
     difference up where a gradient element is near zero (the gradients themselves agree to 1e-5,
     above)."""
-    tiny_llama(tmp_path)
-    extra = {"gradient_checkpointing": True, "beta": 0.05}
-    eager, eager_steps = learner_steps(tmp_path, compile_layers=False, **extra)
-    compiled, compiled_steps = learner_steps(tmp_path, compile_layers=True, **extra)
-    assert eager.stats()["compiled_layers"] == 0 and compiled.stats()["compiled_layers"] == 2
-    assert compiled.stats()["compile_s"] > 0 and eager.stats()["compile_s"] == 0  # compiled at start-up
-    assert compiled.stats()["fused_lora"] is None
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert all(getattr(layer, "_compiled_call_impl", None) is not None
-               for layer in decoder_layers(compiled.peft_model.get_base_model()))
-    init = eager_steps[0][1]
-    for (m_eager, a_eager), (m_comp, a_comp) in zip(eager_steps[1:], compiled_steps[1:]):
-        for key in ("loss", "grad_norm", "ppl_ratio", "kl"):
-            assert m_comp[key] == pytest.approx(m_eager[key], rel=1e-5, abs=1e-7), key
-        for name, want in a_eager.items():
-            if (want - init[name]).abs().max() > 0:  # step 1 moves B alone (B starts at zero)
-                assert relative(a_comp[name] - init[name], want - init[name]) < 1e-3, name
-    final = eager_steps[-1][1]
-    assert all((final[name] - init[name]).abs().max() > 0 for name in init)  # by step 2 every A and B moved
+    stats = checked["stats"]
+    assert stats["compiled_layers"] == (0, 2) and stats["fused_lora"] == (None, None)
+    assert stats["compile_s"][0] == 0 and stats["compile_s"][1] > 0  # compiled at start-up
+    assert checked["compiled_calls"] == [True, True]
+    for step in checked["metrics"]:
+        for key, (eager, compiled) in step.items():
+            assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-7), key
+    assert checked["adapter_rel"][-1] and max(max(step.values()) for step in checked["adapter_rel"]) < 1e-3
+    assert not checked["unmoved"]  # by step 2 every A and B moved
 
 
 def test_compile_layers_is_refused_where_it_was_not_built():
