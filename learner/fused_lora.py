@@ -52,16 +52,12 @@ _AUTOCAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class LoraLinearFn(torch.autograd.Function):
     """y = base + s (x Aᵀ) Bᵀ with base = x W0ᵀ + b (``weight`` given) or the base layer's own
     output ``base_out``; everything computed in the dtype of ``a_c``/``b_c`` (the compute copies
-    of the float32 masters ``lora_a``/``lora_b``), or of the masters themselves where those are None.
+    of the float32 masters ``lora_a``/``lora_b``, or the masters themselves).
 
     Shapes: x [..., in], W0 [out, in], A [r, in], B [out, r]; y [..., out]."""
 
     @staticmethod
     def forward(ctx, x, base_out, weight, bias, lora_a, lora_b, a_c, b_c, scale: float):
-        # a_c/b_c None: the masters are already in the compute dtype. They are not passed twice,
-        # as torch.compile (learner.compile_layers) cannot trace a tensor given to two inputs.
-        a_c = lora_a if a_c is None else a_c
-        b_c = lora_b if b_c is None else b_c
         dtype = a_c.dtype
         lead = x.shape[:-1]
         xc = x.reshape(-1, x.shape[-1]).to(dtype)  # [N, in]
@@ -221,7 +217,6 @@ class FusedLora:
             return None  # peft promotes mixed dtypes without autocast: its path, not ours
         base = module.base_layer
         a_c, b_c = self.cache.get(lora_a, dtype), self.cache.get(lora_b, dtype)
-        a_c, b_c = (None if a_c is lora_a else a_c), (None if b_c is lora_b else b_c)
         scale = float(module.scaling[name])
         if _plain_linear(base):
             if base.weight.dtype != x.dtype and not torch.is_autocast_enabled(device_type):

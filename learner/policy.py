@@ -242,8 +242,8 @@ class PolicyLearner:
             self.fused = FusedLora(self.peft_model, compute_dtype=self.amp_dtype)
             self.grad_sync = self._refreshing(self.grad_sync, self.fused)
         self.compiled_layers = compile_layers(base) if self.compiled else 0
-        self.compile_s = self._compile_now() if self.compiled else 0.0
-        if self.compiled:
+        self.compile_s = self._compile_now() if self.compiled_layers else 0.0  # nothing to warm where none compiled
+        if self.compiled_layers:
             log.info("learner: %d decoder layers compiled in %.1f s", self.compiled_layers, self.compile_s)
 
     @staticmethod
@@ -391,7 +391,8 @@ class PolicyLearner:
                           group_ids=[0, 0])
         cfg, temp = self.cfg, self.spec.temperature
         mbs = self._micro_batches(rows, self.checkpointing, None, None, None)
-        norm = LossNorm(loss_type=cfg.loss_type, global_tokens=14.0, global_sequences=2, local_tokens=14.0,
+        tokens = float(rows.num_response_tokens())
+        norm = LossNorm(loss_type=cfg.loss_type, global_tokens=tokens, global_sequences=len(rows), local_tokens=tokens,
                         max_completion_length=self.spec.max_completion_length, dp_size=1)
         trainable = [p for p in self.peft_model.parameters() if p.requires_grad]
 
