@@ -67,7 +67,10 @@ def test_grader_serve_ray_replicas_end_to_end(tmp_path):
         listening = listeners_of(proc.pid)
         assert len(listening) >= 5, listening
         exposed = [x for x in listening if x[0] not in LOOPBACK]
-        assert sorted(name for _, _, name in exposed) == ["ray::ServeReplica:grader:Grader"] * 2, exposed
+        # Ray retitles a worker "ray::<actor>.<method>" while a call runs in it (a health check or
+        # a late request can be in flight when the listeners are read), so the method is dropped.
+        assert sorted(name.partition(".")[0] for _, _, name in exposed) == \
+            ["ray::ServeReplica:grader:Grader"] * 2, exposed
         assert len(counters) == 2, counters
         assert all(n > 0 for n in counters.values()), counters  # both replicas scored
         assert sum(counters.values()) == batches * len(pairs)
