@@ -132,6 +132,12 @@ def open_handle(handle: tuple, cuda_index: int | None = None) -> torch.Tensor:
         return rebuild_cuda_tensor(*args).detach()
     _, storage_args, dtype, offset, shape, stride = handle
     storage = rebuild_storage_filename(*storage_args)
+    # torch's rebuild spends the one reference that reduce_storage gave the handle, so a handle
+    # could be opened twice at most: a third open (a replacement replica, a restarted learner,
+    # a second learner of a test process) found the file unlinked while its owner still used it.
+    # Each open takes its own reference instead; the handle's stays until the owner's
+    # torch_shm_manager removes the file once every process of its group has exited.
+    storage._shared_incref()
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
 
 

@@ -196,6 +196,23 @@ def test_two_buffers_across_processes_and_the_replicas_acknowledgement(other_pro
         other_process.call("import", v1)
 
 
+def test_replacement_replicas_each_open_the_same_buffer():
+    """A buffer's handle travels once and is opened by every replica that serves the learner: the
+    replacements of a replica that died, in processes of their own. torch's rebuild spent the
+    handle's one reference, so the third process found the file gone (model/shared_base.py
+    open_handle takes a reference of its own per open)."""
+    exporter = DeviceExporter("cpu")
+    state = small_state()
+    payload = exporter.export(state, 1, {})
+    for _ in range(3):
+        r = Replica()
+        try:
+            got, _, _ = r.call("import", payload)
+        finally:
+            r.stop()
+        assert all(torch.equal(got[k], state[k]) for k in state)
+
+
 def test_a_payload_on_a_gpu_this_process_cannot_see_is_refused_in_one_line():
     from dataclasses import replace
 
