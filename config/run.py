@@ -178,8 +178,9 @@ class RunConfig(BaseModel):
         "buffers on that device that the replica maps (model/adapter_ipc.py; CUDA IPC, shared memory on a CPU), "
         "and only their layout, handle and checksum travel; version v is written to buffer v % 2 once the "
         "replica holds v - 1, else that version goes the host way. Refused before anything starts where the "
-        "base is not shared. 'auto' = 'device' on a GPU with an engine that takes it (hf; vLLM's workers do "
-        "not open the buffers yet), else 'host'. Versions and checksums are checked per sample either way; "
+        "base is not shared. vLLM's merged-LoRA workers open the buffers themselves (no host copy); unmerged, "
+        "the replica copies them into a file for vLLM's loader. 'auto' = 'device' on a GPU with the hf engine "
+        "(vLLM's device path has not yet run on a GPU: 'device' asks for it), else 'host'. Versions and checksums are checked per sample either way; "
         "adapters/ on disk are written as always. run.json `adapter_transport` says which and why.")
 
     @model_validator(mode="after")

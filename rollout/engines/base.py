@@ -76,6 +76,15 @@ class Engine(ABC):
     def loaded_version(self) -> int:
         """The adapter version held (0 = none)."""
 
+    def load_device_payload(self, payload, importer) -> None:
+        """Make a device payload's version (model/adapter_ipc.py DeviceAdapterPayload) the adapter
+        this engine samples with. Here the replica's own process copies the learner's buffer and
+        checks it (``importer``: its DeviceImporter, which keeps each buffer mapped), then loads
+        the copy; an engine whose model lives in another process (vLLM's worker) overrides this
+        to have that process open the buffer. TransportRefused or AdapterChecksumError when the
+        bytes cannot be had or are not the adapter the learner described."""
+        self.load_device_adapter(importer.open(payload))
+
     def load_device_adapter(self, imported) -> None:
         """Make ``imported`` (model/adapter_ipc.py ImportedAdapter: the learner's adapter copied
         from its device buffer and checked) the adapter this engine samples with. Engines that load

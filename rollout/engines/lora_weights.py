@@ -79,7 +79,12 @@ def parse_adapter(payload: AdapterPayload, device: torch.device | str = "cpu") -
     """The payload's LoRA matrices by module name (peft's saved names, prefix stripped), on
     ``device`` in float32. Refuses what a plain merge cannot express, naming it."""
     validate_payload(payload)
-    cfg, v = payload.config, payload.version
+    check_mergeable(payload.config, payload.version)
+    return lora_from_state(load_safetensors_bytes(payload.view(), device), payload.config, payload.version)
+
+
+def check_mergeable(cfg: dict, v: int) -> None:
+    """Refuse, naming it, an adapter config that a plain W0 + s B A merge cannot express."""
     for key, bad in (("use_dora", True), ("fan_in_fan_out", True)):
         if cfg.get(key) == bad:
             raise AdapterError(f"adapter v{v}: {key}={bad} is not supported by the hf fast engine")
@@ -87,7 +92,13 @@ def parse_adapter(payload: AdapterPayload, device: torch.device | str = "cpu") -
         raise AdapterError(f"adapter v{v}: bias={cfg.get('bias')!r} is not supported (only 'none')")
     if cfg.get("modules_to_save"):
         raise AdapterError(f"adapter v{v}: modules_to_save {cfg['modules_to_save']} is not supported")
-    state = load_safetensors_bytes(payload.view(), device)
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise AdapterError(f"adapter v{v}: rank_pattern/alpha_pattern are not supported")
+
+
+def lora_from_state(state: dict[str, torch.Tensor], cfg: dict, v: int) -> dict[str, LoraTensors]:
+    """An adapter's tensors (peft's saved names: from a file, or views of a device payload's
+    copy, model/adapter_ipc.py) paired per module, in float32 where they lie."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
         name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
@@ -99,9 +110,6 @@ def parse_adapter(payload: AdapterPayload, device: torch.device | str = "cpu") -
         else:
             raise AdapterError(f"adapter v{v}: tensor {key!r} is not a LoRA A/B weight")
     out = {}
-    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
-    if rank_pattern or alpha_pattern:
-        raise AdapterError(f"adapter v{v}: rank_pattern/alpha_pattern are not supported")
     for name, ab in pairs.items():
         if set(ab) != {"lora_A", "lora_B"}:
             raise AdapterError(f"adapter v{v}: module {name} lacks {({'lora_A', 'lora_B'} - set(ab)).pop()}")

@@ -369,6 +369,31 @@ class VllmEngine(Engine):
             self._hold_merged(payload)
         else:
             self._add_lora(payload)
+        self._loaded(t)
+
+    def load_device_payload(self, payload, importer) -> None:
+        """Merged LoRA: the engine's worker opens the learner's device buffer itself
+        (vllm_merge ``counterpoint_hold_device``), so the adapter goes from the learner's device
+        memory to the worker's with no host copy and no CUDA context in the replica's process.
+        Unmerged LoRA: vLLM's loader reads a directory, so the replica copies the buffer and
+        writes the host path's file (Engine's default)."""
+        if self.settings.lora != "merged":
+            super().load_device_payload(payload, importer)
+            return
+        import pickle
+
+        from model.adapter_ipc import AdapterChecksumError, TransportRefused
+
+        validate_payload(payload, max_rank=self.rollout_cfg.max_lora_rank)
+        t = time.perf_counter()
+        answers = self.llm.collective_rpc("counterpoint_hold_device", args=(pickle.dumps(payload),))
+        for answer in answers:
+            if answer[0] == "refused":
+                raise (TransportRefused if answer[1] == "transport" else AdapterChecksumError)(answer[2])
+        self._held_merged([tuple(answer[1:]) for answer in answers], payload.version)
+        self._loaded(t)
+
+    def _loaded(self, t: float) -> None:
         self._load_s.append(time.perf_counter() - t)
         if self._device_memory is not None:
             self._device_memory["after_last_adapter"] = self._measure_device_memory()
@@ -382,11 +407,15 @@ class VllmEngine(Engine):
         try:
             answers = self.llm.collective_rpc(
                 "counterpoint_hold", args=(path, json.dumps(payload.config), payload.version))
-            (self._extra_bytes,) = {extra for extra, _, _ in answers}
-            self._merge_parts_s.append(max((read, merge) for _, read, merge in answers))
         finally:
             os.unlink(path)
-        self._version = self._in_weights = payload.version
+        self._held_merged(answers, payload.version)
+
+    def _held_merged(self, answers: list[tuple[int, float, float]], version: int) -> None:
+        """The workers' (extra bytes, read s, merge s) after they merged ``version``."""
+        (self._extra_bytes,) = {extra for extra, _, _ in answers}
+        self._merge_parts_s.append(max((read, merge) for _, read, merge in answers))
+        self._version = self._in_weights = version
         self.llm.reset_prefix_cache()  # cached KV blocks hold the previous weights' keys and values
 
     def export_base(self):

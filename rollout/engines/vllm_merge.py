@@ -11,7 +11,10 @@ How: ``MergedLoraExtension`` is mixed into vLLM's Worker (the ``worker_extension
 argument), and the engine calls its methods by name through ``LLM.collective_rpc``. That works
 whether the engine core runs in the replica's process or in its own. Each payload arrives as a
 safetensors file in shared memory (``/dev/shm``): one copy each way, and TP ranks could each
-read it. The worker does three things:
+read it. Or, with adapter_transport=device (the learner on the same GPU, model/adapter_ipc.py),
+as a handle to the learner's device buffer that the worker maps and copies itself
+(``counterpoint_hold_device``): no host copy, and the checksum checked on the worker's copy.
+The worker does three things:
 - reads W0 of the adapted layers once from the checkpoint (``read_checkpoint``), into
   page-locked host memory (one buffer) or onto the GPU: ``w0_on`` below;
 - for each adapted layer in turn: copies its W0 to the GPU if it is on the host (the next
@@ -74,7 +77,7 @@ from pathlib import Path
 
 import torch
 
-from rollout.engines.lora_weights import LoraTensors, MergedWeights, parse_adapter
+from rollout.engines.lora_weights import LoraTensors, MergedWeights, check_mergeable, lora_from_state, parse_adapter
 from model.adapter import AdapterPayload
 
 EXTENSION = "rollout.engines.vllm_merge.MergedLoraExtension"
@@ -253,10 +256,43 @@ class MergedLoraExtension:
         stats report both)."""
         t = time.perf_counter()
         payload = AdapterPayload(version=version, safetensors=read_shm(path), config=json.loads(config_json))
-        merged = self._counterpoint_merged()
-        device = next(self.model_runner.get_model().parameters()).device
-        lora = parse_adapter(payload, device)
+        lora = parse_adapter(payload, self._counterpoint_device())
         del payload  # the mapping: the tensors are on the device now
+        return self._counterpoint_hold_parsed(lora, version, t)
+
+    def counterpoint_hold_device(self, payload_pickle: bytes) -> tuple:
+        """Merge an adapter that the learner left in its device memory (model/adapter_ipc.py
+        DeviceAdapterPayload, pickled: vLLM's replies and arguments are msgpack): this worker maps
+        the learner's buffer once, copies it on the device and checks the checksum on its copy,
+        so the bytes never cross host memory or the replica's process. Returns ("held", extra
+        bytes, read s, merge s) as ``counterpoint_hold`` does, or ("refused", "transport" |
+        "checksum", the one-line reason) for the engine to raise in the replica."""
+        from model.adapter_ipc import AdapterChecksumError, DeviceImporter, TransportRefused
+
+        t = time.perf_counter()
+        payload = pickle.loads(payload_pickle)
+        importer = getattr(self, "_cp_importer", None)
+        if importer is None:
+            importer = self._cp_importer = DeviceImporter()
+        try:
+            imported = importer.open(payload)
+        except TransportRefused as err:
+            return ("refused", "transport", str(err))
+        except AdapterChecksumError as err:
+            return ("refused", "checksum", str(err))
+        check_mergeable(payload.config, payload.version)
+        device = self._counterpoint_device()
+        lora = lora_from_state({k: v.to(device) for k, v in imported.tensors().items()},
+                               payload.config, payload.version)
+        del imported  # the float32 matrices are copies: the checked bytes can go
+        return ("held", *self._counterpoint_hold_parsed(lora, payload.version, t))
+
+    def _counterpoint_device(self) -> torch.device:
+        return next(self.model_runner.get_model().parameters()).device
+
+    def _counterpoint_hold_parsed(self, lora, version: int, t: float) -> tuple[int, float, float]:
+        merged = self._counterpoint_merged()
+        device = self._counterpoint_device()
         shared = self._counterpoint_served()
         torch.cuda.synchronize(device) if device.type == "cuda" else None
         parsed = time.perf_counter()
