@@ -100,8 +100,8 @@ def _file_system_sharing() -> Iterator[None]:
 def tensor_handle(tensor: torch.Tensor) -> tuple:
     """A picklable handle to ``tensor``'s memory. CUDA: torch's IPC handle (``reduce_tensor``);
     CPU: the storage is moved into shared memory first (in place: the owner's tensor keeps
-    working, its data now lives in a shared file). One handle per consumer: opening it takes
-    the reference that the handle was given."""
+    working, its data now lives in a shared file). Any number of processes may open one handle,
+    any number of times (``open_handle`` takes a reference of its own per open)."""
     from torch.multiprocessing.reductions import reduce_storage, reduce_tensor
 
     tensor = tensor.detach()
