@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Iterable
 from contextlib import ExitStack, suppress
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from config import RunConfig
@@ -43,6 +46,7 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
     from config.runtime_env import bind_local_cluster_to_loopback
 
     bind_local_cluster_to_loopback(ray)
+    shm_before = set(shared_memory_files())
     metrics_port = cfg.trainer.ray_metrics_port or free_port()
     context = init_retrying_startup_timeout(lambda: _init_keeping_sigterm(
         ray, num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False, _metrics_export_port=metrics_port, **kwargs),
@@ -58,6 +62,7 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
         finally:
             ray.shutdown()
             _cluster_started_here = False
+            remove_leftover_shared_memory(shm_before)
             if logs is not None and session_logs is not None:
                 logs.keep_ray_logs(session_logs)
 
@@ -65,6 +70,71 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
     _cluster_started_here = True
     stack.callback(_shutdown)
     return f"127.0.0.1:{metrics_port}"
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def shared_memory_files() -> list[str]:
+    """The names in /dev/shm (none where the host has no such directory)."""
+    try:
+        return os.listdir(SHM_DIR)
+    except OSError:
+        return []
+
+
+def torch_shm_maker(name: str) -> int | None:
+    """The pid that made a torch shared-memory file (torch_<pid>_<random>_<n>, the file_system
+    strategy's name); None for any other file."""
+    parts = name.split("_")
+    if len(parts) == 4 and parts[0] == "torch" and all(x.isdigit() for x in parts[1:]):
+        return int(parts[1])
+    return None
+
+
+def leftover_shared_memory(names: Iterable[str], before: set[str], alive: Callable[[int], bool]) -> list[str]:
+    """The torch shared-memory files made since ``before`` whose maker is dead. A CPU run that
+    shares the base or hands adapters over in memory (model/shared_base.py) shares them through
+    such files, and their cleaner, the torch_shm_manager each worker starts, dies with the worker
+    when Ray shuts the cluster down: every such run left the model's size in /dev/shm (RAM).
+    Unlinking a file ends no mapping of it; a dead maker's file has no new opener to expect."""
+    out = []
+    for name in names:
+        pid = torch_shm_maker(name)
+        if name not in before and pid is not None and not alive(pid):
+            out.append(name)
+    return sorted(out)
+
+
+def remove_leftover_shared_memory(before: set[str], wait_s: float = 5.0) -> list[str]:
+    """After the local cluster's shutdown: remove ``leftover_shared_memory``, waiting up to
+    ``wait_s`` for the makers of the new files to exit (Ray's workers die after its shutdown
+    returns). Returns the names removed."""
+    import time
+
+    import psutil
+
+    def alive(pid: int) -> bool:  # a zombie has exited: only its parent has not reaped it yet
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        names = shared_memory_files()
+        makers = {torch_shm_maker(n) for n in names if n not in before} - {None}
+        if not any(alive(pid) for pid in makers) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    removed = leftover_shared_memory(names, before, alive)
+    for name in removed:
+        with suppress(OSError):
+            os.unlink(SHM_DIR / name)
+    if removed:
+        logging.getLogger("counterpoint").info("removed %d shared-memory file(s) left by the run's dead processes",
+                                               len(removed))
+    return removed
 
 
 def _leave_joined_cluster(ray) -> None:

@@ -65,3 +65,13 @@ def test_adapters_in_device_memory_sample_what_the_host_path_samples(tmp_path: P
     got = load_file(str(device / "adapters" / f"step_{STEPS}" / WEIGHTS_FILE))
     want = load_file(str(host / "adapters" / f"step_{STEPS}" / WEIGHTS_FILE))
     assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in want)
+    # The shared base and the adapter buffers are shared-memory files made by the replica and the
+    # learner; their cleaner dies with them at Ray's shutdown, so the run removes them
+    # (services/launch.py remove_leftover_shared_memory): none of the parts' files is left.
+    from services.launch import shared_memory_files, torch_shm_maker
+
+    parts = {part["pid"] for r in receipts.values() for part in r["placement"]["parts"]}
+    assert {"rollout", "learner"} <= {part["part"] for part in receipts["device"]["placement"]["parts"]}
+    assert all(isinstance(pid, int) for pid in parts), parts
+    left = [name for name in shared_memory_files() if torch_shm_maker(name) in parts]
+    assert not left, left

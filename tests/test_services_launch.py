@@ -11,7 +11,8 @@ import psutil
 import pytest
 
 from config import load_config
-from services.launch import STARTUP_TIMEOUT, init_retrying_startup_timeout, learner_starts_beside_rollout
+from services.launch import (STARTUP_TIMEOUT, init_retrying_startup_timeout, learner_starts_beside_rollout,
+                             leftover_shared_memory, torch_shm_maker)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -33,6 +34,25 @@ def test_the_learner_starts_beside_the_rollout_unless_they_may_share_a_gpu(name,
 
 def _sleeper() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+@pytest.mark.parametrize("name, maker", [
+    ("torch_1234_3168904391_16", 1234), ("torch_7_0_0", 7),
+    ("torch_1234_316890439116", None), ("torch_x_1_2", None), ("sem.loky-22353-6dv3jd9h", None),
+    ("cp-adapter-v3-abc.safetensors", None),
+])
+def test_torch_shared_memory_files_are_told_by_their_name(name, maker):
+    assert torch_shm_maker(name) == maker
+
+
+def test_only_new_torch_files_of_dead_makers_are_left_over():
+    names = ["torch_10_1_1", "torch_10_1_2", "torch_20_5_1", "torch_30_9_9", "cp-adapter-v3-x.safetensors",
+             "torch_40_2_2"]
+    before = {"torch_30_9_9"}  # there before the run: not the run's, even with its maker dead
+    dead = {10, 30, 40}.__contains__
+    assert leftover_shared_memory(names, before, lambda pid: not dead(pid)) == \
+        ["torch_10_1_1", "torch_10_1_2", "torch_40_2_2"]  # 20 lives: its files are its own still
+    assert leftover_shared_memory([], set(), lambda pid: False) == []
 
 
 def test_a_local_start_that_timed_out_is_cleaned_up_and_tried_again():
