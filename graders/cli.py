@@ -182,8 +182,8 @@ def _serve_ray(cfg, stop) -> None:
     from graders.ports import free_port
     from graders.service import PortInUse
 
-    if cfg.port == 0:  # Serve's proxy cannot report a port it picked: choose one here
-        cfg = cfg.model_copy(update={"port": free_port()})
+    if cfg.port == 0 and cfg.serve_ingress == "proxy":  # Serve's proxy cannot report a port it
+        cfg = cfg.model_copy(update={"port": free_port()})  # picked: choose one here (the front binds 0)
     if not ray.is_initialized():
         from config.runtime_env import bind_local_cluster_to_loopback
 
@@ -201,6 +201,8 @@ def _serve_ray(cfg, stop) -> None:
         typer.echo(f"error: --port {cfg.port}: {exc}", err=True)
         serve.shutdown()
         raise typer.Exit(2) from None
+    if cfg.serve_ingress == "front":  # the port the front bound (port 0: the one it found)
+        cfg = cfg.model_copy(update={"port": serve_app.front_port(cfg.app_name)})
     watch = None
     if cfg.metrics_port is not None:  # replicas export their own series through Ray's agent
         from prometheus_client import REGISTRY

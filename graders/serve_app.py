@@ -277,6 +277,13 @@ def front_address(app_name: str) -> str | None:
     return front.address if front is not None else None
 
 
+def front_port(app_name: str) -> int | None:
+    """The port the front of an app started in this process bound (None: none); with
+    grpc_port=0 it is the free port the bind itself found."""
+    front = _FRONTS.get(app_name)
+    return front.port if front is not None else None
+
+
 def stop_front(app_name: str) -> None:
     front = _FRONTS.pop(app_name, None)
     if front is not None:

@@ -256,11 +256,17 @@ def start_grader(cfg: RunConfig, stack: ExitStack):
     if address is None:
         from graders import serve_app
 
-        port = free_port()
+        # The front binds port 0 and reports the port it got: a port picked free here could be
+        # taken by another process before the bind. Serve's gRPC proxy cannot report one, so it
+        # gets a pick (and that race stays: proxy ingress only).
+        front = cfg.grader.serve_ingress == "front"
+        port = 0 if front else free_port()
         serve_app.start(cfg.grader, grpc_port=port, http_port=free_port(), liveness=cfg.liveness)
         if not _cluster_started_here:  # on a joined cluster the app would outlive the run, holding its CPUs
             stack.callback(_delete_app, cfg.grader.app_name)
         stack.callback(serve_app.stop_front, cfg.grader.app_name)  # the loopback front, if any
+        if front:
+            port = serve_app.front_port(cfg.grader.app_name)
         address = f"127.0.0.1:{port}"
     client = GraderClient.from_config(cfg.grader, address=address)
     stack.callback(client.close)

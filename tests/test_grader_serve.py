@@ -363,3 +363,34 @@ def test_token_on_both_ingresses(serve_grader, token_file, tmp_path):
 
         serve.delete(TOKEN_APP)
         serve.delete(front_app)
+
+
+@pytest.mark.slow
+def test_a_trainers_grader_serves_on_the_port_its_front_bound(serve_grader, monkeypatch):
+    """services/launch.py start_grader: the front binds port 0 and reports the port it got. A
+    port picked free first and bound later can be taken in between (a fresh-clone suite's run
+    failed with PortInUse so); here every port the launcher could pick is already taken by
+    the time it would bind, and the trainer's grader still serves."""
+    from contextlib import ExitStack
+
+    from ray import serve
+
+    from config import RunConfig
+    from graders import serve_app
+    from services import launch
+
+    app = "grader-trainer"
+    with socket.socket() as held, ExitStack() as stack:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(launch, "free_port", lambda: taken)  # the race, made certain
+        cfg = RunConfig(grader={"replicas": 1, "num_cpus": 0.1, "app_name": app})
+        stack.callback(serve.delete, app)
+        client = launch.start_grader(cfg, stack)
+        host, port = client.address.rsplit(":", 1)
+        assert (host, int(port)) == ("127.0.0.1", serve_app.front_port(app)) and int(port) != taken
+        (case,) = client.cases(1)
+        assert client.score(case.id, ADMITTED_SHAPE).verdict == score(case.progression,
+                                                                     ADMITTED_SHAPE).verdict
+    assert serve_app.front_port(app) is None  # the run's exit stopped its front
