@@ -25,6 +25,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal
 
+import psutil
+
 if TYPE_CHECKING:
     from config import RunConfig
 
@@ -80,18 +82,8 @@ ExitStatus = Literal["completed", "interrupted", "failed"]
 Liveness = Literal["ended", "alive", "dead", "elsewhere"]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
 def liveness(receipt: Mapping[str, Any], hostname: str | None = None,
-             pid_alive: Any = _pid_alive) -> Liveness:
+             pid_alive: Any = psutil.pid_exists) -> Liveness:
     """Whether the process a receipt names is still running it.
 
     "ended": the receipt has an exit status. "alive": it says running and its pid lives on this

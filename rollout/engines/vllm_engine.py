@@ -227,24 +227,16 @@ def sweep_adapter_roots(tmp: Path) -> list[Path]:
     """Remove the adapter directories (``<tmp>/cp-vllm-adapters-<pid>-*``) of engines whose
     process is gone: a replica killed with SIGKILL never runs its own clean-up. Returns what
     it removed."""
+    import psutil  # a vLLM dependency
+
     removed = []
     for root in tmp.glob(f"{ADAPTER_ROOT_PREFIX}*"):
         pid = root.name[len(ADAPTER_ROOT_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or pid_alive(int(pid)):
+        if not pid.isdigit() or psutil.pid_exists(int(pid)):
             continue
         shutil.rmtree(root, ignore_errors=True)
         removed.append(root)
     return removed
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 class VllmEngine(Engine):
