@@ -11,7 +11,7 @@ client (an illegal address, an out-of-memory abort) ends the other clients of it
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -45,3 +45,18 @@ class GpuSharingConfig(BaseModel):
         100, ge=1, le=100, description="With mode=mps: the share of the SMs each rollout replica may use "
         "(100 = no cap)."
     )
+    learner_priority: Literal["normal", "below_normal"] = Field(
+        "normal", description="With mode=mps: the learner workers' MPS client priority "
+        "(CUDA_MPS_CLIENT_PRIORITY, 0 = normal, 1 = below normal). 'below_normal': the GPU schedules the "
+        "replica's pending kernels (its decode steps) ahead of the learner's, which fill the SMs they leave; "
+        "a hint to the scheduler, no pre-emption of running kernels. Not yet measured against a cap "
+        "(learner_sm_percent), so the default leaves the priority as CUDA sets it."
+    )
+
+    MPS_ONLY: ClassVar[tuple[str, ...]] = ("learner_sm_percent", "rollout_sm_percent", "learner_priority")
+
+    def mps_settings_under_timeslice(self) -> list[str]:
+        """The MPS settings given explicitly beside mode=timeslice, which would silently do nothing."""
+        if self.mode != "timeslice":
+            return []
+        return [name for name in self.MPS_ONLY if name in self.model_fields_set]

@@ -43,6 +43,7 @@ CONTROL_TIMEOUT_S = 30.0  # the control client answers in milliseconds; quit wai
 # this throwaway process fails first, while time-slicing is still open.
 PROBE_COMMAND = (sys.executable, "-c", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()")
 PROBE_TIMEOUT_S = 180.0
+CLIENT_PRIORITY = {"normal": "0", "below_normal": "1"}  # CUDA_MPS_CLIENT_PRIORITY's two levels
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class MpsPlan:
     pipe_dir: str | None = None
     log_dir: str | None = None
     sm_percent: Mapping[str, int] = field(default_factory=dict)
+    priority: Mapping[str, str] = field(default_factory=dict)  # role -> "normal" | "below_normal"
 
     def env(self, role: str) -> dict[str, str]:
         """The variables a process of ``role`` needs to be a client of this plan's daemon."""
@@ -62,6 +64,8 @@ class MpsPlan:
         out = {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir)}  # clients need only the pipe; the log is the daemon's
         if self.sm_percent.get(role, 100) < 100:
             out["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.sm_percent[role])
+        if self.priority.get(role, "normal") != "normal":
+            out["CUDA_MPS_CLIENT_PRIORITY"] = CLIENT_PRIORITY[self.priority[role]]
         return out
 
 
@@ -74,8 +78,9 @@ def auto_timeslice_reason(auto_blocker: str | None, control_binary: str | None) 
 
 def plan_mps(mode: str, sm_percent: Mapping[str, int], environ: Mapping[str, str], run_dir: Path,
              daemon_answers: Callable[[str], bool], control_binary: str | None,
-             auto_blocker: str | None = None) -> MpsPlan:
-    """The rule. ``environ``: the driver's environment (a CUDA_MPS_PIPE_DIRECTORY there names the
+             auto_blocker: str | None = None, priority: Mapping[str, str] | None = None) -> MpsPlan:
+    """The rule. ``sm_percent`` and ``priority``: each role's SM share and client priority (a role
+    left out of ``priority`` is normal). ``environ``: the driver's environment (a CUDA_MPS_PIPE_DIRECTORY there names the
     daemon the user runs, or wants); ``daemon_answers(pipe_dir)``: whether a daemon answers there;
     ``control_binary``: the control binary's path, None when none is found; ``auto_blocker``: why
     mode=auto time-slices this run (RunConfig.gpu_sharing_auto_blocker), None where it would take
@@ -84,12 +89,13 @@ def plan_mps(mode: str, sm_percent: Mapping[str, int], environ: Mapping[str, str
         why = auto_timeslice_reason(auto_blocker, control_binary)
         if why is not None:
             return MpsPlan("none", why)
-        chosen = plan_mps("mps", sm_percent, environ, run_dir, daemon_answers, control_binary)
+        chosen = plan_mps("mps", sm_percent, environ, run_dir, daemon_answers, control_binary, priority=priority)
         return replace(chosen, reason="gpu_sharing.mode=auto: MPS (one replica and one learner worker share a GPU, "
                                       f"one_step_off); {chosen.reason}")
     if mode != "mps":
         return MpsPlan("none", f"gpu_sharing.mode={mode}")
     shares = {role: int(sm_percent[role]) for role in ROLES}
+    levels = {role: (priority or {}).get(role, "normal") for role in ROLES}
     if control_binary is None:
         raise ValueError(f"gpu_sharing.mode=mps, but {CONTROL_BINARY} is neither on PATH nor in "
                          f"{', '.join(DRIVER_BIN_DIRS)} (it ships with the NVIDIA driver)")
@@ -97,7 +103,7 @@ def plan_mps(mode: str, sm_percent: Mapping[str, int], environ: Mapping[str, str
     looked_at = named or DEFAULT_PIPE_DIR
     if daemon_answers(looked_at):
         return MpsPlan("join", f"an MPS daemon already answers at {looked_at}: the run joins it and leaves it running",
-                       looked_at, environ.get("CUDA_MPS_LOG_DIRECTORY"), shares)
+                       looked_at, environ.get("CUDA_MPS_LOG_DIRECTORY"), shares, levels)
     if named:  # the user named the directory: start there rather than beside it
         pipe_dir, where = named, "CUDA_MPS_PIPE_DIRECTORY"
     else:
@@ -106,7 +112,7 @@ def plan_mps(mode: str, sm_percent: Mapping[str, int], environ: Mapping[str, str
             pipe_dir, where = "", f"a directory under /tmp (the run directory's path is over {MAX_PIPE_DIR_CHARS} characters, too long for the daemon's socket)"
     log_dir = environ.get("CUDA_MPS_LOG_DIRECTORY") or str(Path(run_dir).resolve() / "mps" / "log")
     return MpsPlan("start", f"no MPS daemon answered at {looked_at}: the run starts one in {where} and quits it at exit",
-                   pipe_dir, log_dir, shares)
+                   pipe_dir, log_dir, shares, levels)
 
 
 def preview(cfg, control_binary: str | None) -> dict[str, Any]:
@@ -186,7 +192,8 @@ class GpuSharing:
         blocker = cfg.gpu_sharing_auto_blocker() if g.mode == "auto" else None
         binary = find_control_binary() if g.mode == "mps" or (g.mode == "auto" and blocker is None) else None
         plan = plan_mps(g.mode, {"rollout": g.rollout_sm_percent, "learner": g.learner_sm_percent}, os.environ,
-                        run_dir, lambda pipe_dir: daemon_answers(binary, pipe_dir), binary, blocker)
+                        run_dir, lambda pipe_dir: daemon_answers(binary, pipe_dir), binary, blocker,
+                        priority={"learner": g.learner_priority})
         return cls(plan, binary, g.mode)
 
     def env(self, role: str) -> dict[str, str]:
@@ -208,8 +215,7 @@ class GpuSharing:
         if plan.action != "start":
             return
         if not plan.pipe_dir:
-            plan = self.plan = MpsPlan(plan.action, plan.reason, tempfile.mkdtemp(prefix="cp-mps-"), plan.log_dir,
-                                       plan.sm_percent)
+            plan = self.plan = replace(plan, pipe_dir=tempfile.mkdtemp(prefix="cp-mps-"))
         Path(plan.pipe_dir).mkdir(parents=True, exist_ok=True)
         Path(plan.log_dir).mkdir(parents=True, exist_ok=True)
         done = _control(self.binary, plan.pipe_dir, plan.log_dir, None, self.timeout_s)
@@ -243,7 +249,7 @@ class GpuSharing:
                                "daemon": p.action, "reason": p.reason}
         if p.action != "none":
             out.update(pipe_dir=p.pipe_dir, log_dir=p.log_dir, sm_percent=dict(p.sm_percent),
-                       control_binary=self.binary)
+                       priority=dict(p.priority), control_binary=self.binary)
             if p.action == "start":
                 out["quit"] = self.quit
         return out

@@ -69,6 +69,18 @@ def test_plan_env_per_role():
     assert joined.log_dir == "/logs" and joined.env("rollout") == {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps"}
 
 
+def test_a_below_normal_learner_gets_the_client_priority_and_the_replica_does_not():
+    levels = {"learner": "below_normal"}
+    for got in (plan_mps("mps", SHARES, {}, RUN, lambda d: False, "/bin/mps-control", priority=levels),
+                plan_mps("auto", SHARES, {}, RUN, lambda d: d == "/tmp/nvidia-mps", "/bin/mps-control", priority=levels)):
+        assert got.env("learner") == {"CUDA_MPS_PIPE_DIRECTORY": got.pipe_dir,
+                                      "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50", "CUDA_MPS_CLIENT_PRIORITY": "1"}
+        assert "CUDA_MPS_CLIENT_PRIORITY" not in got.env("rollout")
+        assert got.priority == {"rollout": "normal", "learner": "below_normal"}
+    assert "CUDA_MPS_CLIENT_PRIORITY" not in plan().env("learner")  # normal: CUDA's own default, nothing set
+    assert plan_mps("auto", SHARES, {}, RUN, lambda d: False, None, priority=levels).env("learner") == {}
+
+
 def test_plan_without_control_binary_is_one_line():
     with pytest.raises(ValueError, match="nvidia-cuda-mps-control is neither on PATH") as err:
         plan(binary=None)
@@ -88,6 +100,12 @@ GPU_RUN = {"rollout": {"num_gpus": 0.4}, "learner": {"use_gpu": True, "gpus_per_
     ({"gpu_sharing": {"mode": "mps", "learner_sm_percent": 0}, **GPU_RUN}, "learner_sm_percent"),
     ({"gpu_sharing": {"mode": "mps", "rollout_sm_percent": 101}, **GPU_RUN}, "rollout_sm_percent"),
     ({"gpu_sharing": {"mode": "green"}}, "mode"),
+    ({"gpu_sharing": {"mode": "mps", "learner_priority": "high"}, **GPU_RUN}, "learner_priority"),
+    # an MPS setting beside mode=timeslice would do nothing: refused, not ignored
+    ({"gpu_sharing": {"mode": "timeslice", "learner_priority": "below_normal"}, **GPU_RUN},
+     "gpu_sharing.learner_priority applies under MPS only"),
+    ({"gpu_sharing": {"mode": "timeslice", "learner_sm_percent": 30}, **GPU_RUN},
+     "gpu_sharing.learner_sm_percent applies under MPS only"),
 ])
 def test_config_refuses(tree, needle):
     from config import ConfigError, config_from_dict
@@ -172,17 +190,19 @@ def test_run_starts_its_daemon_and_quits_it(control_binary, tmp_path, monkeypatc
     run_dir = Path(tempfile.mkdtemp(prefix="cp-mps-test-", dir="/tmp")) / "run"
     request.addfinalizer(lambda: shutil.rmtree(run_dir.parent, ignore_errors=True))
     assert len(str(run_dir.resolve() / "mps" / "pipe")) <= MAX_PIPE_DIR_CHARS
-    cfg = RunConfig(gpu_sharing={"mode": "mps"}, **GPU_RUN)
+    cfg = RunConfig(gpu_sharing={"mode": "mps", "learner_priority": "below_normal"}, **GPU_RUN)
     gpu = GpuSharing.for_run(cfg, run_dir)
     assert find_control_binary() == str(control_binary)
     gpu.start()
     pipe = run_dir.resolve() / "mps" / "pipe"
     assert (pipe / "control").exists() and (run_dir / "mps" / "log").is_dir()
-    assert gpu.env("learner")["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe)
+    assert gpu.env("learner") == {"CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50",
+                                  "CUDA_MPS_CLIENT_PRIORITY": "1"}
     gpu.stop()
     assert not (pipe / "control").exists()
     record = gpu.record()
     assert record["daemon"] == "start" and record["quit"] == "ok" and record["sm_percent"] == SHARES
+    assert record["priority"] == {"rollout": "normal", "learner": "below_normal"}
     calls = (tmp_path / "calls.log").read_text().split("\n")
     assert f"{pipe} -d {run_dir.resolve()}/mps/log" in calls  # the daemon got its log directory
     assert calls[-2].startswith(str(pipe)) and "stdin" in calls[-2]  # quit last

@@ -18,7 +18,9 @@
 #   loop SHAPES          counterpoint's step loop in one process with the vLLM engine (no Ray)
 #   decode MODEL PROMPTS [--set k=v ...]   where generation time goes (bench/vllm_decode.py)
 #   train SHAPES MODES [--set k=v ...]   `counterpoint train` on Ray (bench/gpu_vs_trl.py train); e.g.
-#                        one_step_off runs under CUDA MPS by default (gpu_sharing.mode=auto), --set gpu_sharing.mode=timeslice without
+#                        one_step_off runs under CUDA MPS by default (gpu_sharing.mode=auto), --set gpu_sharing.mode=timeslice without,
+#                        --set gpu_sharing.learner_priority=below_normal [--set gpu_sharing.learner_sm_percent=100]
+#                        with the replica's decode kernels scheduled ahead of the update's
 #                        or --set rollout.quantization=fp8 for fp8 rollouts (vLLM's online fp8, LoRA
 #                        unmerged; rows keep ppl_ratio, rollout_k3_kl, tis_clip_frac; 0.6B/4B shapes only)
 #   memory SHAPES [--set k=v ...] [--trl-arg=FLAG ...] [--systems ...]   GPU memory per process and
