@@ -6,6 +6,8 @@ which vLLM's rank processes inherit, while a replica wider than the node is refu
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.synthetic import make_lora_payload
@@ -37,6 +39,7 @@ def _sample_both_ways(tp: int) -> dict:
         engine.load_adapter(payload)
         out["adapter"] = engine.generate(PROMPTS, SEEDED, 1)
         out["world"] = engine.llm.llm_engine.vllm_config.parallel_config.world_size
+        out["store_files"] = {f: Path(f).exists() for f in engine.store_files}
         return out
     finally:
         engine.close()
@@ -53,6 +56,10 @@ def test_tp2_samples_what_tp1_samples():
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= LOGPROB_TOL, kind
     # the adapter moved the distribution on both: the comparison above covers LoRA on every rank
     assert any(a.logprobs != b.logprobs for a, b in zip(one["base"], one["adapter"]))
+    # vLLM's rendezvous file (one for all ranks): there while the engine lived, gone with its close
+    for got in (one, two):
+        ((path, existed),) = got["store_files"].items()
+        assert Path(path).name.startswith("vllm_dist_") and existed and not Path(path).exists()
 
 
 def test_a_tp2_replica_holds_both_gpus_of_its_node():

@@ -239,6 +239,11 @@ def sweep_adapter_roots(tmp: Path) -> list[Path]:
     return removed
 
 
+def remove_files(paths: list[str]) -> None:
+    for path in paths:
+        Path(path).unlink(missing_ok=True)
+
+
 class VllmEngine(Engine):
     kind = "vllm"
 
@@ -297,6 +302,7 @@ class VllmEngine(Engine):
         getattr(vllm_envs, "disable_envs_cache", lambda: None)()
         t = time.perf_counter()
         self.llm = LLM(**kwargs)
+        self._has_extension = "worker_extension_cls" in kwargs
         self._start_s = time.perf_counter() - t
         self._ids = itertools.count(1)
         self._version = 0
@@ -307,6 +313,9 @@ class VllmEngine(Engine):
         sweep_adapter_roots(Path(tempfile.gettempdir()))
         self._adapter_root = Path(tempfile.mkdtemp(prefix=f"{ADAPTER_ROOT_PREFIX}{os.getpid()}-"))
         self._remove_adapter_root = weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)
+        # vLLM's rendezvous file, removed when the engine goes (a replica killed with SIGKILL leaves it)
+        self.store_files = self._file_store_paths()
+        self._remove_store_files = weakref.finalize(self, remove_files, self.store_files)
         self._in_weights = 0  # merged: the version written into the weights (0 = the base model)
         self._load_s: list[float] = []
         self._merge_parts_s: list[tuple[float, float]] = []  # merged: (read onto the device, merge)
@@ -320,6 +329,21 @@ class VllmEngine(Engine):
 
     def close(self) -> None:
         self._remove_adapter_root()
+        self._remove_store_files()
+
+    def _file_store_paths(self) -> list[str]:
+        """The files of vLLM's rendezvous that this engine's ranks use, each rank asked: through
+        the worker extension, else with a function (which vLLM sends its ranks only from an
+        engine core in this process; a CPU engine core in a child without merged LoRA: unknown)."""
+        from rollout.engines.vllm_merge import rank_file_store
+
+        if self._has_extension:
+            paths = self.llm.collective_rpc("counterpoint_file_store")
+        elif not self.settings.multiprocessing:
+            paths = self.llm.collective_rpc(rank_file_store)
+        else:
+            paths = []
+        return sorted({p for p in paths if p})
 
     @staticmethod
     def _install_grouped_lora_ops(parallel_size: int = 1) -> None:

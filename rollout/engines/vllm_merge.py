@@ -206,6 +206,29 @@ def release_merge_cache(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+FILE_STORE_PREFIX = "vllm_dist_"  # vllm/utils/network_utils.py get_file_store_init_method
+
+
+def file_store_path() -> str | None:
+    """The file behind this process's torch.distributed store when it is vLLM's single-host
+    rendezvous (``<tmp>/vllm_dist_<uuid>``); None otherwise. vLLM never removes that file (nor
+    does torch while the store lives), so every engine start left one in /tmp."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):  # PrefixStore(s) around the FileStore
+        store = store.underlying_store
+    path = getattr(store, "path", None)
+    return path if path and Path(path).name.startswith(FILE_STORE_PREFIX) else None
+
+
+def rank_file_store(worker) -> str | None:
+    """file_store_path in a rank's process, as vLLM's collective_rpc calls a function: (worker)."""
+    return file_store_path()
+
+
 class MergedLoraExtension:
     """Methods vLLM mixes into its Worker; ``self`` is that worker (model_runner, model_config).
 
@@ -310,6 +333,10 @@ class MergedLoraExtension:
         if device.type != "cuda":
             return None
         return device_memory(model, getattr(self.model_runner, "kv_caches", ()), torch.cuda.memory_stats(device))
+
+    def counterpoint_file_store(self) -> str | None:
+        """This rank's vLLM rendezvous file (vllm_engine.file_store_path), for its engine to remove at close."""
+        return file_store_path()
 
     def counterpoint_use(self, version: int) -> int:
         """Write W0 (version 0) or the held adapter back into the weights; returns the version."""
