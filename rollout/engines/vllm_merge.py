@@ -217,9 +217,12 @@ def file_store_path() -> str | None:
 
     if not dist.is_available() or not dist.is_initialized():
         return None
-    store = dist.distributed_c10d._get_default_store()
-    while hasattr(store, "underlying_store"):  # PrefixStore(s) around the FileStore
-        store = store.underlying_store
+    try:  # private torch API, and only a clean-up rides on it: it must never stop an engine's start
+        store = dist.distributed_c10d._get_default_store()
+        while hasattr(store, "underlying_store"):  # PrefixStore(s) around the FileStore
+            store = store.underlying_store
+    except Exception:  # noqa: BLE001
+        return None
     path = getattr(store, "path", None)
     return path if path and Path(path).name.startswith(FILE_STORE_PREFIX) else None
 
