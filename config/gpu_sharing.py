@@ -11,7 +11,7 @@ client (an illegal address, an out-of-memory abort) ends the other clients of it
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -53,10 +53,9 @@ class GpuSharingConfig(BaseModel):
         "(learner_sm_percent), so the default leaves the priority as CUDA sets it."
     )
 
-    MPS_ONLY: ClassVar[tuple[str, ...]] = ("learner_sm_percent", "rollout_sm_percent", "learner_priority")
-
-    def mps_settings_under_timeslice(self) -> list[str]:
-        """The MPS settings given explicitly beside mode=timeslice, which would silently do nothing."""
-        if self.mode != "timeslice":
-            return []
-        return [name for name in self.MPS_ONLY if name in self.model_fields_set]
+    def priority_under_timeslice(self) -> bool:
+        """A learner priority beside mode=timeslice, where no MPS client exists for it to apply to.
+        By value, not by what was written: run.json carries every field, defaults included. (An
+        SM share beside timeslice stays allowed, as before: refusing it now could stop the resume
+        of a run that recorded one.)"""
+        return self.mode == "timeslice" and self.learner_priority != "normal"

@@ -214,10 +214,9 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _mps_has_a_gpu_to_share(self) -> "RunConfig":
-        ignored = self.gpu_sharing.mps_settings_under_timeslice()
-        if ignored:
-            raise ValueError(f"gpu_sharing.{ignored[0]} applies under MPS only, and gpu_sharing.mode=timeslice "
-                             "runs without it: drop the setting, or use mode=mps or auto")
+        if self.gpu_sharing.priority_under_timeslice():
+            raise ValueError(f"gpu_sharing.learner_priority={self.gpu_sharing.learner_priority} applies under MPS "
+                             "only, and gpu_sharing.mode=timeslice runs without it: drop it, or use mode=mps or auto")
         if self.gpu_sharing.mode != "mps":
             return self
         why = ("rollout.num_gpus=0 (a CPU-only rollout)" if self.rollout.num_gpus == 0

@@ -101,17 +101,23 @@ GPU_RUN = {"rollout": {"num_gpus": 0.4}, "learner": {"use_gpu": True, "gpus_per_
     ({"gpu_sharing": {"mode": "mps", "rollout_sm_percent": 101}, **GPU_RUN}, "rollout_sm_percent"),
     ({"gpu_sharing": {"mode": "green"}}, "mode"),
     ({"gpu_sharing": {"mode": "mps", "learner_priority": "high"}, **GPU_RUN}, "learner_priority"),
-    # an MPS setting beside mode=timeslice would do nothing: refused, not ignored
+    # a priority beside mode=timeslice would do nothing: refused, not ignored
     ({"gpu_sharing": {"mode": "timeslice", "learner_priority": "below_normal"}, **GPU_RUN},
-     "gpu_sharing.learner_priority applies under MPS only"),
-    ({"gpu_sharing": {"mode": "timeslice", "learner_sm_percent": 30}, **GPU_RUN},
-     "gpu_sharing.learner_sm_percent applies under MPS only"),
+     "gpu_sharing.learner_priority=below_normal applies under MPS only"),
 ])
 def test_config_refuses(tree, needle):
     from config import ConfigError, config_from_dict
 
     with pytest.raises(ConfigError, match=needle):
         config_from_dict(tree, "test")
+
+
+def test_a_timeslice_config_written_out_whole_loads_again():
+    """run.json carries every field, defaults included: a resume must read it back."""
+    for tree in ({"gpu_sharing": {"mode": "timeslice"}}, {"gpu_sharing": {"mode": "timeslice",
+                                                                          "learner_sm_percent": 30}}):
+        cfg = RunConfig(**tree, **GPU_RUN)
+        assert RunConfig.model_validate(cfg.model_dump()) == cfg
 
 
 def test_config_accepts_mps_on_a_shared_gpu_and_defaults_to_auto():
