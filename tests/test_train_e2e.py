@@ -215,10 +215,10 @@ MAY_PEND = {"CounterpointTargetDown"}
 def standalone_grader(log_path: Path):
     """`counterpoint grader serve --metrics-port` as deploy/prometheus/prometheus.yml's
     counterpoint-graders job scrapes it, with the smoke run's grader options. Yields
-    (gRPC address, metrics port)."""
-    port, metrics_port = free_port(), free_port()
+    (gRPC address, metrics port). Both ports are 0: the server binds free ones and prints them (a
+    port picked here could be taken before the server bound it)."""
     log = open(log_path, "w")
-    proc = subprocess.Popen(CLI + ["grader", "serve", "--port", str(port), "--metrics-port", str(metrics_port),
+    proc = subprocess.Popen(CLI + ["grader", "serve", "--port", "0", "--metrics-port", "0",
                                    "--voices", "2", "--style", "common-practice", "--checker", "reference"],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                             start_new_session=True)
@@ -227,7 +227,10 @@ def standalone_grader(log_path: Path):
         while "serving on" not in log_path.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, f"grader serve did not start:\n{log_path.read_text()}"
             time.sleep(0.2)
-        yield f"127.0.0.1:{port}", metrics_port
+        printed = log_path.read_text()
+        address = re.search(r"serving on (127\.0\.0\.1:\d+)", printed).group(1)
+        metrics_port = int(re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", printed).group(1))
+        yield address, metrics_port
     finally:
         proc.terminate()
         try:
