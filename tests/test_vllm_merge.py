@@ -251,11 +251,12 @@ def test_the_worker_extension_is_mixed_into_vllms_worker_and_answers_by_name():
 def test_adapter_directories_of_dead_engines_are_swept_and_live_ones_kept(tmp_path):
     """An engine's unmerged adapters live under <tmp>/cp-vllm-adapters-<pid>-*; a replica killed
     with SIGKILL never removes its own, so the next engine removes those of dead processes, and
-    only those (a live engine's, or a name it cannot read, stay)."""
+    only those (a live engine's, or a name it cannot read, stay), with the vLLM rendezvous files
+    the dead engine listed there."""
     import subprocess
     import sys
 
-    from rollout.engines.vllm_engine import ADAPTER_ROOT_PREFIX, sweep_adapter_roots
+    from rollout.engines.vllm_engine import ADAPTER_ROOT_PREFIX, STORE_LIST, sweep_adapter_roots
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # its pid is now free: a dead engine's
@@ -265,8 +266,16 @@ def test_adapter_directories_of_dead_engines_are_swept_and_live_ones_kept(tmp_pa
     other = tmp_path / "something-else"
     for d in (dead, live, odd, other):
         (d / "v3-x").mkdir(parents=True)
+    # the vLLM rendezvous files each engine listed: the dead one's go with it, never another name
+    dead_store, live_store, not_a_store = (tmp_path / "vllm_dist_dead", tmp_path / "vllm_dist_live",
+                                           tmp_path / "notes.txt")
+    for f in (dead_store, live_store, not_a_store):
+        f.write_text("x")
+    (dead / STORE_LIST).write_text(f"{dead_store}\n{not_a_store}")
+    (live / STORE_LIST).write_text(str(live_store))
     assert sweep_adapter_roots(tmp_path) == [dead]
     assert not dead.exists() and live.exists() and odd.exists() and other.exists()
+    assert not dead_store.exists() and live_store.exists() and not_a_store.exists()
 
 
 def test_device_memory_reads_the_allocator_and_counts_each_storage_once():

@@ -223,10 +223,13 @@ def engine_kwargs(model_dir: Path, model_cfg: ModelConfig, rollout_cfg: RolloutC
 ADAPTER_ROOT_PREFIX = "cp-vllm-adapters-"
 
 
+STORE_LIST = "vllm-rendezvous-files"  # in an engine's adapter root: the files of its ranks' stores
+
+
 def sweep_adapter_roots(tmp: Path) -> list[Path]:
     """Remove the adapter directories (``<tmp>/cp-vllm-adapters-<pid>-*``) of engines whose
-    process is gone: a replica killed with SIGKILL never runs its own clean-up. Returns what
-    it removed."""
+    process is gone, and the vLLM rendezvous files each one lists: a replica killed with SIGKILL
+    never runs its own clean-up. Returns the directories it removed."""
     import psutil  # a vLLM dependency
 
     removed = []
@@ -234,6 +237,11 @@ def sweep_adapter_roots(tmp: Path) -> list[Path]:
         pid = root.name[len(ADAPTER_ROOT_PREFIX):].split("-", 1)[0]
         if not pid.isdigit() or psutil.pid_exists(int(pid)):
             continue
+        listed = root / STORE_LIST
+        if listed.is_file():
+            from rollout.engines.vllm_merge import FILE_STORE_PREFIX
+
+            remove_files([p for p in listed.read_text().split("\n") if Path(p).name.startswith(FILE_STORE_PREFIX)])
         shutil.rmtree(root, ignore_errors=True)
         removed.append(root)
     return removed
@@ -309,13 +317,15 @@ class VllmEngine(Engine):
         self._lora = None  # unmerged: the LoRARequest of the held version
         self._adapter_dir: Path | None = None
         # Unmerged adapters are handed to vLLM as directories: all of them under one directory
-        # of this process, removed when the engine goes (or, after a kill, by the next engine).
+        # of this process, removed when the engine goes (or, after a kill, by the next engine),
+        # which also lists vLLM's rendezvous files for that sweep.
         sweep_adapter_roots(Path(tempfile.gettempdir()))
         self._adapter_root = Path(tempfile.mkdtemp(prefix=f"{ADAPTER_ROOT_PREFIX}{os.getpid()}-"))
         self._remove_adapter_root = weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)
         # vLLM's rendezvous file, removed when the engine goes (a replica killed with SIGKILL leaves it)
         self.store_files = self._file_store_paths()
         self._remove_store_files = weakref.finalize(self, remove_files, self.store_files)
+        (self._adapter_root / STORE_LIST).write_text("\n".join(self.store_files))  # for the sweep, after a kill
         self._in_weights = 0  # merged: the version written into the weights (0 = the base model)
         self._load_s: list[float] = []
         self._merge_parts_s: list[tuple[float, float]] = []  # merged: (read onto the device, merge)
