@@ -12,12 +12,15 @@ import socket
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
 
 from graders.code_exec import sandbox as sb
 from config.code_exec import CodeExecConfig
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _cfg(**kw) -> CodeExecConfig:
@@ -408,3 +411,49 @@ def test_the_wrappers_own_lines_leave_the_tail():
     assert sb.without_wrapper_lines(noisy) == "step 1\nstep 2\n"
     assert sb.without_wrapper_lines("unshare: sigprocmask unblock failed: Invalid argument\n") == ""
     assert sb.without_wrapper_lines("x = 'unshare: inside a line'\nno newline") == "x = 'unshare: inside a line'\nno newline"
+
+
+def test_orphaned_run_dirs_are_this_hosts_of_dead_processes():
+    alive = {10, 20}.__contains__
+    names = ["cp-exec-h1_10_abc", "cp-exec-h1_30_x_y", "cp-exec-h1_40_", "cp-exec-h2_30_abc",
+             "cp-exec-h1-5_30_abc", "cp-exec-h1_notapid_abc", "cp-exec-8c_3lwd", "other_30_x"]
+    # h1's run dirs of dead pids 30 and 40; never host h2's, nor h1-5's (another host, whose name
+    # starts like h1's), nor a name without a pid (the old cp-exec-<random> form)
+    assert sb.orphaned_run_dirs(names, "h1", alive) == ["cp-exec-h1_30_x_y", "cp-exec-h1_40_"]
+    assert sb.run_dir_prefix("h1", 30) == "cp-exec-h1_30_"
+
+
+@pytest.mark.subprocess
+def test_a_grader_killed_mid_run_leaves_a_workspace_that_the_next_sandbox_removes(tmp_path):
+    """A grader process killed with SIGKILL while a script runs never reaches its clean-up: its
+    run directory (the workspace, with the task's files copied in) stays. The next sandbox on
+    the host removes it, and leaves a live process's run directory alone."""
+    import subprocess
+    import sys
+
+    work = tmp_path / "work"
+    work.mkdir()
+    os.chmod(tmp_path, 0o755)
+    code = (
+        "import sys\n"
+        "from graders.code_exec import sandbox as sb\n"
+        "from config.code_exec import CodeExecConfig\n"
+        f"box = sb.Sandbox(CodeExecConfig(timeout_s=60.0, work_root={str(work)!r}))\n"
+        "print('running', flush=True)\n"
+        "box.run('import time; time.sleep(60)', None)\n"
+    )
+    grader = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert grader.stdout.readline().strip() == "running"
+    deadline = time.monotonic() + 30
+    while not list(work.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (left,) = list(work.iterdir())
+    assert left.name.startswith(sb.run_dir_prefix(socket.gethostname(), grader.pid))
+    grader.kill()
+    grader.wait()
+    time.sleep(0.5)  # the killed grader's script is in its own namespace: it dies with it
+    assert left.is_dir()  # no clean-up ran
+    live = work / f"{sb.run_dir_prefix(socket.gethostname(), os.getpid())}keep"
+    live.mkdir()
+    sb.Sandbox(_cfg(work_root=str(work)))
+    assert not left.exists() and live.is_dir()

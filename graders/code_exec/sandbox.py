@@ -31,6 +31,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -425,8 +426,31 @@ class _TailReader(threading.Thread):
         return b"".join(self.buf)[-self.keep:].decode("utf-8", "replace")
 
 
+RUN_DIR_PREFIX = "cp-exec-"
+
+
+def run_dir_prefix(host: str, pid: int) -> str:
+    """An execution's directory names its host and process: ``cp-exec-<host>_<pid>_<random>`` (a
+    host name has no underscore, so no host's prefix is another's)."""
+    return f"{RUN_DIR_PREFIX}{host}_{pid}_"
+
+
+def orphaned_run_dirs(names: list[str], host: str, pid_exists) -> list[str]:
+    """The execution directories of this host whose process is gone: a grader killed mid-run
+    (SIGKILL, a node's OOM killer) leaves its run's workspace, with the task's data copied into
+    it. Another host's (a shared work_root) and unreadable names are never chosen."""
+    mine = f"{RUN_DIR_PREFIX}{host}_"
+    out = []
+    for name in names:
+        pid = name[len(mine):].partition("_")[0] if name.startswith(mine) else ""
+        if pid.isdigit() and not pid_exists(int(pid)):
+            out.append(name)
+    return out
+
+
 class Sandbox:
-    """Runs scripts under the configured limits; at most `max_concurrent` at once per instance."""
+    """Runs scripts under the configured limits; at most `max_concurrent` at once per instance.
+    A new one removes what killed ones left in its work_root (``orphaned_run_dirs``)."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -444,6 +468,12 @@ class Sandbox:
         self.as_root = os.geteuid() == 0
         self._slots = threading.BoundedSemaphore(cfg.max_concurrent)
         self.work_root = cfg.work_root or tempfile.gettempdir()
+        self._host = socket.gethostname()
+        import psutil  # a project dependency
+
+        present = os.listdir(self.work_root) if os.path.isdir(self.work_root) else []
+        for name in orphaned_run_dirs(present, self._host, psutil.pid_exists):
+            shutil.rmtree(os.path.join(self.work_root, name), ignore_errors=True)
         base = baseline_bytes()
         self.limits = Limits(
             wall_s=cfg.timeout_s, grace_s=cfg.grace_s, cpu_s=cfg.cpu_s,
@@ -482,7 +512,7 @@ class Sandbox:
 
     def _run(self, script, files_dir, collect, collect_max_bytes):
         lease = None
-        run_dir = tempfile.mkdtemp(prefix="cp-exec-", dir=self.work_root)
+        run_dir = tempfile.mkdtemp(prefix=run_dir_prefix(self._host, os.getpid()), dir=self.work_root)
         try:
             ws = os.path.join(run_dir, "workspace")
             os.mkdir(ws, 0o755)
