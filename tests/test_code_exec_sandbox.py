@@ -423,11 +423,18 @@ def test_orphaned_run_dirs_are_this_hosts_of_dead_processes():
     assert sb.run_dir_prefix("h1", 30) == "cp-exec-h1_30_"
 
 
+def _sandbox_uid_processes(cfg: CodeExecConfig) -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["uids"])
+            if p.info["uids"] and cfg.uid_base <= p.info["uids"].real < cfg.uid_base + cfg.uid_count]
+
+
 @pytest.mark.subprocess
-def test_a_grader_killed_mid_run_leaves_a_workspace_that_the_next_sandbox_removes(tmp_path):
-    """A grader process killed with SIGKILL while a script runs never reaches its clean-up: its
-    run directory (the workspace, with the task's files copied in) stays. The next sandbox on
-    the host removes it, and leaves a live process's run directory alone."""
+def test_a_grader_killed_mid_run_leaves_a_script_and_a_workspace_that_the_next_sandbox_ends(tmp_path):
+    """A grader process killed with SIGKILL while a script runs never reaches its clean-up: the
+    script runs on under its sandbox uid with nobody to enforce its wall clock (a sleep uses no
+    CPU time: it would run forever), and its run directory (the workspace, with the task's
+    files copied in) stays. The next sandbox on the host kills the script and removes the
+    directory, and leaves a live process's run directory alone."""
     import subprocess
     import sys
 
@@ -449,11 +456,19 @@ def test_a_grader_killed_mid_run_leaves_a_workspace_that_the_next_sandbox_remove
         time.sleep(0.1)
     (left,) = list(work.iterdir())
     assert left.name.startswith(sb.run_dir_prefix(socket.gethostname(), grader.pid))
+    cfg = _cfg(work_root=str(work))
+    assert os.geteuid() == 0  # this box runs scripts under leased sandbox uids (as CI's does)
+    deadline = time.monotonic() + 30
+    while not _sandbox_uid_processes(cfg) and time.monotonic() < deadline:
+        time.sleep(0.1)
     grader.kill()
     grader.wait()
-    time.sleep(0.5)  # the killed grader's script is in its own namespace: it dies with it
-    assert left.is_dir()  # no clean-up ran
+    time.sleep(1.0)
+    orphans = _sandbox_uid_processes(cfg)
+    assert orphans and left.is_dir()  # the script runs on, and no clean-up ran
     live = work / f"{sb.run_dir_prefix(socket.gethostname(), os.getpid())}keep"
     live.mkdir()
-    sb.Sandbox(_cfg(work_root=str(work)))
+    sb.Sandbox(cfg)
+    gone, alive = psutil.wait_procs(orphans, timeout=10)
+    assert not alive and not _sandbox_uid_processes(cfg)
     assert not left.exists() and live.is_dir()

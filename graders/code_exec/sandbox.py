@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import logging
 import os
 import re
 import shlex
@@ -39,6 +40,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 LEVELS = ("none", "namespaces")
 SETUP_FAIL = 111
@@ -335,23 +338,31 @@ def detect_isolation() -> tuple[str, str]:
 # ---------------------------------------------------------------- uid leases
 
 
+def _lock_uid(uid: int) -> int | None:
+    """The flock of one sandbox uid, held by whoever runs a script under it (None: someone
+    does). The kernel drops it when its holder dies, however it dies."""
+    lock_dir = Path(tempfile.gettempdir()) / "counterpoint-sandbox-uids"
+    lock_dir.mkdir(mode=0o700, exist_ok=True)
+    fd = os.open(lock_dir / f"{uid}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 class _UidLease:
     """An exclusive lock on one uid of [base, base+count) across processes (flock files)."""
 
     def __init__(self, base: int, count: int):
-        lock_dir = Path(tempfile.gettempdir()) / "counterpoint-sandbox-uids"
-        lock_dir.mkdir(mode=0o700, exist_ok=True)
         start = (os.getpid() * 7919) % count
         for i in range(count):
             uid = base + (start + i) % count
-            fd = os.open(lock_dir / f"{uid}.lock", os.O_CREAT | os.O_RDWR, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            self.uid, self._fd = uid, fd
-            return
+            fd = _lock_uid(uid)
+            if fd is not None:
+                self.uid, self._fd = uid, fd
+                return
         raise ResourceExhausted(f"all {count} sandbox uids from {base} are in use")
 
     def release(self) -> None:
@@ -384,6 +395,31 @@ def kill_uid(uid: int, rounds: int = 5) -> int:
             except ProcessLookupError:
                 pass
         time.sleep(0.01)
+    return killed
+
+
+def kill_orphaned_scripts(base: int, count: int) -> int:
+    """SIGKILL what still runs under a sandbox uid of [base, base+count) that no live sandbox
+    leases: a grader killed mid-run (SIGKILL, the OOM killer) leaves its script running, and
+    nothing enforces its wall-clock limit any more. Returns how many processes it killed."""
+    uids = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                uid = os.stat(f"/proc/{d}").st_uid
+            except FileNotFoundError:
+                continue
+            if base <= uid < base + count:
+                uids.add(uid)
+    killed = 0
+    for uid in sorted(uids):
+        fd = _lock_uid(uid)
+        if fd is None:  # a live sandbox's script
+            continue
+        try:
+            killed += kill_uid(uid)
+        finally:
+            os.close(fd)
     return killed
 
 
@@ -450,7 +486,8 @@ def orphaned_run_dirs(names: list[str], host: str, pid_exists) -> list[str]:
 
 class Sandbox:
     """Runs scripts under the configured limits; at most `max_concurrent` at once per instance.
-    A new one removes what killed ones left in its work_root (``orphaned_run_dirs``)."""
+    A new one ends the scripts killed graders left running (``kill_orphaned_scripts``) and
+    removes their run directories from its work_root (``orphaned_run_dirs``)."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -469,6 +506,10 @@ class Sandbox:
         self._slots = threading.BoundedSemaphore(cfg.max_concurrent)
         self.work_root = cfg.work_root or tempfile.gettempdir()
         self._host = socket.gethostname()
+        if self.isolation == "namespaces" and self.as_root:  # scripts run under leased uids
+            orphans = kill_orphaned_scripts(cfg.uid_base, cfg.uid_count)
+            if orphans:
+                log.warning("code-exec: killed %d process(es) of scripts whose grader had died", orphans)
         import psutil  # a project dependency
 
         present = os.listdir(self.work_root) if os.path.isdir(self.work_root) else []
