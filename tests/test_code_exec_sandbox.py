@@ -423,6 +423,11 @@ def test_orphaned_run_dirs_are_this_hosts_of_dead_processes():
     assert sb.run_dir_prefix("h1", 30) == "cp-exec-h1_30_"
 
 
+# A uid range of this test's own: a sandbox started meanwhile by another test of the suite (its
+# default range) must not end this test's orphan before the test has seen it.
+OWN_UIDS = {"uid_base": 64000, "uid_count": 8}
+
+
 def _sandbox_uid_processes(cfg: CodeExecConfig) -> list[psutil.Process]:
     return [p for p in psutil.process_iter(["uids"])
             if p.info["uids"] and cfg.uid_base <= p.info["uids"].real < cfg.uid_base + cfg.uid_count]
@@ -445,7 +450,7 @@ def test_a_grader_killed_mid_run_leaves_a_script_and_a_workspace_that_the_next_s
         "import sys\n"
         "from graders.code_exec import sandbox as sb\n"
         "from config.code_exec import CodeExecConfig\n"
-        f"box = sb.Sandbox(CodeExecConfig(timeout_s=60.0, work_root={str(work)!r}))\n"
+        f"box = sb.Sandbox(CodeExecConfig(timeout_s=60.0, work_root={str(work)!r}, **{OWN_UIDS!r}))\n"
         "print('running', flush=True)\n"
         "box.run('import time; time.sleep(60)', None)\n"
     )
@@ -456,7 +461,7 @@ def test_a_grader_killed_mid_run_leaves_a_script_and_a_workspace_that_the_next_s
         time.sleep(0.1)
     (left,) = list(work.iterdir())
     assert left.name.startswith(sb.run_dir_prefix(socket.gethostname(), grader.pid))
-    cfg = _cfg(work_root=str(work))
+    cfg = _cfg(work_root=str(work), **OWN_UIDS)
     assert os.geteuid() == 0  # this box runs scripts under leased sandbox uids (as CI's does)
     deadline = time.monotonic() + 30
     while not _sandbox_uid_processes(cfg) and time.monotonic() < deadline:
