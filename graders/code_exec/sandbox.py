@@ -41,6 +41,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
+
 log = logging.getLogger(__name__)
 
 LEVELS = ("none", "namespaces")
@@ -510,8 +512,6 @@ class Sandbox:
             orphans = kill_orphaned_scripts(cfg.uid_base, cfg.uid_count)
             if orphans:
                 log.warning("code-exec: killed %d process(es) of scripts whose grader had died", orphans)
-        import psutil  # a project dependency
-
         present = os.listdir(self.work_root) if os.path.isdir(self.work_root) else []
         for name in orphaned_run_dirs(present, self._host, psutil.pid_exists):
             shutil.rmtree(os.path.join(self.work_root, name), ignore_errors=True)

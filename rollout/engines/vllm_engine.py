@@ -232,6 +232,8 @@ def sweep_adapter_roots(tmp: Path) -> list[Path]:
     never runs its own clean-up. Returns the directories it removed."""
     import psutil  # a vLLM dependency
 
+    from rollout.engines.vllm_merge import FILE_STORE_PREFIX
+
     removed = []
     for root in tmp.glob(f"{ADAPTER_ROOT_PREFIX}*"):
         pid = root.name[len(ADAPTER_ROOT_PREFIX):].split("-", 1)[0]
@@ -239,8 +241,6 @@ def sweep_adapter_roots(tmp: Path) -> list[Path]:
             continue
         listed = root / STORE_LIST
         if listed.is_file():
-            from rollout.engines.vllm_merge import FILE_STORE_PREFIX
-
             remove_files([p for p in listed.read_text().split("\n") if Path(p).name.startswith(FILE_STORE_PREFIX)])
         shutil.rmtree(root, ignore_errors=True)
         removed.append(root)
@@ -310,7 +310,6 @@ class VllmEngine(Engine):
         getattr(vllm_envs, "disable_envs_cache", lambda: None)()
         t = time.perf_counter()
         self.llm = LLM(**kwargs)
-        self._has_extension = "worker_extension_cls" in kwargs
         self._start_s = time.perf_counter() - t
         self._ids = itertools.count(1)
         self._version = 0
@@ -323,7 +322,7 @@ class VllmEngine(Engine):
         self._adapter_root = Path(tempfile.mkdtemp(prefix=f"{ADAPTER_ROOT_PREFIX}{os.getpid()}-"))
         self._remove_adapter_root = weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)
         # vLLM's rendezvous file, removed when the engine goes (a replica killed with SIGKILL leaves it)
-        self.store_files = self._file_store_paths()
+        self.store_files = self._file_store_paths(has_extension="worker_extension_cls" in kwargs)
         self._remove_store_files = weakref.finalize(self, remove_files, self.store_files)
         (self._adapter_root / STORE_LIST).write_text("\n".join(self.store_files))  # for the sweep, after a kill
         self._in_weights = 0  # merged: the version written into the weights (0 = the base model)
@@ -341,13 +340,13 @@ class VllmEngine(Engine):
         self._remove_adapter_root()
         self._remove_store_files()
 
-    def _file_store_paths(self) -> list[str]:
+    def _file_store_paths(self, has_extension: bool) -> list[str]:
         """The files of vLLM's rendezvous that this engine's ranks use, each rank asked: through
         the worker extension, else with a function (which vLLM sends its ranks only from an
         engine core in this process; a CPU engine core in a child without merged LoRA: unknown)."""
         from rollout.engines.vllm_merge import rank_file_store
 
-        if self._has_extension:
+        if has_extension:
             paths = self.llm.collective_rpc("counterpoint_file_store")
         elif not self.settings.multiprocessing:
             paths = self.llm.collective_rpc(rank_file_store)

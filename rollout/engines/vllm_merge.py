@@ -338,7 +338,7 @@ class MergedLoraExtension:
         return device_memory(model, getattr(self.model_runner, "kv_caches", ()), torch.cuda.memory_stats(device))
 
     def counterpoint_file_store(self) -> str | None:
-        """This rank's vLLM rendezvous file (vllm_engine.file_store_path), for its engine to remove at close."""
+        """This rank's vLLM rendezvous file (file_store_path), for its engine to remove at close."""
         return file_store_path()
 
     def counterpoint_use(self, version: int) -> int:
