@@ -434,20 +434,20 @@ def _sandbox_uid_processes(cfg: CodeExecConfig) -> list[psutil.Process]:
 
 
 @pytest.mark.subprocess
-def test_a_grader_killed_mid_run_leaves_a_script_and_a_workspace_that_the_next_sandbox_ends(tmp_path):
-    """A grader process killed with SIGKILL while a script runs never reaches its clean-up: the
-    script runs on under its sandbox uid with nobody to enforce its wall clock (a sleep uses no
-    CPU time: it would run forever), and its run directory (the workspace, with the task's
-    files copied in) stays. The next sandbox on the host kills the script and removes the
-    directory, and leaves a live process's run directory alone."""
+def test_a_grader_killed_mid_run_takes_its_script_along_and_the_next_sandbox_removes_its_workspace(tmp_path):
+    """A grader process killed with SIGKILL while a script runs never reaches its clean-up. Its
+    script must not run on with nobody to enforce its wall clock (a sleep uses no CPU time: it
+    would run forever): the wrapper's parent-death signal ends it at once, with no other sandbox
+    started. The run directory (the workspace, with the task's files copied in) stays, and the
+    next sandbox on the host removes it, and leaves a live process's run directory alone."""
     import subprocess
     import sys
 
+    assert sb.parent_death_prefix()  # util-linux 2.38 here and on CI
     work = tmp_path / "work"
     work.mkdir()
     os.chmod(tmp_path, 0o755)
     code = (
-        "import sys\n"
         "from graders.code_exec import sandbox as sb\n"
         "from config.code_exec import CodeExecConfig\n"
         f"box = sb.Sandbox(CodeExecConfig(timeout_s=60.0, work_root={str(work)!r}, **{OWN_UIDS!r}))\n"
@@ -456,24 +456,50 @@ def test_a_grader_killed_mid_run_leaves_a_script_and_a_workspace_that_the_next_s
     )
     grader = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert grader.stdout.readline().strip() == "running"
-    deadline = time.monotonic() + 30
-    while not list(work.iterdir()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    (left,) = list(work.iterdir())
-    assert left.name.startswith(sb.run_dir_prefix(socket.gethostname(), grader.pid))
     cfg = _cfg(work_root=str(work), **OWN_UIDS)
     assert os.geteuid() == 0  # this box runs scripts under leased sandbox uids (as CI's does)
     deadline = time.monotonic() + 30
     while not _sandbox_uid_processes(cfg) and time.monotonic() < deadline:
         time.sleep(0.1)
+    scripts = _sandbox_uid_processes(cfg)
+    assert scripts
+    (left,) = list(work.iterdir())
+    assert left.name.startswith(sb.run_dir_prefix(socket.gethostname(), grader.pid))
     grader.kill()
     grader.wait()
-    time.sleep(1.0)
-    orphans = _sandbox_uid_processes(cfg)
-    assert orphans and left.is_dir()  # the script runs on, and no clean-up ran
+    gone, alive = psutil.wait_procs(scripts, timeout=10)
+    assert not alive and not _sandbox_uid_processes(cfg)
+    assert left.is_dir()  # no clean-up ran
     live = work / f"{sb.run_dir_prefix(socket.gethostname(), os.getpid())}keep"
     live.mkdir()
     sb.Sandbox(cfg)
-    gone, alive = psutil.wait_procs(orphans, timeout=10)
-    assert not alive and not _sandbox_uid_processes(cfg)
     assert not left.exists() and live.is_dir()
+
+
+@pytest.mark.subprocess
+def test_a_new_sandbox_kills_what_runs_under_a_sandbox_uid_that_nobody_leases():
+    """The net under the parent-death signal (a util-linux without ``--pdeathsig``, a wrapper
+    that outlived its grader some other way): a process under a sandbox uid whose lease nobody
+    holds is an orphaned script's and is killed; one under a uid that a live sandbox leases is
+    its running script's and is kept."""
+    import subprocess
+
+    cfg = _cfg(**OWN_UIDS)
+    orphan_uid, leased_uid = cfg.uid_base + 1, cfg.uid_base + 2
+    lease = sb._lock_uid(leased_uid)
+    assert lease is not None
+    procs = [subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sleep", "60"],
+                              start_new_session=True) for uid in (orphan_uid, leased_uid)]
+    try:
+        deadline = time.monotonic() + 10
+        while len(_sandbox_uid_processes(cfg)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(p.info["uids"].real for p in _sandbox_uid_processes(cfg)) == [orphan_uid, leased_uid]
+        sb.Sandbox(cfg)
+        assert procs[0].wait(timeout=10) == -9
+        assert procs[1].poll() is None
+    finally:
+        os.close(lease)
+        for p in procs:
+            p.kill()
+            p.wait()

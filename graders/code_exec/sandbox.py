@@ -9,6 +9,10 @@ Design (issue 13):
   open files, processes, no core files.
 - Wall-clock timeout enforced by the parent: SIGINT to the group, `grace_s`, then SIGKILL of the
   namespace's pid 1 (which takes every descendant, setsid or not) and of the group; always reaped.
+- Ended with its grader: the wrapper gets SIGKILL as its parent-death signal (util-linux
+  `setpriv --pdeathsig`, no preexec_fn), so a grader killed mid-run (SIGKILL, the OOM killer) takes
+  its script with it instead of leaving it with nobody to enforce the wall clock; `unshare
+  --kill-child` passes the kill on to the namespace's pid 1.
 - Isolation level `namespaces`: `unshare --mount --net --pid --fork` (plus `--user
   --map-root-user` when the grader is not root). Inside, a small sh (pid 1 until it execs the
   script) builds a read-only tmpfs root holding only the interpreter, system libraries, a few
@@ -289,6 +293,23 @@ def baseline_bytes(python: str = sys.executable) -> int:
         return _probe_cache[key]  # type: ignore[return-value]
 
 
+def parent_death_prefix() -> list[str]:
+    """The wrapper that gives a script's process tree SIGKILL when its grader dies:
+    ``setpriv --pdeathsig KILL`` where this util-linux has it (2.33+, cached), else [] (the next
+    sandbox's sweep, ``kill_orphaned_scripts``, is then the only net)."""
+    with _probe_lock:
+        if "pdeathsig" not in _probe_cache:
+            has = False
+            if shutil.which("setpriv"):
+                try:
+                    has = subprocess.run(["setpriv", "--pdeathsig", "KILL", "true"], capture_output=True,
+                                         timeout=30).returncode == 0
+                except (OSError, subprocess.SubprocessError):
+                    has = False
+            _probe_cache["pdeathsig"] = ["setpriv", "--pdeathsig", "KILL"] if has else []
+        return list(_probe_cache["pdeathsig"])  # type: ignore[arg-type]
+
+
 def _ns_prefix(as_root: bool) -> list[str]:
     args = ["unshare", "--mount", "--net", "--pid", "--fork", "--kill-child=SIGKILL",
             "--propagation=private"]
@@ -488,8 +509,10 @@ def orphaned_run_dirs(names: list[str], host: str, pid_exists) -> list[str]:
 
 class Sandbox:
     """Runs scripts under the configured limits; at most `max_concurrent` at once per instance.
-    A new one ends the scripts killed graders left running (``kill_orphaned_scripts``) and
-    removes their run directories from its work_root (``orphaned_run_dirs``)."""
+    A script dies with its grader (``parent_death_prefix``); a new sandbox also ends what still
+    runs under an unleased sandbox uid (``kill_orphaned_scripts``, the net where the wrapper has
+    no parent-death signal) and removes dead graders' run directories from its work_root
+    (``orphaned_run_dirs``)."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -603,9 +626,11 @@ class Sandbox:
         lim = self.limits
         killed_for = []
         t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True, close_fds=True)
+        # The parent-death signal follows the thread that forks, which is this one: it waits
+        # here until the script has ended, so only the process's death sends it.
+        proc = subprocess.Popen([*parent_death_prefix(), *cmd], env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                close_fds=True)
         init_pid: list[int] = []
 
         def find_init():
