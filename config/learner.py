@@ -155,7 +155,9 @@ class LearnerConfig(BaseModel):
         "a Ray run that compiled in its first step took 263 s for it under MPS, 64 s with inductor's on-disk "
         "cache warm. 'auto' = on for a single CUDA worker under strategy ddp, unless cuda_graphs, pack_sequences or share_prompt_prefix is set or the "
         "base is mapped from a replica (model/shared_base.py); off on CPU workers. It replaces fused_lora "
-        "there (fused_lora=auto is off where layers compile). true needs strategy=ddp, cuda_graphs=false, "
+        "there (fused_lora=auto is off where layers compile). true also compiles under ddp over several "
+        "workers and under fsdp2 (the same step to rounding over 2 gloo ranks; not yet timed on GPUs). "
+        "true needs strategy ddp or fsdp2, cuda_graphs=false, "
         "fused_lora not true and share_prompt_prefix not true (its KV cache would make a graph per layer); "
         "with true the shared prefix defaults to off on CPU workers too."
     )
@@ -298,9 +300,9 @@ class LearnerConfig(BaseModel):
     def _compiled_layers_run_where_measured(self) -> "LearnerConfig":
         if self.compile_layers is not True:
             return self
-        if self.strategy != "ddp":
-            raise ValueError(f"learner.compile_layers=true with learner.strategy={self.strategy}: compiled layers "
-                             "are built and tested for ddp only; set compile_layers to auto or false")
+        if self.strategy == "deepspeed":
+            raise ValueError("learner.compile_layers=true with learner.strategy=deepspeed: compiled layers are built "
+                             "and tested for ddp and fsdp2; set compile_layers to auto or false")
         if self.cuda_graphs:
             raise ValueError("learner.compile_layers=true with learner.cuda_graphs=true: two ways to take the "
                              "launches out of the update; set one of them to false")

@@ -16,6 +16,12 @@ micro-batches' rows and lengths change every step, and one symbolic-shape graph 
 all instead of a compile per shape. The first layer gets a second graph, since its input (the
 frozen embedding's output) carries no gradient.
 
+Under strategy=fsdp2 the layers are compiled after fully_shard, which swaps each layer's class
+for a subclass and gathers its weights in forward hooks; dynamo leaves FSDP's hooks out of the
+graph (``torch._dynamo.config.skip_fsdp_hooks``), so the all-gathers run as they do eagerly
+around the compiled layer. Under DDP the gradient all-reduce hooks on the parameters, outside
+any graph. Both over 2 gloo ranks: tests/test_learner_compile.py.
+
 Over peft's own LoRA layers, not learner/fused_lora.py's (refused together): the fused layers look their cast copies
 up by parameter, so dynamo guards on each layer's parameters and compiles a graph per layer
 until its cache limit (measured: 1.70 s a 4x8 step against 0.95 s over peft's layers), and
@@ -51,7 +57,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a transformers model (its ``_no_split_modules`` classes), in order;
     [] where the model declares none."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in names]
+    # by the class or a base: fully_shard swaps each sharded layer's class for a subclass
+    # (FSDP<Name>) that carries its hooks
+    return [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
 
 
 def compile_layers(model: nn.Module) -> int:

@@ -3,6 +3,7 @@
     python tests/fsdp_ranks.py STRATEGY WORLD RANK PORT OUT_DIR [RESUME_FROM]
     python tests/fsdp_ranks.py uneven STRATEGY WORLD RANK PORT OUT_DIR
     python tests/fsdp_ranks.py packed on|off STRATEGY WORLD RANK PORT OUT_DIR
+    python tests/fsdp_ranks.py compiled on|off STRATEGY WORLD RANK PORT OUT_DIR
 
 Each rank builds the learner (learner.strategy=STRATEGY over WORLD gloo ranks on the CPU), takes
 one step on batch 0, saves a checkpoint, takes a second step on batch 1; then a second learner
@@ -15,11 +16,14 @@ and the optimizer step), the losses, the published payload's bytes, the base wei
 ``uneven``: one step on a batch of 3 rows (``uneven_batch``) that 2 ranks cut into 2 and 1
 micro-batches, with every pass a collective under fsdp2 and every update forward/backward one
 under DDP (old_log_prob not folded, ref with beta > 0, two update epochs); rank 0 writes its
-metrics, the LoRA gradients of the last epoch and the adapter after the step; every rank writes
-OUT_DIR/backwards_rank{RANK}.pt, the ``last`` flag of each backward it ran.
+metrics, the LoRA gradients of the last epoch, the adapter before and after the step and the
+learner's stats; every rank writes OUT_DIR/backwards_rank{RANK}.pt, the ``last`` flag of each
+backward it ran.
 
 ``packed``: the same, with learner.pack_sequences on or off, two rows per micro-batch, on
 ``packed_batch`` (tests/test_learner_pack.py).
+
+``compiled``: the uneven run with learner.compile_layers on or off (tests/test_learner_compile.py).
 """
 
 from __future__ import annotations
@@ -98,19 +102,41 @@ def packed_batch() -> TrainBatch:
                       advantages=[1.0, -1.0, 0.5, -0.5, 2.0], group_ids=[0, 0, 0, 1, 1])
 
 
-def main_uneven(strategy: str, world: int, rank: int, port: int, out: Path, pack: bool | None = None) -> None:
-    """``pack`` None: the uneven run; True/False: ``packed_config``'s on ``packed_batch``."""
+def compiled_config(strategy: str, workers: int, compiled: bool) -> RunConfig:
+    """``uneven_config`` with the decoder layers compiled or eager."""
+    cfg = uneven_config(strategy, workers).model_dump()
+    cfg["learner"].update(compile_layers=compiled)
+    return RunConfig.model_validate(cfg)
+
+
+def main_uneven(strategy: str, world: int, rank: int, port: int, out: Path, pack: bool | None = None,
+                compiled: bool | None = None) -> None:
+    """``pack`` and ``compiled`` None: the uneven run; ``pack`` True/False: ``packed_config``'s on
+    ``packed_batch``; ``compiled`` True/False: ``compiled_config``'s."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    cfg = uneven_config(strategy, world) if pack is None else packed_config(strategy, world, pack)
+    if pack is not None:
+        cfg = packed_config(strategy, world, pack)
+    elif compiled is not None:
+        import torch._dynamo as dynamo
+
+        dynamo.config.disable = False  # TORCH_COMPILE_DISABLE may come with the environment
+        cfg = compiled_config(strategy, world, compiled)
+    else:
+        cfg = uneven_config(strategy, world)
     learner = PolicyLearner.for_run(cfg, rank=rank, world_size=world)
+    init = adapter(learner)  # every rank: the gather is collective
     grads: dict = {}
     capture_grads(learner, grads)
     lasts = record_backwards(learner)
     metrics, _ = learner.step(uneven_batch() if pack is None else packed_batch())
     torch.save(lasts, out / f"backwards_rank{rank}.pt")
-    result = {"metrics": metrics, "grads": grads, "step1": adapter(learner)}
+    result = {"metrics": metrics, "grads": grads, "init": init, "step1": adapter(learner), "stats": learner.stats()}
+    if compiled is not None:  # what dynamo made of the layers: graphs, and where it broke them
+        from torch._dynamo.utils import counters
+
+        result |= {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": dict(counters["graph_break"])}
     if rank == 0:
         torch.save(result, out / "result.pt")
     dist.barrier()
@@ -206,6 +232,9 @@ if __name__ == "__main__" and sys.argv[1] == "uneven":
 elif __name__ == "__main__" and sys.argv[1] == "packed":
     pack_, strategy_, world_, rank_, port_, out_ = sys.argv[2:8]
     main_uneven(strategy_, int(world_), int(rank_), int(port_), Path(out_), pack=pack_ == "on")
+elif __name__ == "__main__" and sys.argv[1] == "compiled":
+    on_, strategy_, world_, rank_, port_, out_ = sys.argv[2:8]
+    main_uneven(strategy_, int(world_), int(rank_), int(port_), Path(out_), compiled=on_ == "on")
 elif __name__ == "__main__":
     strategy_, world_, rank_, port_, out_ = sys.argv[1:6]
     main(strategy_, int(world_), int(rank_), int(port_), Path(out_),

@@ -1,7 +1,9 @@
 """learner.compile_layers against the eager learner, on CPU with inductor's C++ backend, in a
 fresh process: the loss and the LoRA gradients to float32 rounding; a whole PolicyLearner update
 (compiled at start-up, gradient checkpointing, the reference pass) with the layers really
-compiled (graphs, no graph break) to rounding; where it compiles; the config's refusals."""
+compiled (graphs, no graph break) to rounding; the same over 2 real gloo ranks under
+strategy=ddp and strategy=fsdp2 (tests/fsdp_ranks.py ``compiled``); where it compiles; the
+config's refusals."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from config import RunConfig
 from learner.compiled_layers import compile_choice, compile_layers, decoder_layers
 from tests.test_fused_lora import learner_steps, relative
 from tests.test_learner_gpu_opts import gradients, two_groups
+from tests.test_learner_fsdp import rel, run_ranks
 from tests.test_shared_prefix import tiny_llama
 
 
@@ -108,8 +111,7 @@ def test_policy_update_with_compiled_layers(checked):
 
 def test_compile_layers_is_refused_where_it_was_not_built():
     assert RunConfig().learner.compile_layers == "auto"
-    for bad, match in (({"strategy": "fsdp2"}, "compile_layers=true with learner.strategy=fsdp2"),
-                       ({"strategy": "deepspeed", "use_gpu": True}, "compile_layers=true with learner.strategy=deepspeed"),
+    for bad, match in (({"strategy": "deepspeed", "use_gpu": True}, "compile_layers=true with learner.strategy=deepspeed"),
                        ({"cuda_graphs": True}, "compile_layers=true with learner.cuda_graphs=true"),
                        ({"share_prompt_prefix": True}, "compile_layers=true with learner.share_prompt_prefix=true"),
                        ({"fused_lora": True}, "compile_layers=true with learner.fused_lora=true")):
@@ -117,6 +119,39 @@ def test_compile_layers_is_refused_where_it_was_not_built():
             RunConfig.model_validate({"learner": {"compile_layers": True, **bad}})
         RunConfig.model_validate({"learner": {"compile_layers": "auto", **bad}})
     assert RunConfig.model_json_schema()["$defs"]["LearnerConfig"]["properties"]["compile_layers"].get("description")
+    RunConfig.model_validate({"learner": {"compile_layers": True, "strategy": "fsdp2"}})  # tested below
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> dict:
+    """One GRPO step (the reference pass, two update epochs, rank 1 running a padding
+    micro-batch) over 2 gloo ranks: eager DDP, and the layers compiled under DDP and under fsdp2
+    (which swaps each layer's class for its sharded subclass, and gathers its weights in hooks
+    around the compiled forward). Eager DDP over 2 ranks is the 1-rank step and fsdp2's, bit for
+    bit (tests/test_learner_ddp_uneven.py, tests/test_learner_fsdp.py)."""
+    root = tmp_path_factory.mktemp("compiled_ranks")
+    return {name: run_ranks(strategy, 2, root / name, mode=("compiled", on), timeout=400)
+            for name, strategy, on in (("eager", "ddp", "off"), ("ddp", "ddp", "on"), ("fsdp2", "fsdp2", "on"))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_compiled_layers_over_two_ranks_take_the_eager_step(ranks, strategy):
+    """The same step to float32 rounding, as on one process above: metrics to 1e-5, every LoRA
+    gradient (all-reduced, or reduce-scattered and gathered) to 1e-5 by norm, the adapter's move
+    in the AdamW step to 1e-3. Every layer compiled, into graphs without a break."""
+    got, want = ranks[strategy], ranks["eager"]
+    assert want["stats"]["compiled_layers"] == 0 and got["stats"]["compiled_layers"] == 2
+    assert got["stats"]["compile_s"] > 0 and got["graphs"] >= 1 and not got["graph_breaks"], got["graph_breaks"]
+    for key in ("loss", "grad_norm", "kl", "entropy", "ppl_ratio", "pg_loss"):
+        assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5, abs=1e-7), key
+    assert want["metrics"]["kl"] > 0  # the reference pass ran on an adapter that moved
+    assert set(got["grads"]) == set(want["grads"]) and len(want["grads"]) == 7 * 2 * 2  # A, B of 7 linears, 2 layers
+    assert all(g.abs().max() > 0 for name, g in want["grads"].items() if "lora_B" in name)
+    assert rel(got["grads"], want["grads"]) < 1e-5
+    moved = {n: want["step1"][n] - want["init"][n] for n in want["init"]}
+    assert rel({n: got["step1"][n] - got["init"][n] for n in moved}, moved) < 1e-3
+    assert rel(got["init"], want["init"]) == 0  # the same initial adapter: the compile's warm-up changed nothing
 
 
 @pytest.mark.parametrize("learner, on_cuda, world_size, mapped_base, want", [
