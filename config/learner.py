@@ -157,7 +157,7 @@ class LearnerConfig(BaseModel):
         "base is mapped from a replica (model/shared_base.py); off on CPU workers. It replaces fused_lora "
         "there (fused_lora=auto is off where layers compile). true also compiles under ddp over several "
         "workers and under fsdp2 (the same step to rounding over 2 gloo ranks; not yet timed on GPUs). "
-        "true needs strategy ddp or fsdp2, cuda_graphs=false, "
+        "true needs strategy ddp or fsdp2 (without fsdp_cpu_offload), cuda_graphs=false, "
         "fused_lora not true and share_prompt_prefix not true (its KV cache would make a graph per layer); "
         "with true the shared prefix defaults to off on CPU workers too."
     )
@@ -303,6 +303,9 @@ class LearnerConfig(BaseModel):
         if self.strategy == "deepspeed":
             raise ValueError("learner.compile_layers=true with learner.strategy=deepspeed: compiled layers are built "
                              "and tested for ddp and fsdp2; set compile_layers to auto or false")
+        if self.fsdp_cpu_offload:
+            raise ValueError("learner.compile_layers=true with learner.fsdp_cpu_offload=true: compiled layers over "
+                             "host-resident shards are not built or tested; set one of them to false")
         if self.cuda_graphs:
             raise ValueError("learner.compile_layers=true with learner.cuda_graphs=true: two ways to take the "
                              "launches out of the update; set one of them to false")

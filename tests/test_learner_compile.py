@@ -112,6 +112,8 @@ def test_policy_update_with_compiled_layers(checked):
 def test_compile_layers_is_refused_where_it_was_not_built():
     assert RunConfig().learner.compile_layers == "auto"
     for bad, match in (({"strategy": "deepspeed", "use_gpu": True}, "compile_layers=true with learner.strategy=deepspeed"),
+                       ({"strategy": "fsdp2", "use_gpu": True, "fsdp_cpu_offload": True},
+                        "compile_layers=true with learner.fsdp_cpu_offload=true"),
                        ({"cuda_graphs": True}, "compile_layers=true with learner.cuda_graphs=true"),
                        ({"share_prompt_prefix": True}, "compile_layers=true with learner.share_prompt_prefix=true"),
                        ({"fused_lora": True}, "compile_layers=true with learner.fused_lora=true")):
