@@ -30,6 +30,9 @@
 #                        merged LoRA's W0 on the GPU as before
 #   probe MODEL [--lora] [--gpu-util F]   what a vLLM engine's model holds as a learner maps it: names
 #                        (tied too), meta tensors, the output head (bench/vllm_params_probe.py; random weights)
+#   overlap [FLAGS]      torch only, no piece needed (~5 min): does an update-like load hide under a 4B
+#                        decode, time-sliced, under MPS (caps, a below-normal learner) or as two streams
+#                        of one process (bench/gpu_overlap.py)
 #   shared [MODEL]       a vLLM replica lends its weights to a learner over CUDA IPC, checked against a
 #                        learner with its own copy (bench/shared_base_gpu.py; ~2 min at 4B)
 set -uo pipefail
@@ -171,6 +174,9 @@ PY
     build "$M" || exit 1
     python3 bench/shared_base_gpu.py --model "$MODELS/$M" --tokenizer "$TOK" --out "$OUT/shared-base-$M.json" 2>&1 \
       | tee "$OUT/shared-base-$M.log" | grep -E "^\{|shared base check|Error|error" | cut -c 1-1500 ;;
+  overlap)  # overlap [FLAGS]: whether an update-like load hides under a 4B decode, per way of sharing (bench/gpu_overlap.py)
+    python3 bench/gpu_overlap.py --rows 8,32 --out "$OUT/overlap.json" "$@" 2>&1 | tee "$OUT/overlap.log" \
+      | grep -E "^\||Error|error" | cut -c 1-300 ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
