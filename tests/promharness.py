@@ -118,7 +118,19 @@ class PromServer:
             ],
         }
 
-    def start(self, ready_timeout_s: float = 60.0) -> PromServer:
+    def start(self, ready_timeout_s: float = 60.0, attempts: int = 3) -> PromServer:
+        """Prometheus on a free port, ready. Its port is picked here (it cannot report one it
+        chose itself), so another process may bind it first: then it starts again on another."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(ready_timeout_s)
+            except RuntimeError:
+                if attempt + 1 == attempts or "address already in use" not in self.log():
+                    raise
+                self.stop()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, ready_timeout_s: float) -> PromServer:
         self._tmp = tempfile.TemporaryDirectory(prefix="promharness-")
         tmp = Path(self._tmp.name)
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(self.config(), sort_keys=False))
@@ -143,7 +155,7 @@ class PromServer:
                 with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as resp:
                     if resp.status == 200:
                         return self
-            except (urllib.error.URLError, ConnectionError):
+            except OSError:  # not up yet; or, its port taken meanwhile, another listener that never answers
                 pass
             time.sleep(0.2)
         self.stop()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,12 +38,6 @@ def ray_env() -> dict[str, str]:
     """`ray start` turns Ray's token authentication on (the token in ~/.ray/auth_token); a driver
     sends it only when RAY_AUTH_MODE says token, so every process of such a cluster is told so."""
     return {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONUNBUFFERED": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def ensure_ray_token() -> Path:
@@ -97,17 +90,20 @@ def stop_nodes(procs: list[subprocess.Popen]) -> None:
             proc.wait(timeout=5)
 
 
-def start_head(base: Path, port: int, args: list[str] = (), within_s: float = 120.0) -> subprocess.Popen:
-    """A head node on PORT with BASE/ray as its temp dir; returns once it has written its address."""
-    proc = start_node(base, "head", ["--head", f"--port={port}", "--include-dashboard=false",
+def start_head(base: Path, args: list[str] = (), within_s: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """A head node with BASE/ray as its temp dir; returns (its process, its address) once it has
+    written its address. Its GCS binds a port of its own choosing (--port=0): a port picked here
+    could be taken by another process before the head bound it."""
+    proc = start_node(base, "head", ["--head", "--port=0", "--include-dashboard=false",
                                      f"--temp-dir={base / 'ray'}", *args])
+    written = base / "ray" / "ray_current_cluster"
     deadline = time.monotonic() + within_s
-    while not (base / "ray" / "ray_current_cluster").exists():
+    while not (written.exists() and written.read_text().strip()):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_nodes([proc])
             raise RuntimeError("the Ray head did not start:\n" + (base / "node-head.log").read_text()[-3000:])
         time.sleep(0.5)
-    return proc
+    return proc, written.read_text().strip()
 
 
 @dataclass
@@ -122,11 +118,8 @@ class SharedHead:
     def start(cls, cpus: int = 8) -> "SharedHead":
         # Short: Ray's Unix socket paths live under the temp dir (108-byte limit).
         base = Path(tempfile.mkdtemp(prefix="cphead-", dir="/tmp"))
-        from ray._private.services import get_node_ip_address
-
-        port = free_port()
-        proc = start_head(base, port, [f"--num-cpus={cpus}"])
-        return cls(address=f"{get_node_ip_address()}:{port}", base=base, proc=proc)
+        proc, address = start_head(base, [f"--num-cpus={cpus}"])
+        return cls(address=address, base=base, proc=proc)
 
     @property
     def running(self) -> bool:

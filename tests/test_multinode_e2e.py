@@ -41,7 +41,7 @@ import pytest
 import yaml
 
 from cliharness import CLI, REPO
-from rayharness import free_port, ray_env, start_head, start_node, stop_nodes
+from rayharness import ray_env, start_head, start_node, stop_nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
@@ -114,14 +114,10 @@ def cluster(tmp_path_factory):
     base = Path(tempfile.mkdtemp(prefix="cpmn-", dir="/tmp"))
     runs = tmp_path_factory.mktemp("multinode") / "runs"
     runs.mkdir()
-    port = free_port()
-    from ray._private.services import get_node_ip_address
-
-    ip = get_node_ip_address()
-    c = Cluster(address=f"{ip}:{port}", runs=runs, base=base)
+    c = Cluster(address="", runs=runs, base=base)
     try:
         deadline = time.monotonic() + NODE_START_S
-        c.procs["head"] = start_head(base, port, ["--num-cpus=1", "--labels=counterpoint-role=head"], NODE_START_S)
+        c.procs["head"], c.address = start_head(base, ["--num-cpus=1", "--labels=counterpoint-role=head"], NODE_START_S)
         for role, (cpus, resources) in ROLES.items():
             prefix: list[str] = []
             if role == "learner":  # its own mount namespace, the runs dir masked by a tmpfs

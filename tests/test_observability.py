@@ -137,6 +137,26 @@ def scrape_jobs(ports: dict[str, int]) -> dict[str, list[str]]:
     }
 
 
+@pytest.mark.subprocess
+def test_a_prometheus_whose_port_was_taken_meanwhile_starts_on_another(monkeypatch):
+    """The harness picks Prometheus's port (Prometheus cannot report one it chose): a port taken
+    between the pick and Prometheus's bind, made certain here, is a restart on another port,
+    not a failed test."""
+    import socket
+
+    import promharness
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        picks = [held.getsockname()[1]]
+        real = promharness.free_port
+        monkeypatch.setattr(promharness, "free_port", lambda: picks.pop() if picks else real())
+        with PromServer({}) as server:
+            assert server.port != held.getsockname()[1] and not picks
+            assert server.query("vector(1)")[0]["value"][1] == "1"
+
+
 @pytest.fixture(scope="module")
 def prom():
     """A healthy run: ppl_ratio near 1, rollout series under their DESIGN.md names."""
