@@ -12,6 +12,7 @@ learner section and a few overrides:
 - ``graphs``: the update's forward and backward captured as CUDA graphs (learner/graphed.py);
 - ``fsdp2``, ``fsdp2_offload``: learner.strategy=fsdp2 (learner/fsdp.py) on a one-rank process group
   (nccl on a GPU, gloo on CPU), the second with FSDP2's CPU offload of the sharded base;
+  ``fsdp2_compiled``: ``fsdp2`` with its layers compiled (learner.compile_layers=true);
 - ``fused``, ``graphs_fused``: ``eager`` and ``graphs`` with peft's LoRA layers run as one autograd
   function each and A, B cast to bf16 once per step (learner/fused_lora.py, issue 34); the others
   set learner.fused_lora=false, since its 'auto' is on for a CUDA worker;
@@ -62,6 +63,10 @@ VARIANTS = {
     "fsdp2": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "compile_layers": False, "strategy": "fsdp2"},
     "fsdp2_offload": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "compile_layers": False, "strategy": "fsdp2",
                       "fsdp_cpu_offload": True},
+    # ``fsdp2`` with the sharded layers compiled (their gathers stay outside the graph): against
+    # ``fsdp2``, whether compiling pays for the lab's sharded path too, where auto leaves it off
+    "fsdp2_compiled": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "compile_layers": True,
+                       "strategy": "fsdp2"},
 }
 
 
