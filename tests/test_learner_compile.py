@@ -46,11 +46,13 @@ def compile_checks(model_dir: str) -> dict:
     out["grad_rel"] = {n: relative(grads[n], g) for n, g in grads_eager.items()}
     out["grad_zero"] = [n for n, g in grads_eager.items() if not g.abs().max() > 0]
     out["graphs"] = counters["stats"]["unique_graphs"]
-    # the PolicyLearner, compiled at start-up, with gradient checkpointing and the reference pass
-    extra = {"gradient_checkpointing": True, "beta": 0.05}
+    # the PolicyLearner, compiled at start-up, with gradient checkpointing, the reference pass and
+    # packed rows (each micro-batch one unpadded row: other shapes and a block-diagonal mask)
+    extra = {"gradient_checkpointing": True, "beta": 0.05, "pack_sequences": True}
     eager_p, eager_steps = learner_steps(model_dir, compile_layers=False, **extra)
     comp_p, comp_steps = learner_steps(model_dir, compile_layers=True, **extra)
     out["stats"] = {k: (eager_p.stats()[k], comp_p.stats()[k]) for k in ("compiled_layers", "compile_s", "fused_lora")}
+    out["packed"] = (eager_p.pack, comp_p.pack)
     out["compiled_calls"] = [getattr(layer, "_compiled_call_impl", None) is not None
                              for layer in decoder_layers(comp_p.peft_model.get_base_model())]
     init = eager_steps[0][1]
@@ -93,15 +95,16 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(checked):
 def test_policy_update_with_compiled_layers(checked):
     """The PolicyLearner with learner.compile_layers=true, which runs its passes once at start-up
     to compile (the gradients dropped, the RNG restored: the same numbers after it), with gradient
-    checkpointing (the layer recomputed in the backward) and the reference pass (beta > 0:
-    adapters disabled): its metrics to float32 rounding; its adapters after two AdamW steps within
-    1e-3 of their movement, since AdamW's first steps (update ~ lr g / |g|) scale a rounding
-    difference up where a gradient element is near zero (the gradients themselves agree to 1e-5,
-    above)."""
+    checkpointing (the layer recomputed in the backward), the reference pass (beta > 0:
+    adapters disabled) and packed rows (learner.pack_sequences): its metrics to float32 rounding;
+    its adapters after two AdamW steps within 1e-3 of their movement, since AdamW's first steps
+    (update ~ lr g / |g|) scale a rounding difference up where a gradient element is near zero
+    (the gradients themselves agree to 1e-5, above)."""
     stats = checked["stats"]
     assert stats["compiled_layers"] == (0, 2) and stats["fused_lora"] == (None, None)
     assert stats["compile_s"][0] == 0 and stats["compile_s"][1] > 0  # compiled at start-up
     assert checked["compiled_calls"] == [True, True]
+    assert checked["packed"] == (True, True)
     for step in checked["metrics"]:
         for key, (eager, compiled) in step.items():
             assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-7), key
