@@ -56,9 +56,12 @@ def compile_choice(cfg: Any, *, on_cuda: bool, world_size: int, mapped_base: boo
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a transformers model (its ``_no_split_modules`` classes), in order;
-    [] where the model declares none."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
+    """The repeated blocks of a transformers model or its peft wrapper (the classes that any of
+    its modules names in ``_no_split_modules``: LlamaDecoderLayer, ...), in order; [] where none
+    is declared. learner/fsdp.py shards these, and compile_layers compiles them."""
+    names = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
     # by the class or a base: fully_shard swaps each sharded layer's class for a subclass
     # (FSDP<Name>) that carries its hooks
     return [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from learner.compiled_layers import decoder_layers
 from learner.passes import GradSync
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -126,17 +127,6 @@ def meta_lora_model(model_dir: Path, model_cfg, lora_cfg, seed: int, init_adapte
     return peft_model, lora
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks transformers names in ``_no_split_modules`` (LlamaDecoderLayer, ...)."""
-    names = set()
-    for m in model.modules():
-        names.update(getattr(m, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(f"no decoder layers found to shard (looked for {sorted(names) or 'a _no_split_modules list'})")
-    return layers
-
-
 def mixed_precision(base_dtype: torch.dtype, device: torch.device):
     """Compute in the base dtype on CUDA with a 16-bit base (LoRA kept float32 for the optimizer,
     gradients reduced in float32); everything as stored otherwise (float32 on CPU: the plain
@@ -201,7 +191,10 @@ def build_fsdp_model(model_dir: Path, model_cfg, lora_cfg, seed: int, init_adapt
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = dict(mesh=mesh, mp_policy=mixed_precision(base_dtype, device),
                   offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
-    for layer in decoder_layers(peft_model):
+    layers = decoder_layers(peft_model)
+    if not layers:
+        raise ValueError("no decoder layers found to shard: the model names none in _no_split_modules")
+    for layer in layers:
         fully_shard(layer, **policy)
     fully_shard(peft_model, **policy)
     peft_model.to_empty(device="cpu" if cpu_offload else device)

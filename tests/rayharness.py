@@ -128,6 +128,7 @@ class SharedHead:
     def ensure_running(self) -> None:
         """Start a new head in place of a stopped one (a new address)."""
         if not self.running:
+            self.stop()  # its temp dir: the stopped head's logs and sockets
             fresh = SharedHead.start()
             self.address, self.base, self.proc = fresh.address, fresh.base, fresh.proc
 

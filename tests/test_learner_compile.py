@@ -79,6 +79,9 @@ def test_decoder_layers_are_the_models_repeated_blocks():
     assert [type(m).__name__ for m in layers] == ["LlamaDecoderLayer"] * 2
     assert layers == list(model.model.layers)
     assert decoder_layers(torch.nn.Linear(2, 2)) == []  # no _no_split_modules: nothing to compile
+    # through peft's wrapper (which declares none itself), as learner/fsdp.py shards them
+    wrapped = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    assert decoder_layers(wrapped) == layers
 
 
 def test_compiled_layers_give_the_eager_loss_and_gradients(checked):
