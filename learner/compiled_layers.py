@@ -47,8 +47,8 @@ def compile_choice(cfg: Any, *, on_cuda: bool, world_size: int, mapped_base: boo
     it was measured to pay: one CUDA worker under strategy ddp, with none of the paths whose shapes
     or hooks it was not tried with on a GPU (CUDA graphs, packed rows, a shared prompt prefix, a
     base mapped from a replica, whose correction runs in forward hooks). Packed rows, several DDP
-    workers and fsdp2 are tested on CPU (tests/test_learner_compile.py) and not yet timed: true
-    compiles there. ``cfg``: a LearnerConfig."""
+    workers, fsdp2 (tests/test_learner_compile.py) and a mapped base (tests/test_shared_base.py)
+    are tested on CPU and not yet timed: true compiles there. ``cfg``: a LearnerConfig."""
     if cfg.compile_layers != "auto":
         return bool(cfg.compile_layers)
     return (on_cuda and world_size == 1 and cfg.strategy == "ddp" and not cfg.cuda_graphs

@@ -185,6 +185,66 @@ def test_the_vllm_worker_merges_a_device_payload_as_it_merges_the_host_file(owne
     assert torch.equal(proc.call("weight", name), want)
 
 
+def compiled_on_the_owners_weights() -> dict:
+    """A learner with learner.compile_layers=true on the owner's weights (its correction a forward
+    hook inside each compiled layer) against an eager learner with its own copy, float32, on the
+    same batches: nothing merged, merged (sync) and one step past the merge (one_step_off). Run
+    in a fresh process (``test_compiled_layers_on_the_owners_weights``): the learner compiles in
+    one of its own, and a pytest worker's earlier tests leave dynamo's state behind. Plain numbers."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from tests.shared_base_owner import Owner
+
+    torch._dynamo.config.disable = False  # TORCH_COMPILE_DISABLE may come with the environment
+    owner = Owner(str(tiny_dir()), ["float32"])
+    try:
+        proc = owner.view("float32")
+        cfg = run_config(tiny_dir(), "float32")
+        own = PolicyLearner.for_run(cfg)
+        compiled = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"compile_layers": True})})
+        shared = PolicyLearner.for_run(compiled, shared_base=proc.call("export"), share_required=True)
+        out: dict = {"mode": shared.base_weights["mode"], "compiled_layers": shared.stats()["compiled_layers"]}
+        out["v0"] = (own.step(batch(0))[0], shared.step(batch(0))[0])
+        proc.hold(own.payload(2))
+        out["merged"] = (own.step(batch(1))[0], shared.step(batch(1))[0])
+        align(shared, own)
+        out["one_step_off"] = (own.step(batch(2))[0], shared.step(batch(2))[0])
+        out["graph_breaks"] = dict(counters["graph_break"])
+        return {k: v if k in ("mode", "compiled_layers", "graph_breaks") else [{key: m[key] for key in KEYS} for m in v]
+                for k, v in out.items()}
+    finally:
+        owner.stop()
+
+
+def test_compiled_layers_on_the_owners_weights():
+    """compile_layers=true where the learner maps the replica's base (its 'auto' leaves it off
+    there until it is timed on a GPU): the served adapter's correction runs inside the compiled
+    layers, and the step is the own-copy eager learner's to 1e-5 relative (float32), before a
+    merge, on the merged weights and one step past them. Without the correction the merged
+    steps are off by more (test above), so the compiled layers did apply it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    code = ("import json, sys\nsys.path[:0] = [sys.argv[1], sys.argv[1] + '/tests']\n"
+            "from tests.test_shared_base import compiled_on_the_owners_weights\n"
+            "print('RESULT' + json.dumps(compiled_on_the_owners_weights()))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(repo)], cwd=repo, capture_output=True, text=True,
+                          timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT"):])
+    assert got["mode"] == "shared" and got["compiled_layers"] == 2 and not got["graph_breaks"], got
+    for phase in ("v0", "merged", "one_step_off"):
+        own, shared = got[phase]
+        for key in KEYS:
+            assert shared[key] == pytest.approx(own[key], rel=RTOL["float32"]), (phase, key)
+    assert got["merged"][0]["kl"] > 0  # the reference pass ran on an adapter that moved
+
+
 def test_a_write_during_a_learner_step_fails_that_step(owner):
     dtype, proc = owner
     shared = PolicyLearner.for_run(run_config(tiny_dir(), dtype), shared_base=proc.call("export"), share_required=True)
