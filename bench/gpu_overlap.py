@@ -139,14 +139,14 @@ def worker(load: str, shape: Shape, rows: int, steps: int, reps: int, device: st
     sync()
     print("ready", flush=True)
     sys.stdin.readline()
-    times: dict = {}
     if load == "both":  # one context, two streams: the decode's kernels go first where both wait
         hi, lo = torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=0)
         start = torch.cuda.Event(enable_timing=True)
         ends = {k: torch.cuda.Event(enable_timing=True) for k in ("decode", "update")}
         t0 = time.time()
         start.record()
-        hi.wait_event(start), lo.wait_event(start)
+        hi.wait_event(start)
+        lo.wait_event(start)
         with torch.cuda.stream(hi):
             for _ in range(steps):
                 decode()
@@ -173,8 +173,8 @@ def worker(load: str, shape: Shape, rows: int, steps: int, reps: int, device: st
 # ------------------------------------------------------------------ the orchestration
 
 
-def _worker_cmd(load: str, args) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "worker", load, "--rows", str(args.rows_one),
+def _worker_cmd(load: str, rows: int, args) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "worker", load, "--rows", str(rows),
             "--steps", str(args.steps), "--reps", str(args.reps), "--device", args.device,
             *(["--tiny"] if args.tiny else [])]
 
@@ -207,14 +207,14 @@ def run_together(cmds: list[tuple[list[str], dict[str, str]]], timeout: float) -
                 p.wait()
 
 
-def measure(args, variant: str, mps_env) -> dict:
-    """One variant at ``args.rows_one`` rows: each load's seconds and the pair's wall."""
-    decode, update = _worker_cmd("decode", args), _worker_cmd("update", args)
+def measure(args, rows: int, variant: str, mps_env) -> dict:
+    """One variant at ``rows`` rows: each load's seconds and the pair's wall."""
+    decode, update = _worker_cmd("decode", rows, args), _worker_cmd("update", rows, args)
     if variant == "alone":
         (d,), (u,) = run_together([(decode, {})], args.timeout), run_together([(update, {})], args.timeout)
         return {"decode": d["decode"], "update": u["update"], "wall": None}
     if variant == "streams":
-        (both,) = run_together([(_worker_cmd("both", args), {})], args.timeout)
+        (both,) = run_together([(_worker_cmd("both", rows, args), {})], args.timeout)
         return {"decode": both["decode"], "update": both["update"], "wall": max(both["decode"], both["update"])}
     envs = ({}, {}) if variant == "timeslice" else (mps_env("rollout", 100, "normal"), mps_env("learner", *MPS_UPDATE[variant]))
     d, u = run_together([(decode, envs[0]), (update, envs[1])], args.timeout)
@@ -246,12 +246,11 @@ def run(args) -> dict:
     rows: list[dict] = []
     try:
         for n in [int(r) for r in args.rows.split(",")]:
-            args.rows_one = n
             base = None
             for variant in sorted(wanted, key=lambda v: v.startswith("mps")):  # the daemon comes up once, last
                 if variant.startswith("mps") and sharing is not None and not sharing.started:
                     sharing.start()
-                got = measure(args, variant, mps_env)
+                got = measure(args, n, variant, mps_env)
                 if variant == "alone":
                     base = got
                 row = {"rows": n, "tokens": n * TOKENS_PER_ROW, "variant": variant, **got}
