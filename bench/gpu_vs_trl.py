@@ -221,10 +221,13 @@ def median(xs: list[float]) -> float | None:
 
 # ---------------------------------------------------------------- counterpoint
 def bench_config(model_dir: Path | str, prompts: int, steps: int, runs_dir: Path | str, gpu: bool = True,
-                 max_tokens: int = NEW_TOKENS, engine: str = "hf", quantization: str | None = None):
+                 max_tokens: int = NEW_TOKENS, engine: str = "hf", quantization: str | None = None,
+                 mode: str = "sync", vllm_multiprocessing: bool | None = None):
     """The run config of one shape, validated by the schema (also what a `counterpoint train`
     of this shape would take: configs/gpu-bench-4b.yaml). ``quantization``: rollout.quantization
-    (fp8 needs engine="vllm"; the schema refuses it otherwise)."""
+    (fp8 needs engine="vllm"; the schema refuses it otherwise). ``mode``: trainer.mode;
+    ``vllm_multiprocessing``: rollout.vllm_multiprocessing (False: vLLM's engine core in this
+    process, so that its kernels and the learner's share one CUDA context)."""
     from config import RunConfig
 
     return RunConfig.model_validate({
@@ -232,11 +235,12 @@ def bench_config(model_dir: Path | str, prompts: int, steps: int, runs_dir: Path
         "model": {"name_or_path": str(model_dir), "dtype": "bfloat16"},
         "rollout": {"engine": engine, "num_gpus": 0.5 if gpu else 0.0, "max_tokens": max_tokens,
                     "max_lora_rank": LORA_R, "temperature": 1.0, "max_model_len": 2048,
-                    "gpu_memory_utilization": 0.35, "max_num_seqs": 64, "quantization": quantization},
+                    "gpu_memory_utilization": 0.35, "max_num_seqs": 64, "quantization": quantization,
+                    "vllm_multiprocessing": vllm_multiprocessing},
         "learner": {"use_gpu": gpu, "gpus_per_worker": 0.5, "lora": {"r": LORA_R, "alpha": LORA_ALPHA},
                     "lr": LR, "beta": 0.0, "loss_type": "dapo", "micro_batch_tokens": 8192},
         "trainer": {"steps": steps, "prompts_per_step": prompts, "group_size": GROUP_SIZE, "save_every": 0,
-                    "runs_dir": str(runs_dir)},
+                    "runs_dir": str(runs_dir), "mode": mode},
     })
 
 
@@ -267,21 +271,25 @@ class _TrivialGrader:
 
 
 def run_counterpoint_shape(engine, policy, texts: list[str], prompts: int, steps: int, runs_dir: Path,
-                           version: int, model_dir: Path, gpu: bool, prof_dir: Path) -> tuple[dict[str, Any], int]:
+                           version: int, model_dir: Path, gpu: bool, prof_dir: Path, mode: str = "sync",
+                           streams: bool = False) -> tuple[dict[str, Any], int]:
     """1 warm-up + ``steps`` steps of the driver's loop on one shape; returns figures and the
-    adapter version live at the end."""
+    adapter version live at the end. ``streams``: generation on a high-priority CUDA stream and
+    the update on a normal one, in this one process (with mode one_step_off they run at once)."""
     import torch
 
     from services.inprocess import InProcessLearner, InProcessRollout
     from services.orchestrator import RunParts, run_steps
 
     cfg = bench_config(model_dir, prompts, steps + 1, runs_dir, gpu=gpu, max_tokens=engine_max_tokens(engine),
-                       engine=engine.kind)
+                       engine=engine.kind, mode=mode)
+    gen_priority, update_priority = (-1, 0) if streams else (None, None)  # -1: above the default's 0
     records: list[Any] = []
     cases = {f"p{i}": SimpleNamespace(messages=({"role": "user", "content": t},), prefixes=())
              for i, t in enumerate(texts)}
     parts = RunParts(cfg=cfg, cases=cases, sampler=_Sampler(len(texts), prompts), grader=_TrivialGrader(),
-                     rollout=InProcessRollout(engine), learner=InProcessLearner(policy, run_dir=None),
+                     rollout=InProcessRollout(engine, stream_priority=gen_priority),
+                     learner=InProcessLearner(policy, run_dir=None, stream_priority=update_priority),
                      record=records.append, version=version)
     if gpu:
         torch.cuda.reset_peak_memory_stats()
@@ -299,6 +307,8 @@ def run_counterpoint_shape(engine, policy, texts: list[str], prompts: int, steps
         "steps_s": [r.total_s for r in timed],
         "s_per_step": s_step,
         "phases_s": {p: median([r.phases_s.get(p, 0.0) for r in timed]) for p in PHASES},
+        "generate_s": median([r.extra["generate_s"] for r in timed]),
+        "adapter_staleness": [r.extra["adapter_staleness"] for r in records],
         "gen_tokens": gen_tokens,
         "prompt_tokens": prompt_len,
         "learner_mfu": median([r.learner_metrics["learner_mfu"] for r in timed]),
@@ -367,7 +377,9 @@ def counterpoint(args) -> dict[str, Any]:
         t0 = time.perf_counter()
         model_dir = build_model(model, args.tokenizer, args.models / model, device)
         cfg = bench_config(model_dir, prompt_counts[0], args.steps + 1, args.runs, gpu=gpu, max_tokens=args.new_tokens,
-                           engine=args.engine, quantization=args.quantization)
+                           engine=args.engine, quantization=args.quantization, mode=args.mode,
+                           # the engine core in this process: its kernels and the update's in one context
+                           vllm_multiprocessing=False if args.streams else None)
         engine = make_engine(cfg.model, cfg.rollout, kind=args.engine, seed=cfg.seed)
         policy = PolicyLearner.for_run(cfg, device=device)
         engine.load_adapter(policy.payload(adapter_version(0)))
@@ -376,13 +388,14 @@ def counterpoint(args) -> dict[str, Any]:
         print(f"[counterpoint] {model}: built and loaded in {load_s:.1f} s (engine {type(engine).__name__})", flush=True)
         for prompts in prompt_counts:
             row = {"model": model, "prompts": prompts, "group_size": GROUP_SIZE, "engine": type(engine).__name__,
-                   "load_s": load_s}
+                   "load_s": load_s, "mode": args.mode, "streams": args.streams}
             if time.monotonic() > args.deadline:
                 row["skipped"] = "the call's deadline came first"
             else:
                 try:
                     figures, version = run_counterpoint_shape(engine, policy, texts, prompts, args.steps, args.runs,
-                                                              version, model_dir, gpu, args.out.parent)
+                                                              version, model_dir, gpu, args.out.parent,
+                                                              mode=args.mode, streams=args.streams)
                     row.update(figures)
                 except Exception as err:  # noqa: BLE001 - record the failure, go on with the next shape
                     row["error"] = f"{type(err).__name__}: {err}"
@@ -1107,6 +1120,10 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="the rollout engine in the loop")
             p.add_argument("--quantization", choices=("fp8",), default=None,
                            help="rollout.quantization of the engine (fp8: with --engine vllm; LoRA unmerged)")
+            p.add_argument("--mode", choices=("sync", "one_step_off"), default="sync", help="trainer.mode of the loop")
+            p.add_argument("--streams", action="store_true",
+                           help="one CUDA context: vLLM's engine core in this process, generation on a high-priority "
+                                "stream, the update on a normal one (with --mode one_step_off they run side by side)")
         if name == "train":
             p.add_argument("--config", type=Path, default=TRAIN_CONFIG)
             p.add_argument("--modes", type=lambda x: x.split(","), default=["sync", "one_step_off"])

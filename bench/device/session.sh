@@ -15,7 +15,9 @@
 #   sharded MODEL P:VARIANTS... [-- FLAGS]   the learner alone (bench/learner_gpu.py) on MODEL built with weights,
 #                        e.g. `sharded qwen3-14b 1:eager,fsdp2`: fsdp2's s/step beside DDP's (issue 35)
 #   trl SHAPES [FLAGS]   TRL + vLLM colocate (bench/gpu_vs_trl.py trl --vllm)
-#   loop SHAPES          counterpoint's step loop in one process with the vLLM engine (no Ray)
+#   loop SHAPES [FLAGS]  counterpoint's step loop in one process with the vLLM engine (no Ray); --mode
+#                        one_step_off --streams: vLLM's engine core in the process too, generation on a
+#                        high-priority CUDA stream beside the update on another (one context, no time-slicing)
 #   decode MODEL PROMPTS [--set k=v ...]   where generation time goes (bench/vllm_decode.py)
 #   train SHAPES MODES [--set k=v ...]   `counterpoint train` on Ray (bench/gpu_vs_trl.py train); e.g.
 #                        one_step_off runs under CUDA MPS by default (gpu_sharing.mode=auto), --set gpu_sharing.mode=timeslice without,
@@ -132,9 +134,11 @@ PY
       bench trl --vllm --shapes "$S" --out "$f" "$@" 2>&1 | tee -a "$OUT/trl-vllm-${S//:/-}.log" \
         | grep -E "^\[trl\]|Error" | cut -c 1-1500
     fi ;;
-  loop)
-    bench counterpoint --engine vllm --shapes "$1" --out "$OUT/loop-${1//[:,]/-}.json" 2>&1 \
-      | tee "$OUT/loop-${1//[:,]/-}.log" | grep -E "^\[counterpoint\]|Error" | cut -c 1-1500 ;;
+  loop)  # loop SHAPES [FLAGS]: e.g. --mode one_step_off --streams (one process, one CUDA context)
+    S=$1; shift; tag=$(printf '%s' "$*" | sed 's/--//g' | tr -c 'A-Za-z0-9_.' '_' | cut -c 1-40)
+    f="$OUT/loop-${S//[:,]/-}${tag:+-$tag}"
+    bench counterpoint --engine vllm --shapes "$S" --out "$f.json" "$@" 2>&1 \
+      | tee "$f.log" | grep -E "^\[counterpoint\]|Error" | cut -c 1-1500 ;;
   decode)
     M=$1; P=$2; shift 2; tag=$(printf '%s' "$*" | tr -c 'A-Za-z0-9_.' '_' | cut -c 1-40)
     python3 bench/vllm_decode.py --model "$MODELS/$M" --tokenizer "$TOK" --prompts "$P" \
