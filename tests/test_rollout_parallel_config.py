@@ -33,6 +33,10 @@ BEFORE_CPU = dict(
     runner="generate", enable_lora=True, max_lora_rank=64, max_loras=2, enable_chunked_prefill=False,
     max_num_batched_tokens=4096,
 )
+# ... plus one argument since: every engine mixes counterpoint's worker extension in, so that its
+# ranks report their rendezvous files also from an engine core in a child process
+EXTENSION = dict(worker_extension_cls="rollout.engines.vllm_merge.MergedLoraExtension")
+NOW_CPU = BEFORE_CPU | EXTENSION
 BEFORE_GPU = dict(
     model=MODEL_DIR, tokenizer=MODEL_DIR, dtype="float32", seed=0, max_model_len=2048,
     logprobs_mode="processed_logprobs", enforce_eager=False, generation_config="vllm", load_format="auto",
@@ -42,7 +46,7 @@ BEFORE_GPU = dict(
 
 
 def test_default_engine_arguments_are_what_they_were():
-    assert kwargs_for(cuda=False) == BEFORE_CPU
+    assert kwargs_for(cuda=False) == NOW_CPU
     assert kwargs_for(cuda=True, num_gpus=1) == BEFORE_GPU
     assert kwargs_for(cuda=False, max_model_len=8192)["max_num_batched_tokens"] == 8192  # max(len, 4096), as before
 
@@ -55,7 +59,7 @@ def test_parallel_engine_arguments():
     cpu = kwargs_for(cuda=False, tensor_parallel_size=2)
     assert (cpu["tensor_parallel_size"], cpu["distributed_executor_backend"]) == (2, "mp")
     assert {k: v for k, v in cpu.items() if k not in ("tensor_parallel_size", "pipeline_parallel_size",
-                                                      "distributed_executor_backend")} == BEFORE_CPU
+                                                      "distributed_executor_backend")} == NOW_CPU
 
 
 def test_long_sequence_settings_reach_vllm_only_where_set():

@@ -182,11 +182,11 @@ def engine_kwargs(model_dir: Path, model_cfg: ModelConfig, rollout_cfg: RolloutC
         kwargs["quantization"] = settings.quantization
     if settings.lora == "unmerged":
         kwargs.update(enable_lora=True, max_lora_rank=rollout_cfg.max_lora_rank, max_loras=rollout_cfg.max_loras)
-    if settings.cuda or settings.lora == "merged":
-        # merged LoRA, and the export of the base weights to a learner on this GPU
-        from rollout.engines.vllm_merge import EXTENSION
+    # merged LoRA, the export of the base weights to a learner on this GPU, and every rank's
+    # rendezvous file, which only the ranks know when the engine core runs in a child process
+    from rollout.engines.vllm_merge import EXTENSION
 
-        kwargs["worker_extension_cls"] = EXTENSION
+    kwargs["worker_extension_cls"] = EXTENSION
     if rollout_cfg.max_num_seqs is not None:
         kwargs["max_num_seqs"] = rollout_cfg.max_num_seqs
     if rollout_cfg.block_size is not None:
@@ -322,7 +322,7 @@ class VllmEngine(Engine):
         self._adapter_root = Path(tempfile.mkdtemp(prefix=f"{ADAPTER_ROOT_PREFIX}{os.getpid()}-"))
         self._remove_adapter_root = weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)
         # vLLM's rendezvous file, removed when the engine goes (a replica killed with SIGKILL leaves it)
-        self.store_files = self._file_store_paths(has_extension="worker_extension_cls" in kwargs)
+        self.store_files = sorted({p for p in self.llm.collective_rpc("counterpoint_file_store") if p})
         self._remove_store_files = weakref.finalize(self, remove_files, self.store_files)
         (self._adapter_root / STORE_LIST).write_text("\n".join(self.store_files))  # for the sweep, after a kill
         self._in_weights = 0  # merged: the version written into the weights (0 = the base model)
@@ -339,20 +339,6 @@ class VllmEngine(Engine):
     def close(self) -> None:
         self._remove_adapter_root()
         self._remove_store_files()
-
-    def _file_store_paths(self, has_extension: bool) -> list[str]:
-        """The files of vLLM's rendezvous that this engine's ranks use, each rank asked: through
-        the worker extension, else with a function (which vLLM sends its ranks only from an
-        engine core in this process; a CPU engine core in a child without merged LoRA: unknown)."""
-        from rollout.engines.vllm_merge import rank_file_store
-
-        if has_extension:
-            paths = self.llm.collective_rpc("counterpoint_file_store")
-        elif not self.settings.multiprocessing:
-            paths = self.llm.collective_rpc(rank_file_store)
-        else:
-            paths = []
-        return sorted({p for p in paths if p})
 
     @staticmethod
     def _install_grouped_lora_ops(parallel_size: int = 1) -> None:

@@ -227,11 +227,6 @@ def file_store_path() -> str | None:
     return path if path and Path(path).name.startswith(FILE_STORE_PREFIX) else None
 
 
-def rank_file_store(worker) -> str | None:
-    """file_store_path in a rank's process, as vLLM's collective_rpc calls a function: (worker)."""
-    return file_store_path()
-
-
 class MergedLoraExtension:
     """Methods vLLM mixes into its Worker; ``self`` is that worker (model_runner, model_config).
 
