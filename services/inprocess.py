@@ -43,12 +43,28 @@ def cuda_stream(priority: int | None):
     return torch.cuda.Stream(priority=priority)
 
 
+@contextlib.contextmanager
 def _on(stream):
+    """Run the block's kernels on ``stream``, after everything already queued on the thread's
+    current stream (a side stream does not wait for the default stream by itself: the
+    generation after a merge must read the merged weights)."""
     if stream is None:
-        return contextlib.nullcontext()
+        yield
+        return
     import torch
 
-    return torch.cuda.stream(stream)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield
+
+
+def _after(stream) -> None:
+    """Queue the thread's next kernels after everything on ``stream`` (a merge after the
+    generation's last kernels)."""
+    if stream is not None:
+        import torch
+
+        torch.cuda.current_stream().wait_stream(stream)
 
 
 class InProcessRollout:
@@ -71,6 +87,7 @@ class InProcessRollout:
 
     def publish(self, payload: AdapterPayload) -> None:
         with self._engine_calls:
+            _after(self._stream)
             self.engine.load_adapter(payload)
 
     def sync(self, version: int) -> float:
