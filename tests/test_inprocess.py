@@ -62,6 +62,7 @@ def test_overlapping_finds_a_call_that_began_before_the_previous_ended():
     assert overlapping([("generate", 0.0, 1.0), ("load_adapter", 1.0, 1.5), ("generate", 1.6, 2.0)]) == []
 
 
+@pytest.mark.slow  # a model and an engine
 def test_one_step_off_in_process_never_loads_an_adapter_under_a_generation(tmp_path):
     cfg = load_config("configs/smoke.yaml", [
         "rollout.engine=hf", "rollout.max_tokens=48", "trainer.mode=one_step_off", "trainer.steps=4",
