@@ -42,7 +42,9 @@ not needed. ``.devcache/tokenizer`` as bench/multi_gpu_device.py makes it. On th
 - fp8 rollouts (rollout.quantization=fp8: vLLM's online fp8 of the bf16 weights, LoRA unmerged over
   it; README "FP8 rollouts"): ``train ... --set rollout.quantization=fp8`` (configs/gpu-bench.yaml's
   vllm_lora=auto then resolves to unmerged; the 14B/32B shapes' dummy weights need the shared bf16
-  base, which fp8 refuses), or ``counterpoint --engine vllm --quantization fp8``. Each train row
+  base, which fp8 refuses), or ``counterpoint --engine vllm --quantization fp8``. Add
+  ``--set rollout.vllm_lora=merged`` for the adapter merged into the fp8 layers (re-quantized
+  through vLLM's layerwise reload at every merge: fp8 GEMMs and no LoRA kernels). Each train row
   keeps ppl_ratio, rollout_k3_kl and tis_clip_frac per step and run.json's rollout_quantization.
   TRL has no such switch: TRL 1.16's GRPOConfig passes nothing to vLLM's quantization (its colocate
   ``LLM(...)`` sets quantization only to "bitsandbytes" for a bnb 4-bit model), and its colocate
@@ -709,14 +711,16 @@ def save(result: dict[str, Any], path: Path | None) -> None:
 
 def train_variant(row: dict[str, Any]) -> str:
     """A `counterpoint train` row's label: its mode, then what it runs differently from the
-    time-sliced bf16 rollout (MPS, fp8 rollouts)."""
+    time-sliced bf16 rollout (MPS, fp8 rollouts, and over fp8 the LoRA merged: its --set)."""
     sharing = (row.get("gpu_sharing") or {}).get("mode")
     if sharing is None:  # rows from before run.json's gpu_sharing was kept: the command's --set says
         found = re.search(r"gpu_sharing\.mode=(\w+)", row.get("command") or "")
         sharing = found.group(1) if found else "timeslice"
     quant = (row.get("rollout_quantization") or {}).get("mode")
+    merged = quant not in (None, "none") and "rollout.vllm_lora=merged" in (row.get("command") or "")
     return ", ".join([row["mode"]] + (["MPS"] if sharing == "mps" else [])
-                     + ([f"{quant} rollouts"] if quant not in (None, "none") else []))
+                     + ([f"{quant} rollouts"] if quant not in (None, "none") else [])
+                     + (["LoRA merged"] if merged else []))
 
 
 def best_train_row(rows: list[dict[str, Any]]) -> dict[str, Any]:

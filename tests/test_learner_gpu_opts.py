@@ -302,11 +302,14 @@ def test_gpu_bench_config_and_results_follow_their_schemas(tmp_path):
            "command": "counterpoint train --set gpu_sharing.mode=mps", "rollout_quantization": {"mode": "none"}}
     fp8 = {**mps, "s_per_step": 1.5, "command": "", "gpu_sharing": {"mode": "mps", "requested": "auto"},
            "rollout_quantization": {"mode": "fp8"}}
-    doc2 = bench.merge(None, None, "cmd", trl_vllm, {"shapes": train["shapes"] + [mps, fp8]})
+    fp8_merged = {**fp8, "s_per_step": 1.2, "command": "counterpoint train --set rollout.quantization=fp8 "
+                                                       "--set rollout.vllm_lora=merged"}
+    doc2 = bench.merge(None, None, "cmd", trl_vllm, {"shapes": train["shapes"] + [mps, fp8, fp8_merged]})
     four2 = {(r["model"], r["prompts"]): r for r in doc2["shapes"]}[("qwen3-4b", 1)]
     assert four2["counterpoint_train_s_per_step"] == 1.9 and four2["counterpoint_train_variant"] == "one_step_off, MPS"
     assert four2["counterpoint_train_modes"] == {"sync": 2.25, "one_step_off": 2.0, "one_step_off, MPS": 1.9,
-                                                 "one_step_off, MPS, fp8 rollouts": 1.5}
+                                                 "one_step_off, MPS, fp8 rollouts": 1.5,
+                                                 "one_step_off, MPS, fp8 rollouts, LoRA merged": 1.2}
     # the writer refuses anything off the schema
     with pytest.raises(ValueError, match="keys"):
         bench.validate_results({**doc, "extra": 1})

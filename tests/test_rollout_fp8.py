@@ -4,6 +4,8 @@ mode 'auto' resolves to, the base-sharing blocker and run.json's record."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -46,8 +48,17 @@ def test_auto_lora_is_unmerged_over_fp8():
     assert vllm_settings(RolloutConfig(num_gpus=1), cuda=True).lora == "merged"  # unchanged without fp8
 
 
+def test_merged_lora_over_fp8_reaches_vllm_without_its_lora():
+    # asked for: the merge is re-quantized through vLLM's reload (rollout/engines/vllm_merge.py)
+    got = kwargs_for(cuda=True, num_gpus=1, quantization="fp8", vllm_lora="merged")
+    assert got["quantization"] == "fp8" and "enable_lora" not in got
+    assert got["worker_extension_cls"] == "rollout.engines.vllm_merge.MergedLoraExtension"
+    plain = kwargs_for(cuda=True, num_gpus=1)  # bf16 merged: the same but for the quantization
+    assert {k: v for k, v in got.items() if k != "quantization"} == plain
+    assert vllm_settings(RolloutConfig(num_gpus=1, quantization="fp8", vllm_lora="merged"), cuda=True).lora == "merged"
+
+
 @pytest.mark.parametrize("rollout, words", [
-    (dict(num_gpus=1, vllm_lora="merged"), "use vllm_lora=unmerged"),
     (dict(num_gpus=0), "needs a GPU replica"),
     (dict(num_gpus=0, engine="vllm"), "needs a GPU replica"),
     (dict(num_gpus=1, engine="hf"), "use rollout.engine=vllm"),
@@ -125,3 +136,60 @@ def test_engine_auto_falling_back_to_hf_refuses_fp8(monkeypatch):
     monkeypatch.setattr(engines, "resolve_kind", lambda kind: "hf")
     with pytest.raises(ValueError, match="rollout.quantization=fp8 needs vLLM, which this replica's node lacks"):
         engines.make_engine(BF16, RolloutConfig(num_gpus=1, quantization="fp8"))
+
+
+def test_merged_memory_over_fp8_counts_whole_fused_layers():
+    from services.memory_budget import ModelShape, merged_lora_bytes
+
+    shape = ModelShape(params=4 * 10**9, hidden=2560, intermediate=9728, layers=36, vocab=151936, q_dim=4096,
+                       kv_dim=1024, dtype_bytes=2)  # Qwen3-4B
+    trainable = 10**6
+    qv = ["q_proj", "v_proj"]
+    plain = merged_lora_bytes(shape, trainable, qv, w0_on_device=True)
+    fp8 = merged_lora_bytes(shape, trainable, qv, w0_on_device=True, quantized=True)
+    q, kv, h = 4096, 1024, 2560
+    # W0 of k comes along (the fused qkv is written whole), and the reload's copies of qkv: (2b + 1) x it
+    assert fp8 - plain == 36 * h * kv * 2 + 5 * h * (q + 2 * kv)
+    # with every linear adapted nothing is added to W0; the largest fused layer is gate_up
+    every = merged_lora_bytes(shape, trainable, "all-linear", w0_on_device=False, quantized=True)
+    assert every - merged_lora_bytes(shape, trainable, "all-linear", w0_on_device=False) == 5 * h * 2 * 9728
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_merge_over_vllms_fp8_layers_equals_loading_the_merged_checkpoint(tmp_path):
+    """tests/fp8_merge_child.py: vLLM's own fp8 model on the CPU (a torch stand-in for the fp8
+    kernel), merged through MergedWeights and vLLM's layerwise reload, against fresh models loaded
+    from the merged checkpoints; bit for bit."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from bench.synthetic import make_lora_payload
+    from model.adapter_dir import write_payload
+
+    torch.manual_seed(0)
+    model_dir = tmp_path / "model"
+    cfg = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True)
+    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(model_dir)
+    every = write_payload(make_lora_payload(model_dir, version=1, r=4, alpha=8, b_std=0.05, seed=1), tmp_path / "v1")
+    qv = write_payload(make_lora_payload(model_dir, version=2, r=4, alpha=8, target_modules=["q_proj", "v_proj"],
+                                         b_std=0.05, seed=2), tmp_path / "v2")
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(repo / "tests" / "fp8_merge_child.py"), str(model_dir), str(every), str(qv)],
+                          cwd=repo, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ANSWER ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    got = json.loads(lines[-1][len("ANSWER "):])
+    assert got["online_quantized"] and got["qkv_dtype"] == "torch.float8_e4m3fn"
+    assert len(got["v1_layers"]) == 2 * 7 and got["v1_differs_from_start"] > 0  # the adapter moves the fp8 weights
+    assert got["v1_differs_from_fresh"] == []
+    assert sorted({n.rsplit(".", 1)[1] for n in got["v2_layers"]}) == ["q_proj", "v_proj"]
+    assert got["v2_differs_from_fresh"] == []  # o/gate/up/down back at W0, k written with q and v
+    assert got["v0_differs_from_start"] == []
+    assert got["storage_moved"] == []
+    assert "did not get all their shards" in got["short_write"] and "qkv_proj" in got["short_write"]

