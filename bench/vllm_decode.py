@@ -13,8 +13,17 @@ step, against ~1.9 ms for one read of the 8 GB of weights). This splits that fig
 - ``raw_1tok``: max_tokens=1, the prefill and the fixed cost of a call; a decode step is
   (raw - raw_1tok) / (tokens - 1).
 
+``--adapter``: before timing, the engine loads three random r=32 adapters on every linear layer
+(bench/synthetic.py ``config_lora_payload``, made from config.json), each load timed
+(``adapter_load_s``; the engine's own read/merge split in ``engine_stats``), and ``ours``
+generates with the last. That row is the one to compare across LoRA modes: with merged LoRA the
+``raw*`` rows run on the merged weights too, with unmerged LoRA on the base without LoRA kernels.
+With ``--set rollout.quantization=fp8 --set rollout.vllm_lora=merged`` the loads are merges
+re-quantized through vLLM's reload (rollout/engines/vllm_merge.py), against
+``--set rollout.quantization=fp8`` (unmerged over fp8) and the bf16 merged default.
+
     python3 bench/vllm_decode.py --model /tmp/gpu-vs-trl/models/qwen3-4b --tokenizer /tmp/cp-tok/tokenizer \
-        --prompts 1,4 --reps 3 --out $OUT/decode-4b.json [--set rollout.vllm_multiprocessing=false]
+        --prompts 1,4 --reps 3 --out $OUT/decode-4b.json [--set rollout.vllm_multiprocessing=false] [--adapter]
 
 The engine takes bench/gpu_vs_trl.py's ``bench_config``: configs/gpu-bench.yaml's rollout
 settings (0.5 GPU, gpu_memory_utilization 0.35, max_num_seqs 64, merged LoRA and CUDA graphs by
@@ -74,6 +83,25 @@ def add_step_ms(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def load_adapters(engine, model_dir: Path, cfg, result: dict, versions: int = 3) -> int:
+    """Load ``versions`` random adapters of the run's LoRA shape into ``engine``, timing each
+    (the first also reads W0 where LoRA is merged); the last version's number."""
+    from bench.synthetic import config_lora_payload
+
+    loads = []
+    for version in range(1, versions + 1):
+        payload = config_lora_payload(model_dir, version, r=cfg.learner.lora.r, alpha=cfg.learner.lora.alpha,
+                                      seed=version)
+        t = time.perf_counter()
+        engine.load_adapter(payload)
+        loads.append(time.perf_counter() - t)
+    stats = engine.stats()
+    result["adapter_load_s"] = loads
+    result["engine_stats"] = {k: v for k, v in stats.items() if k.startswith(("adapter_", "merged_"))}
+    print(f"adapter loads {', '.join(f'{s:.3f}' for s in loads)} s; {result['engine_stats']}", flush=True)
+    return versions
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, required=True)
@@ -81,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", default="1,4", help="prompts per call, comma-separated (x8 completions each)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--set", dest="sets", action="append", default=[], help="rollout.key=value")
+    ap.add_argument("--adapter", action="store_true",
+                    help="load three random adapters first (timed) and generate `ours` with the last")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
@@ -102,11 +132,12 @@ def main(argv: list[str] | None = None) -> int:
               "sets": args.sets, "weights_gb": weights_gb, "floor_ms_per_step": floor_ms, "rows": []}
     print(f"engine {result['settings']} started in {start_s:.1f} s; weights {weights_gb:.2f} GB, "
           f"one read {floor_ms:.2f} ms", flush=True)
+    version = load_adapters(engine, args.model, cfg, result) if args.adapter else 0
     for n_prompts in (int(x) for x in args.prompts.split(",")):
         prompts = [Prompt(messages=({"role": "user", "content": t},)) for t in texts[:n_prompts]]
         params = SamplingParams.from_rollout(cfg.rollout, n=GROUP_SIZE, max_tokens=NEW_TOKENS, seed=12345)
-        prompt_ids, stop_ids = engine.prepare(prompts, params, 0)
-        calls = {"ours": lambda: engine.generate(prompts, params, 0),
+        prompt_ids, stop_ids = engine.prepare(prompts, params, version)
+        calls = {"ours": lambda: engine.generate(prompts, params, version),
                  **variants(engine, prompt_ids, stop_ids, 12345)}
         for name, call in calls.items():
             call()  # warm: the first call of a batch size may still compile or allocate

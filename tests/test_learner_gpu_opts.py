@@ -367,6 +367,31 @@ def test_decode_bench_step_times_and_overrides():
         config_with_overrides(cfg.model_dump(), ["rollout.no_such_knob=1"])
 
 
+@pytest.mark.slow
+def test_decode_bench_loads_adapters_shaped_from_the_config_as_peft_shapes_them():
+    from types import SimpleNamespace
+
+    from safetensors.torch import load
+
+    from bench import vllm_decode
+    from bench.synthetic import config_lora_payload, make_lora_payload
+    from config.rollout import ModelConfig, RolloutConfig
+    from model.base import resolve_model
+    from rollout.engines import make_engine
+
+    model = ModelConfig(name_or_path="tiny-random", dtype="float32")
+    model_dir = resolve_model(model)
+    peft = load(make_lora_payload(model_dir, 1, r=4, alpha=8).data())
+    ours = load(config_lora_payload(model_dir, 1, r=4, alpha=8).data())
+    assert {k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in peft.items()}
+    assert {v.dtype for v in ours.values()} == {torch.bfloat16}  # as the learner publishes on a GPU
+    engine = make_engine(model, RolloutConfig(max_model_len=512, max_lora_rank=8), kind="hf", seed=0)
+    result: dict = {}
+    cfg = SimpleNamespace(learner=SimpleNamespace(lora=SimpleNamespace(r=4, alpha=8)))
+    assert vllm_decode.load_adapters(engine, model_dir, cfg, result) == 3 and engine.loaded_version() == 3
+    assert len(result["adapter_load_s"]) == 3 and all(s > 0 for s in result["adapter_load_s"])
+
+
 def test_gpu_bench_flops_and_prompts():
     from bench import gpu_vs_trl as bench
 

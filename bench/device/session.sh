@@ -18,7 +18,8 @@
 #   loop SHAPES [FLAGS]  counterpoint's step loop in one process with the vLLM engine (no Ray); --mode
 #                        one_step_off --streams: vLLM's engine core in the process too, generation on a
 #                        high-priority CUDA stream beside the update on another (one context, no time-slicing)
-#   decode MODEL PROMPTS [--set k=v ...]   where generation time goes (bench/vllm_decode.py)
+#   decode MODEL PROMPTS [--set k=v ...] [--adapter]   where generation time goes (bench/vllm_decode.py;
+#                        --adapter: three adapter loads timed first, then generation with the last)
 #   train SHAPES MODES [--set k=v ...]   `counterpoint train` on Ray (bench/gpu_vs_trl.py train); e.g.
 #                        one_step_off runs under CUDA MPS by default (gpu_sharing.mode=auto), --set gpu_sharing.mode=timeslice without,
 #                        --set gpu_sharing.learner_priority=below_normal [--set gpu_sharing.learner_sm_percent=100]
@@ -140,7 +141,7 @@ PY
     bench counterpoint --engine vllm --shapes "$S" --out "$f.json" "$@" 2>&1 \
       | tee "$f.log" | grep -E "^\[counterpoint\]|Error" | cut -c 1-1500 ;;
   decode)
-    M=$1; P=$2; shift 2; tag=$(printf '%s' "$*" | tr -c 'A-Za-z0-9_.' '_' | cut -c 1-40)
+    M=$1; P=$2; shift 2; tag=$(printf '%s' "$*" | sed 's/--set //g; s/--//g' | tr -c 'A-Za-z0-9_.' '_' | cut -c 1-60)
     python3 bench/vllm_decode.py --model "$MODELS/$M" --tokenizer "$TOK" --prompts "$P" \
       --out "$OUT/decode-$M${tag:+-$tag}.json" "$@" 2>&1 | tee "$OUT/decode-$M${tag:+-$tag}.log" \
       | grep -vE "INFO|WARNING|Loading|it/s\]|^$" | cut -c 1-400 ;;
