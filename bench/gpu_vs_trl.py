@@ -49,8 +49,9 @@ not needed. ``.devcache/tokenizer`` as bench/multi_gpu_device.py makes it. On th
   TRL has no such switch: TRL 1.16's GRPOConfig passes nothing to vLLM's quantization (its colocate
   ``LLM(...)`` sets quantization only to "bitsandbytes" for a bnb 4-bit model), and its colocate
   weight sync calls ``model.load_weights`` per parameter, which vLLM 0.26 does not re-quantize into
-  an online-fp8 layer (rollout/engines/vllm_merge.py's docstring). A TRL fp8 row would need a
-  patched LLM and a sync through vLLM's layerwise reload: not done.
+  an online-fp8 layer (rollout/engines/vllm_merge.py's docstring). ``trl --vllm --quantization fp8``
+  patches both (``trl_fp8_colocate``: fp8 for its LLM, its sync through vLLM's ``reload_weights``),
+  for the fair fp8 ratio the issue asks for.
 - ``report``: bench/results/gpu-vs-trl.json (the schema below) and gpu-vs-trl.md.
 
 Per shape: 1 warm-up step (it holds any compile of the engine) + N timed steps, medians; a
@@ -446,7 +447,45 @@ class PhaseMarks:
         return wrapper
 
 
+def trl_fp8_colocate() -> None:
+    """TRL 1.16's colocated vLLM with vLLM's online fp8 (``trl --vllm --quantization fp8``): the
+    same fp8 rollout as counterpoint's rollout.quantization=fp8, so that the two compare fairly.
+    TRL has no such switch, so two of its pieces are patched (trl/generation/vllm_generation.py):
+    - the ``LLM(...)`` it builds gets ``quantization="fp8"`` (it passes only "bitsandbytes", for
+      a bnb 4-bit model);
+    - its colocate weight sync, which calls ``model.load_weights`` once per parameter (bf16 into
+      an fp8, transposed parameter: a shape error, or a cast with no new scale), goes through
+      vLLM's ``reload_weights`` instead: the same parameters from the same iterator, each layer
+      rebuilt and re-quantized as at start-up once all its shards are in (vLLM's layerwise reload,
+      as counterpoint's merge over fp8: rollout/engines/vllm_merge.py). Sleep mode's wake-up
+      before it is kept as TRL has it."""
+    import trl.generation.vllm_generation as vg
+
+    real_llm, real_sync = vg.LLM, vg.VLLMGeneration.sync_weights
+
+    def fp8_llm(*a, **k):
+        if k.get("quantization") not in (None, "fp8"):
+            raise ValueError(f"TRL asked vLLM for quantization={k['quantization']!r}; this bench adds fp8 only "
+                             "to a bf16 model")
+        return real_llm(*a, **{**k, "quantization": "fp8"})
+
+    def fp8_sync(self):
+        if self.mode != "colocate":
+            return real_sync(self)
+        if self.enable_sleep_mode:
+            vg.empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            self._llm_weights_sleeping = False
+        runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
+        runner.reload_weights(weights_iterator=self._iter_named_params(), is_checkpoint_format=True)
+        self.llm.reset_prefix_cache()
+
+    vg.LLM, vg.VLLMGeneration.sync_weights = fp8_llm, fp8_sync
+
+
 def trl(args) -> dict[str, Any]:
+    if args.quantization and not args.vllm:
+        raise SystemExit(f"trl --quantization {args.quantization} needs --vllm: TRL's own generate samples in bf16")
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -464,6 +503,9 @@ def trl(args) -> dict[str, Any]:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
         result["versions"]["vllm"] = md.version("vllm")
+        if args.quantization:
+            trl_fp8_colocate()
+            result["rollout_quantization"] = args.quantization
 
     class StepTimer(TrainerCallback):
         """Times each optimizer step; stops training once the next step would end past the
@@ -577,6 +619,7 @@ def trl(args) -> dict[str, Any]:
                 mfu=step_model_flops(params, seqs, prompt_len, args.new_tokens) / s_step / peak_flops() if s_step else None,
                 completion_tokens_per_s=seqs * args.new_tokens / s_step if s_step else None,
                 gradient_checkpointing=conf.gradient_checkpointing, generation="vllm-colocate" if args.vllm else "generate",
+                rollout_quantization=args.quantization,
                 per_device_train_batch_size=per_device, gradient_accumulation_steps=accum,
             )
             if timer.stopped_early:
@@ -1116,6 +1159,9 @@ def main(argv: list[str] | None = None) -> int:
                            help="TRL's vllm_enable_sleep_mode: vLLM's weights and KV cache leave the GPU while it trains")
             p.add_argument("--accumulate", action="store_true",
                            help="one group per micro-step, gradient accumulation over the step's groups")
+            p.add_argument("--quantization", choices=("fp8",), default=None,
+                           help="with --vllm: vLLM's online fp8 for TRL's colocated engine, its weight sync through "
+                                "vLLM's reload_weights (trl_fp8_colocate)")
             ckpt = p.add_mutually_exclusive_group()
             ckpt.add_argument("--checkpointing", dest="checkpointing", action="store_true", default=None,
                               help="gradient checkpointing on (TRL's default)")

@@ -392,6 +392,15 @@ def test_decode_bench_loads_adapters_shaped_from_the_config_as_peft_shapes_them(
     assert len(result["adapter_load_s"]) == 3 and all(s > 0 for s in result["adapter_load_s"])
 
 
+def test_trl_fp8_needs_trls_vllm():
+    from argparse import Namespace
+
+    from bench import gpu_vs_trl as bench
+
+    with pytest.raises(SystemExit, match="trl --quantization fp8 needs --vllm"):
+        bench.trl(Namespace(quantization="fp8", vllm=False))
+
+
 def test_gpu_bench_flops_and_prompts():
     from bench import gpu_vs_trl as bench
 

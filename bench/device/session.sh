@@ -14,7 +14,8 @@
 #                        so that the calls carrying pieces also get the models ready
 #   sharded MODEL P:VARIANTS... [-- FLAGS]   the learner alone (bench/learner_gpu.py) on MODEL built with weights,
 #                        e.g. `sharded qwen3-14b 1:eager,fsdp2`: fsdp2's s/step beside DDP's (issue 35)
-#   trl SHAPES [FLAGS]   TRL + vLLM colocate (bench/gpu_vs_trl.py trl --vllm)
+#   trl SHAPES [FLAGS]   TRL + vLLM colocate (bench/gpu_vs_trl.py trl --vllm; --quantization fp8: its
+#                        vLLM in fp8, its sync through vLLM's reload_weights, files *-fp8.*)
 #   loop SHAPES [FLAGS]  counterpoint's step loop in one process with the vLLM engine (no Ray); --mode
 #                        one_step_off --streams: vLLM's engine core in the process too, generation on a
 #                        high-priority CUDA stream beside the update on another (one context, no time-slicing)
@@ -127,12 +128,13 @@ PY
     done ;;
   trl)  # trl SHAPE FLAGS... [-- FALLBACK FLAGS...]: the fallback runs when the first errs (e.g. out of memory)
     S=$1; shift; FIRST=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do FIRST+=("$1"); shift; done; [ $# -gt 0 ] && shift
-    f="$OUT/trl-vllm-${S//:/-}.json"
-    bench trl --vllm --shapes "$S" --out "$f" "${FIRST[@]}" 2>&1 | tee "$OUT/trl-vllm-${S//:/-}.log" \
+    q=""; case " ${FIRST[*]} " in *" --quantization fp8 "*) q="-fp8" ;; esac  # fp8 rollouts keep a file of their own
+    f="$OUT/trl-vllm-${S//:/-}$q.json"
+    bench trl --vllm --shapes "$S" --out "$f" "${FIRST[@]}" 2>&1 | tee "${f%.json}.log" \
       | grep -E "^\[trl\]|Error" | cut -c 1-1500
     if [ $# -gt 0 ] && grep -q '"error"' "$f" 2>/dev/null; then
       mv "$f" "${f%.json}-first.json"
-      bench trl --vllm --shapes "$S" --out "$f" "$@" 2>&1 | tee -a "$OUT/trl-vllm-${S//:/-}.log" \
+      bench trl --vllm --shapes "$S" --out "$f" "$@" 2>&1 | tee -a "${f%.json}.log" \
         | grep -E "^\[trl\]|Error" | cut -c 1-1500
     fi ;;
   loop)  # loop SHAPES [FLAGS]: e.g. --mode one_step_off --streams (one process, one CUDA context)
