@@ -759,8 +759,10 @@ def train_variant(row: dict[str, Any]) -> str:
     if sharing is None:  # rows from before run.json's gpu_sharing was kept: the command's --set says
         found = re.search(r"gpu_sharing\.mode=(\w+)", row.get("command") or "")
         sharing = found.group(1) if found else "timeslice"
-    quant = (row.get("rollout_quantization") or {}).get("mode")
-    merged = quant not in (None, "none") and "rollout.vllm_lora=merged" in (row.get("command") or "")
+    record = row.get("rollout_quantization") or {}
+    quant = record.get("mode")
+    merged = quant not in (None, "none") and ("LoRA merged" in record.get("rollout_weights", "")
+                                              or "rollout.vllm_lora=merged" in (row.get("command") or ""))
     return ", ".join([row["mode"]] + (["MPS"] if sharing == "mps" else [])
                      + ([f"{quant} rollouts"] if quant not in (None, "none") else [])
                      + (["LoRA merged"] if merged else []))

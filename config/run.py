@@ -304,7 +304,10 @@ class RunConfig(BaseModel):
         if q is None:
             return {"mode": "none", "rollout_weights": dtype, "learner_weights": dtype,
                     "reason": "rollout.quantization=null: the engine samples with the learner's dtype"}
-        return {"mode": q, "rollout_weights": f"{q} (vLLM online, per-tensor scale; LoRA unmerged in {dtype})",
+        # vllm_lora=auto resolves to unmerged over fp8 (rollout/engines/vllm_engine.py vllm_settings)
+        lora = (f"LoRA merged in {dtype} and re-quantized to {q} at every version" if self.rollout.vllm_lora == "merged"
+                else f"LoRA unmerged in {dtype}")
+        return {"mode": q, "rollout_weights": f"{q} (vLLM online, per-tensor scale; {lora})",
                 "learner_weights": dtype, "tis_cap": self.learner.tis_cap,
                 "reason": f"rollout.quantization={q}: the sampling policy differs from the learner's; "
                           "TIS (learner.tis_cap) corrects, ppl_ratio and tis_clip_frac measure it"}

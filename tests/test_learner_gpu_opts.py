@@ -304,12 +304,16 @@ def test_gpu_bench_config_and_results_follow_their_schemas(tmp_path):
            "rollout_quantization": {"mode": "fp8"}}
     fp8_merged = {**fp8, "s_per_step": 1.2, "command": "counterpoint train --set rollout.quantization=fp8 "
                                                        "--set rollout.vllm_lora=merged"}
-    doc2 = bench.merge(None, None, "cmd", trl_vllm, {"shapes": train["shapes"] + [mps, fp8, fp8_merged]})
+    # run.json's record says it where the command does not
+    recorded = {**fp8, "s_per_step": 1.3, "mode": "sync",
+                "rollout_quantization": {"mode": "fp8", "rollout_weights": "fp8 (...; LoRA merged in bfloat16 ...)"}}
+    doc2 = bench.merge(None, None, "cmd", trl_vllm, {"shapes": train["shapes"] + [mps, fp8, fp8_merged, recorded]})
     four2 = {(r["model"], r["prompts"]): r for r in doc2["shapes"]}[("qwen3-4b", 1)]
     assert four2["counterpoint_train_s_per_step"] == 1.9 and four2["counterpoint_train_variant"] == "one_step_off, MPS"
     assert four2["counterpoint_train_modes"] == {"sync": 2.25, "one_step_off": 2.0, "one_step_off, MPS": 1.9,
                                                  "one_step_off, MPS, fp8 rollouts": 1.5,
-                                                 "one_step_off, MPS, fp8 rollouts, LoRA merged": 1.2}
+                                                 "one_step_off, MPS, fp8 rollouts, LoRA merged": 1.2,
+                                                 "sync, MPS, fp8 rollouts, LoRA merged": 1.3}
     # the writer refuses anything off the schema
     with pytest.raises(ValueError, match="keys"):
         bench.validate_results({**doc, "extra": 1})

@@ -111,7 +111,9 @@ def test_fp8_needs_a_16_bit_model():
 def test_receipt_records_the_rollout_quantization():
     fp8 = gpu_run().rollout_quantization()
     assert fp8["mode"] == "fp8" and fp8["learner_weights"] == "bfloat16" and fp8["tis_cap"] == 2.0
-    assert fp8["rollout_weights"].startswith("fp8")
+    assert fp8["rollout_weights"].startswith("fp8") and "LoRA unmerged in bfloat16" in fp8["rollout_weights"]
+    merged = gpu_run(rollout__vllm_lora="merged").rollout_quantization()["rollout_weights"]
+    assert "LoRA merged in bfloat16 and re-quantized to fp8 at every version" in merged
     plain = RunConfig().rollout_quantization()
     assert plain["mode"] == "none" and plain["rollout_weights"] == plain["learner_weights"] == RunConfig().model.dtype
 
