@@ -225,12 +225,13 @@ def median(xs: list[float]) -> float | None:
 # ---------------------------------------------------------------- counterpoint
 def bench_config(model_dir: Path | str, prompts: int, steps: int, runs_dir: Path | str, gpu: bool = True,
                  max_tokens: int = NEW_TOKENS, engine: str = "hf", quantization: str | None = None,
-                 mode: str = "sync", vllm_multiprocessing: bool | None = None):
+                 mode: str = "sync", vllm_multiprocessing: bool | None = None, vllm_lora: str = "auto"):
     """The run config of one shape, validated by the schema (also what a `counterpoint train`
     of this shape would take: configs/gpu-bench-4b.yaml). ``quantization``: rollout.quantization
     (fp8 needs engine="vllm"; the schema refuses it otherwise). ``mode``: trainer.mode;
     ``vllm_multiprocessing``: rollout.vllm_multiprocessing (False: vLLM's engine core in this
-    process, so that its kernels and the learner's share one CUDA context)."""
+    process, so that its kernels and the learner's share one CUDA context); ``vllm_lora``:
+    rollout.vllm_lora (merged over fp8: the merge re-quantized, rollout/engines/vllm_merge.py)."""
     from config import RunConfig
 
     return RunConfig.model_validate({
@@ -239,7 +240,7 @@ def bench_config(model_dir: Path | str, prompts: int, steps: int, runs_dir: Path
         "rollout": {"engine": engine, "num_gpus": 0.5 if gpu else 0.0, "max_tokens": max_tokens,
                     "max_lora_rank": LORA_R, "temperature": 1.0, "max_model_len": 2048,
                     "gpu_memory_utilization": 0.35, "max_num_seqs": 64, "quantization": quantization,
-                    "vllm_multiprocessing": vllm_multiprocessing},
+                    "vllm_multiprocessing": vllm_multiprocessing, "vllm_lora": vllm_lora},
         "learner": {"use_gpu": gpu, "gpus_per_worker": 0.5, "lora": {"r": LORA_R, "alpha": LORA_ALPHA},
                     "lr": LR, "beta": 0.0, "loss_type": "dapo", "micro_batch_tokens": 8192},
         "trainer": {"steps": steps, "prompts_per_step": prompts, "group_size": GROUP_SIZE, "save_every": 0,
@@ -382,7 +383,7 @@ def counterpoint(args) -> dict[str, Any]:
         cfg = bench_config(model_dir, prompt_counts[0], args.steps + 1, args.runs, gpu=gpu, max_tokens=args.new_tokens,
                            engine=args.engine, quantization=args.quantization, mode=args.mode,
                            # the engine core in this process: its kernels and the update's in one context
-                           vllm_multiprocessing=False if args.streams else None)
+                           vllm_multiprocessing=False if args.streams else None, vllm_lora=args.vllm_lora)
         engine = make_engine(cfg.model, cfg.rollout, kind=args.engine, seed=cfg.seed)
         policy = PolicyLearner.for_run(cfg, device=device)
         engine.load_adapter(policy.payload(adapter_version(0)))
@@ -391,7 +392,8 @@ def counterpoint(args) -> dict[str, Any]:
         print(f"[counterpoint] {model}: built and loaded in {load_s:.1f} s (engine {type(engine).__name__})", flush=True)
         for prompts in prompt_counts:
             row = {"model": model, "prompts": prompts, "group_size": GROUP_SIZE, "engine": type(engine).__name__,
-                   "load_s": load_s, "mode": args.mode, "streams": args.streams}
+                   "load_s": load_s, "mode": args.mode, "streams": args.streams, "quantization": args.quantization,
+                   "vllm_lora": getattr(getattr(engine, "settings", None), "lora", None)}  # as resolved
             if time.monotonic() > args.deadline:
                 row["skipped"] = "the call's deadline came first"
             else:
@@ -1171,7 +1173,9 @@ def main(argv: list[str] | None = None) -> int:
         if name == "counterpoint":
             p.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="the rollout engine in the loop")
             p.add_argument("--quantization", choices=("fp8",), default=None,
-                           help="rollout.quantization of the engine (fp8: with --engine vllm; LoRA unmerged)")
+                           help="rollout.quantization of the engine (fp8: with --engine vllm)")
+            p.add_argument("--vllm-lora", choices=("auto", "merged", "unmerged"), default="auto",
+                           help="rollout.vllm_lora (auto: merged in bf16, unmerged over fp8)")
             p.add_argument("--mode", choices=("sync", "one_step_off"), default="sync", help="trainer.mode of the loop")
             p.add_argument("--streams", action="store_true",
                            help="one CUDA context: vLLM's engine core in this process, generation on a high-priority "
