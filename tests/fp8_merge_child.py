@@ -26,29 +26,16 @@ import tempfile
 from pathlib import Path
 
 
-def reference_fp8_quant(input, scale=None, **_):
-    """Per-tensor fp8: vLLM's scaled_fp8_quant without its CUDA kernel."""
-    import torch
-
-    if scale is None:
-        scale = (input.abs().max().float() / 448.0).reshape(1)
-    return (input.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
-
-
 def main(model_dir: str, payload_dirs: list[str]) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from shared_base_owner import init_vllm_distributed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.synthetic
+    from bench.synthetic import build_vllm_model, init_vllm_distributed, reference_fp8_quant
 
     init_vllm_distributed(model_dir)
     import vllm._custom_ops as ops
     from vllm.config import set_current_vllm_config
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_processing
-    from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
     from model.adapter import AdapterPayload
     from model.adapter_dir import AdapterError
@@ -58,13 +45,7 @@ def main(model_dir: str, payload_dirs: list[str]) -> dict:
     ops.scaled_fp8_quant = reference_fp8_quant
 
     def build(checkpoint: str):
-        config = EngineArgs(model=checkpoint, dtype="bfloat16", enforce_eager=True, max_model_len=256,
-                            quantization="fp8").create_engine_config()
-        with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype):
-            model = initialize_model(vllm_config=config)
-            model.load_weights(load_file(f"{checkpoint}/model.safetensors").items())
-            finalize_layerwise_processing(model, config.model_config)  # as vLLM's loader does after it
-        return model, config
+        return build_vllm_model(checkpoint, "bfloat16", quantization="fp8")
 
     def kernels(model) -> dict:
         return {name: t.detach().clone() for name, t in model.named_parameters()}

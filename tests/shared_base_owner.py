@@ -12,41 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
 from types import SimpleNamespace
-
-
-def build_vllm_model(model_dir: str, dtype: str):
-    """vLLM's model for ``model_dir`` on the CPU, its weights loaded by its own loader (after
-    ``init_vllm_distributed``, once per process)."""
-    from safetensors.torch import load_file
-    from vllm.config import set_current_vllm_config
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    config = EngineArgs(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=512).create_engine_config()
-    with set_current_vllm_config(config):
-        with set_default_torch_dtype(config.model_config.dtype):  # as vLLM's loader builds it
-            model = initialize_model(vllm_config=config)
-        model.load_weights(load_file(f"{model_dir}/model.safetensors").items())
-    return model, config
-
-
-def init_vllm_distributed(model_dir: str) -> None:
-    """vLLM's one-rank process group, as a worker sets it up before it builds its model."""
-    from config.runtime_env import apply_defaults
-
-    apply_defaults()
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
-
-    config = EngineArgs(model=model_dir, enforce_eager=True, max_model_len=512).create_engine_config()
-    with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tempfile.mktemp(prefix='cp-owner-')}")
-        initialize_model_parallel(1, 1)
 
 
 def serve(conn, model_dir: str, dtypes: list[str]) -> None:
@@ -54,6 +20,7 @@ def serve(conn, model_dir: str, dtypes: list[str]) -> None:
     starting one); a command names the dtype whose worker runs it."""
     from vllm.config import set_current_vllm_config
 
+    from bench.synthetic import build_vllm_model, init_vllm_distributed
     from rollout.engines.vllm_merge import MergedLoraExtension
 
     init_vllm_distributed(model_dir)
