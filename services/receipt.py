@@ -391,4 +391,5 @@ def dry_run_preview(cfg: RunConfig, pool: list[str] | None = None) -> dict[str, 
     if pool is not None:
         preview["prompt_sampling"] = sampler_from_config(pool, cfg.trainer, cfg.seed).plan()
     preview["gpu_sharing"] = mps.preview(cfg, mps.find_control_binary())
+    preview["rollout_quantization"] = cfg.rollout_quantization()  # what samples: fp8 or not, the LoRA merged or not
     return preview

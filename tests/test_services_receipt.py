@@ -198,4 +198,5 @@ def test_dry_run_preview_resolves_config_and_plans_sampling() -> None:
     assert preview["config"]["learner"]["lr"] == cfg.learner.lr  # defaults included
     assert preview["seeds"]["run"] == 11
     assert preview["prompt_sampling"]["epochs"] == 2.0
+    assert preview["rollout_quantization"] == cfg.rollout_quantization() and preview["rollout_quantization"]["mode"] == "none"
     json.dumps(preview)
