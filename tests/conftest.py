@@ -76,10 +76,20 @@ def pytest_runtest_setup(item):
 # error, and under `make test-fast` (CP_TEST_NO_SPAWN=1) the same audit hook fails any test that
 # starts a process, so a new unmarked one is caught the first time it runs there.
 SUBPROCESS_TESTS = {
+    "test_adapter_ipc.py": {
+        "test_a_changed_byte_in_the_learners_buffer_is_refused",
+        "test_a_replica_process_gets_the_host_paths_adapter_bit_for_bit",
+        "test_replacement_replicas_each_open_the_same_buffer",
+        "test_two_buffers_across_processes_and_the_replicas_acknowledgement",
+    },
     "test_alerts.py": {
         "test_promtool_rule_unit_tests_pass",
         "test_unit_tests_catch_a_broken_alert",
         "test_unit_tests_catch_a_broken_recording_rule",
+    },
+    "test_cluster_memory.py": {
+        "test_the_cli_prints_the_table_of_the_shipped_config",
+        "test_the_cli_refuses_bad_input_in_one_line",
     },
     "test_code_exec_sandbox.py": {
         "test_bare_level_still_limits_and_times_out",
@@ -141,10 +151,21 @@ SUBPROCESS_TESTS = {
         "test_require_pool_refuses_before_serving",
         "test_serve_refuses_another_schema",
     },
+    "test_learner_compile.py": {
+        "test_compiled_layers_give_the_eager_loss_and_gradients",
+        "test_policy_update_with_compiled_layers",
+    },
     "test_memory_bench.py": {"test_a_sampled_run_sees_its_child_leaves_out_what_was_there_and_stops_one_past_its_time"},
     "test_memory_budget.py": {
         "test_dry_run_shows_the_split_and_refuses_a_small_budget",
         "test_the_split_needs_neither_torch_nor_ray",
+    },
+    "test_mps.py": {
+        "test_a_daemon_that_does_not_come_up_fails_in_one_line",
+        "test_auto_run_where_mps_pays_starts_the_daemon",
+        "test_client_check_reports_in_one_line",
+        "test_run_joins_a_running_daemon_and_leaves_it",
+        "test_run_starts_its_daemon_and_quits_it",
     },
     "test_observability.py": {  # the Prometheus server (tests/promharness.py) is a child process
         "test_assert_all_queries_names_every_failing_expr",
