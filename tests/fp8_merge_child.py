@@ -2,7 +2,9 @@
 process group and its model classes; tests/test_rollout_fp8.py runs it and reads its JSON answer).
 
 vLLM's own Qwen3 model is built with quantization='fp8' on the CPU, its weights loaded by its own
-loader and quantized by its own online fp8 method, the way a replica's worker does it on a GPU.
+loader and quantized by its own online fp8 method, the way a replica's worker does it on a GPU,
+and the adapters reach it through counterpoint's worker extension (``counterpoint_hold`` from a
+file in shared memory, ``counterpoint_use``), as the engine calls it.
 The fp8 kernel itself (vllm._custom_ops.scaled_fp8_quant) exists only in vLLM's CUDA build, so a
 torch implementation of per-tensor fp8 quantization (amax / 448, round to float8_e4m3fn) stands
 in for it, on both sides of every comparison. Everything else is vLLM's: the fused qkv/gate_up
@@ -21,9 +23,11 @@ The checks (each a number or a flag in the answer, asserted by the test):
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 
 def main(model_dir: str, payload_dirs: list[str]) -> dict:
@@ -39,8 +43,8 @@ def main(model_dir: str, payload_dirs: list[str]) -> dict:
 
     from model.adapter import AdapterPayload
     from model.adapter_dir import AdapterError
-    from rollout.engines.lora_weights import MergedWeights, merged_weight, parse_adapter
-    from rollout.engines.vllm_merge import OnlineQuantizedReload, online_quantized, read_checkpoint
+    from rollout.engines.lora_weights import merged_weight, parse_adapter
+    from rollout.engines.vllm_merge import MergedLoraExtension, OnlineQuantizedReload, online_quantized, write_shm
 
     ops.scaled_fp8_quant = reference_fp8_quant
 
@@ -64,15 +68,23 @@ def main(model_dir: str, payload_dirs: list[str]) -> dict:
     storage = {n: p.data_ptr() for n, p in model.named_parameters()}
     base = load_file(f"{model_dir}/model.safetensors")
 
+    class Worker(MergedLoraExtension):  # what vLLM's Worker gives the extension: the engine's calls go here
+        model_runner = SimpleNamespace(get_model=lambda model=model: model)
+        model_config = config.model_config
+
+    worker = Worker()
     with set_current_vllm_config(config):
-        merged = MergedWeights(model.load_weights, lambda names: read_checkpoint(model_dir, names, "cpu"),
-                               scope=OnlineQuantizedReload(model, config.model_config))
         for version, payload_dir in enumerate(payload_dirs, start=1):
             payload = AdapterPayload(version=version,
                                      safetensors=(Path(payload_dir) / "adapter_model.safetensors").read_bytes(),
                                      config=json.loads((Path(payload_dir) / "adapter_config.json").read_text()))
+            path = write_shm(payload)  # as the engine hands it over (vllm_engine.py _hold_merged)
+            try:
+                worker.counterpoint_hold(path, json.dumps(payload.config), version)
+            finally:
+                os.unlink(path)
+            answer["scope"] = type(worker._counterpoint_merged().scope).__name__
             lora = parse_adapter(payload)
-            merged.hold(lora, version)
             # the merged checkpoint, loaded fresh by vLLM with quantization='fp8'
             state = dict(base)
             for layer, tensors in lora.items():
@@ -86,7 +98,7 @@ def main(model_dir: str, payload_dirs: list[str]) -> dict:
             answer[f"v{version}_layers"] = sorted(lora)
             answer[f"v{version}_differs_from_fresh"] = differing(kernels(model), kernels(fresh))
             answer[f"v{version}_differs_from_start"] = len(differing(kernels(model), at_start))
-        merged.use(0)
+        worker.counterpoint_use(0)
         answer["v0_differs_from_start"] = differing(kernels(model), at_start)
         answer["storage_moved"] = sorted(n for n, p in model.named_parameters() if p.data_ptr() != storage[n])
 

@@ -188,6 +188,7 @@ def test_a_merge_over_vllms_fp8_layers_equals_loading_the_merged_checkpoint(tmp_
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     got = json.loads(lines[-1][len("ANSWER "):])
     assert got["online_quantized"] and got["qkv_dtype"] == "torch.float8_e4m3fn"
+    assert got["scope"] == "OnlineQuantizedReload"  # the worker extension chose the re-quantizing write
     assert len(got["v1_layers"]) == 2 * 7 and got["v1_differs_from_start"] > 0  # the adapter moves the fp8 weights
     assert got["v1_differs_from_fresh"] == []
     assert sorted({n.rsplit(".", 1)[1] for n in got["v2_layers"]}) == ["q_proj", "v_proj"]
