@@ -26,7 +26,8 @@
 #                        --set gpu_sharing.learner_priority=below_normal [--set gpu_sharing.learner_sm_percent=100]
 #                        with the replica's decode kernels scheduled ahead of the update's
 #                        or --set rollout.quantization=fp8 for fp8 rollouts (vLLM's online fp8, LoRA
-#                        unmerged; rows keep ppl_ratio, rollout_k3_kl, tis_clip_frac; 0.6B/4B shapes only)
+#                        unmerged, or merged and re-quantized with --set rollout.vllm_lora=merged; rows keep
+#                        ppl_ratio, rollout_k3_kl, tis_clip_frac; 0.6B/4B shapes only)
 #   memory SHAPES [--set k=v ...] [--trl-arg=FLAG ...] [--systems ...]   GPU memory per process and
 #                        phase, TRL + vLLM colocate (0.09, checkpointing) then counterpoint train
 #                        (0.09, checkpointing, then the --sets) back to back (bench/memory.py); 4B 1x8
