@@ -81,44 +81,42 @@ def make_lora_payload(
         return payload_from_dir(tmp, version)
 
 
-LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def config_lora_payload(model_dir, version: int, r: int = 32, alpha: float = 64.0, b_std: float = 1e-3,
                         seed: int = 0, dtype=None):
     """A random LoRA payload on every linear layer of a Llama/Qwen-style checkpoint, from its
     config.json alone (no model built: a 4B model through peft takes minutes on a host), named
     as peft names it (``make_lora_payload``) and in the learner's dtype (bf16 by default: what
-    learner/lora.py publishes on a GPU). A ~ N(0, 1/in), B ~ N(0, b_std^2)."""
+    learner/lora.py publishes on a GPU). A ~ N(0, 1/in), B ~ N(0, b_std^2). The layers' shapes
+    are the memory table's (services/memory_budget.py ``linear_sizes``)."""
     import json
     from pathlib import Path
+    from types import SimpleNamespace
 
     import torch
     from safetensors.torch import save
 
+    from learner.memory_plan import LINEAR_NAMES, ModelShape
     from model.adapter import AdapterPayload
+    from services.memory_budget import linear_sizes
 
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    q, kv = heads * head_dim, cfg.get("num_key_value_heads", heads) * head_dim
-    part = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-    fans = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    shape = ModelShape.from_hf_config(SimpleNamespace(**json.loads((Path(model_dir) / "config.json").read_text())),
+                                      params=0, dtype_bytes=2)
+    fans = linear_sizes(shape)
     dtype = dtype or torch.bfloat16
     g = torch.Generator().manual_seed(seed)
     state = {}
-    for i in range(layers):
-        for name in LINEAR_LAYERS:
+    for i in range(shape.layers):
+        for name in LINEAR_NAMES:
             fan_in, fan_out = fans[name]
-            pre = f"base_model.model.model.layers.{i}.{part[name]}.{name}"
+            pre = f"base_model.model.model.layers.{i}.{'mlp' if name in MLP_LINEARS else 'self_attn'}.{name}"
             state[f"{pre}.lora_A.weight"] = (torch.randn(r, fan_in, generator=g) / fan_in**0.5).to(dtype)
             state[f"{pre}.lora_B.weight"] = (torch.randn(fan_out, r, generator=g) * b_std).to(dtype)
-    config = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(LINEAR_LAYERS),
+    config = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(LINEAR_NAMES),
               "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM", "use_rslora": False, "use_dora": False}
     return AdapterPayload(version=version, safetensors=save(state), config=config)
+
+
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")  # the rest are attention's (self_attn)
 
 
 def init_vllm_distributed(model_dir) -> None:

@@ -95,7 +95,7 @@ def model_shape(config: Mapping[str, Any], dtype_bytes: int) -> ModelShape:
                                      dtype_bytes=dtype_bytes)
 
 
-def _linear_sizes(shape: ModelShape) -> dict[str, tuple[int, int]]:
+def linear_sizes(shape: ModelShape) -> dict[str, tuple[int, int]]:
     h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
@@ -110,7 +110,7 @@ def rollout_weight_bytes(shape: ModelShape, quantization: str | None = None) -> 
         return shape.params * shape.dtype_bytes
     if quantization != "fp8":
         raise ValueError(f"rollout.quantization={quantization!r}: the memory table knows null and 'fp8'")
-    linear = shape.layers * sum(fan_in * fan_out for fan_in, fan_out in _linear_sizes(shape).values())
+    linear = shape.layers * sum(fan_in * fan_out for fan_in, fan_out in linear_sizes(shape).values())
     return linear + (shape.params - linear) * shape.dtype_bytes + shape.layers * 7 * 4
 
 
@@ -134,7 +134,7 @@ def lora_slot_bytes(shape: ModelShape, slots: int, rank: int, tensor_parallel: i
     tp = tensor_parallel
     per_layer = sum(rank * (fan_in + -(-fan_out // tp)) if name in COLUMN_PARALLEL
                     else rank * (-(-fan_in // tp) + fan_out)
-                    for name, (fan_in, fan_out) in _linear_sizes(shape).items())
+                    for name, (fan_in, fan_out) in linear_sizes(shape).items())
     layers = -(-shape.layers // pipeline_parallel)
     return slots * layers * per_layer * shape.dtype_bytes
 
@@ -153,7 +153,7 @@ def merged_lora_bytes(shape: ModelShape, trainable: int, targets: Sequence[str] 
     Over an fp8 base (``quantized``) a write takes each touched fused layer whole, W0 of its
     unadapted shards included, and vLLM's reload holds, for the largest such layer, its written
     shards until the last arrives, the layer rebuilt in b and its fp8 result: (2b + 1) x it more."""
-    sizes, names, b = _linear_sizes(shape), _targets(targets), shape.dtype_bytes
+    sizes, names, b = linear_sizes(shape), _targets(targets), shape.dtype_bytes
     largest = max((sizes[n][0] * sizes[n][1] for n in names), default=0)
     held = trainable * ADAPTER_BYTES_PER_PARAM + (3 * b + 8) * largest
     touched = [group for group in FUSED_LINEARS if group & set(names)]

@@ -286,13 +286,12 @@ class OnlineQuantizedReload(WriteScope):
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         modules = {}
-        for module_name in reload_groups(names, self.packed):
+        for module_name, shards in reload_groups(names, self.packed).items():
             try:
                 modules[module_name] = self.model.get_submodule(module_name)
             except AttributeError:
                 raise AdapterError(f"merged LoRA over {self.model_config.quantization}: vLLM's model has no module "
-                                   f"{module_name} for the adapted layers {reload_groups(names, self.packed)[module_name]}"
-                                   ) from None
+                                   f"{module_name} for the adapted layers {shards}") from None
         for module in modules.values():
             initialize_layerwise_reload(module)
         yield
