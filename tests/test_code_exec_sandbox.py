@@ -88,8 +88,10 @@ def test_the_leak_check_sees_a_planted_child():
     leak = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert not _no_children_left()
-        # The check this replaces: waitpid(-1, WNOHANG) says (0, 0) while the child lives.
-        assert os.waitpid(-1, os.WNOHANG) == (0, 0)
+        # The check this replaces: waitpid says (0, 0) while the child lives. Asked of this child's
+        # pid, not of -1: -1 would reap any unreaped child an earlier test on this worker left
+        # behind (seen in a fresh clone), both failing here and taking that test's exit status.
+        assert os.waitpid(leak.pid, os.WNOHANG) == (0, 0)
     finally:
         leak.kill()
         leak.wait()
