@@ -53,6 +53,18 @@ TOK=$PWD/.devcache/tokenizer  # carried in the first call: cp -r .devcache/token
 if [ -d "$TOK" ]; then mkdir -p /tmp/cp-tok && cp -r "$TOK" /tmp/cp-tok/; fi
 TOK=/tmp/cp-tok/tokenizer  # later calls need not carry it
 
+# ---- every stage starts on an empty GPU. A stage cut by `timeout` (or by the call's limit) leaves
+# its children behind: `timeout` signals only this script, so Ray's workers and vLLM's engine core
+# keep their GPU memory, and the next stage's vLLM then fails its memory profiling (seen on
+# 2026-12-05: a TRL stage after a cut train stage).
+left=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ' | grep -E '^[0-9]+$')
+if [ -n "$left" ]; then
+  echo "an earlier stage left processes on the GPU; killing pids" $left
+  kill -9 $left 2>/dev/null
+  python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1  # its raylet and GCS hold no GPU memory
+  sleep 3
+fi
+
 # ---- the piece this call carries; everything is installed once the last one is there
 PIECES=/root/cp-pieces
 mkdir -p "$PIECES"
