@@ -39,12 +39,12 @@ not needed. ``.devcache/tokenizer`` as bench/multi_gpu_device.py makes it. On th
   ``PolicyLearner`` the Ray Train worker runs, a trivial scoring task. What it leaves out is
   Ray: the batch and the adapter do not cross the object store, and the replica is not behind
   a Serve handle (both measured in bench/results/multi-gpu.md). Checkpoints are not saved.
-- fp8 rollouts (rollout.quantization=fp8: vLLM's online fp8 of the bf16 weights, LoRA unmerged over
-  it; README "FP8 rollouts"): ``train ... --set rollout.quantization=fp8`` (configs/gpu-bench.yaml's
-  vllm_lora=auto then resolves to unmerged; the 14B/32B shapes' dummy weights need the shared bf16
+- fp8 rollouts (rollout.quantization=fp8: vLLM's online fp8 of the bf16 weights; README "FP8
+  rollouts"): ``train ... --set rollout.quantization=fp8`` (configs/gpu-bench.yaml's vllm_lora=auto
+  then merges the adapter into the fp8 layers, re-quantized through vLLM's layerwise reload at every
+  merge: fp8 GEMMs and no LoRA kernels; the 14B/32B shapes' dummy weights need the shared bf16
   base, which fp8 refuses), or ``counterpoint --engine vllm --quantization fp8``. Add
-  ``--set rollout.vllm_lora=merged`` for the adapter merged into the fp8 layers (re-quantized
-  through vLLM's layerwise reload at every merge: fp8 GEMMs and no LoRA kernels). Each train row
+  ``--set rollout.vllm_lora=unmerged`` for vLLM's LoRA kernels over the fp8 base instead. Each train row
   keeps ppl_ratio, rollout_k3_kl and tis_clip_frac per step and run.json's rollout_quantization.
   TRL has no such switch: TRL 1.16's GRPOConfig passes nothing to vLLM's quantization (its colocate
   ``LLM(...)`` sets quantization only to "bitsandbytes" for a bnb 4-bit model), and its colocate
@@ -1175,7 +1175,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--quantization", choices=("fp8",), default=None,
                            help="rollout.quantization of the engine (fp8: with --engine vllm)")
             p.add_argument("--vllm-lora", choices=("auto", "merged", "unmerged"), default="auto",
-                           help="rollout.vllm_lora (auto: merged in bf16, unmerged over fp8)")
+                           help="rollout.vllm_lora (auto: merged on one CUDA GPU, bf16 or fp8)")
             p.add_argument("--mode", choices=("sync", "one_step_off"), default="sync", help="trainer.mode of the loop")
             p.add_argument("--streams", action="store_true",
                            help="one CUDA context: vLLM's engine core in this process, generation on a high-priority "

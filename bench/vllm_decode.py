@@ -18,9 +18,9 @@ step, against ~1.9 ms for one read of the 8 GB of weights). This splits that fig
 (``adapter_load_s``; the engine's own read/merge split in ``engine_stats``), and ``ours``
 generates with the last. That row is the one to compare across LoRA modes: with merged LoRA the
 ``raw*`` rows run on the merged weights too, with unmerged LoRA on the base without LoRA kernels.
-With ``--set rollout.quantization=fp8 --set rollout.vllm_lora=merged`` the loads are merges
-re-quantized through vLLM's reload (rollout/engines/vllm_merge.py), against
-``--set rollout.quantization=fp8`` (unmerged over fp8) and the bf16 merged default.
+With ``--set rollout.quantization=fp8`` (auto: merged) the loads are merges re-quantized through
+vLLM's reload (rollout/engines/vllm_merge.py), against ``--set rollout.vllm_lora=unmerged`` over
+fp8 and the bf16 merged default.
 
     python3 bench/vllm_decode.py --model /tmp/gpu-vs-trl/models/qwen3-4b --tokenizer /tmp/cp-tok/tokenizer \
         --prompts 1,4 --reps 3 --out $OUT/decode-4b.json [--set rollout.vllm_multiprocessing=false] [--adapter]

