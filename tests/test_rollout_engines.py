@@ -5,6 +5,8 @@ One vLLM engine per module (start-up is the expensive part); every test uses it.
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 
@@ -168,8 +170,11 @@ def test_wrong_version_fails_loudly(vllm_engine, hf_engine, payloads):
         hf_engine.generate(PROMPTS, PARAMS, 1)
 
 
-def test_hf_engine_adapter_swap_matches_learner(hf_engine, payloads):
+def test_hf_engine_adapter_swap_matches_learner(hf_engine, payloads, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the engine writes what peft reads
     hf_engine.load_adapter(payloads["moved"])
+    assert list(tmp_path.iterdir()) == []  # peft holds the weights: nothing left for a killed replica to leak
+    monkeypatch.undo()
     assert hf_engine.loaded_version() == 2
     samples = hf_engine.generate(PROMPTS, PARAMS, 2)
     trainer = _recompute(hf_engine.model_dir, samples, PARAMS.temperature, payloads["moved"])

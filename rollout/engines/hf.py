@@ -50,7 +50,6 @@ class HFEngine(Engine):
             else self.stop.ids[0]
         )
         self._version = 0
-        self._adapter_dir: Path | None = None
         self.log_stop_tokens()
 
     # ----------------------------------------------------------------- control plane
@@ -62,13 +61,17 @@ class HFEngine(Engine):
         from peft import PeftModel
 
         validate_payload(payload)
+        # peft reads adapters from a directory only; it holds the weights once loaded, so the
+        # files go at once: kept until the next version, a replica that dies (SIGKILL, a test
+        # killing it) left its last one in /tmp.
         new_dir = write_payload(payload, tempfile.mkdtemp(prefix=f"cp-hf-adapter-v{payload.version}-"))
-        base = self.model.unload() if isinstance(self.model, PeftModel) else self.model
-        self.model = PeftModel.from_pretrained(base, str(new_dir), is_trainable=False).to(self.device)
+        try:
+            base = self.model.unload() if isinstance(self.model, PeftModel) else self.model
+            self.model = PeftModel.from_pretrained(base, str(new_dir), is_trainable=False).to(self.device)
+        finally:
+            shutil.rmtree(new_dir, ignore_errors=True)
         self.model.eval()
-        if self._adapter_dir is not None:
-            shutil.rmtree(self._adapter_dir, ignore_errors=True)
-        self._adapter_dir, self._version = new_dir, payload.version
+        self._version = payload.version
 
     def export_base(self):
         """Handles to the base weights for a learner beside this engine (model/shared_base.py).
