@@ -40,8 +40,10 @@ from learner.policy import PolicyLearner, PolicySpec
 from learner.types import InitInfo, StepResult, TrainBatch
 from model.adapter import AdapterPayload, AdapterRef, adapter_version
 from model.adapter_ipc import DeviceAdapterPayload
+from model.scratch import dead_scratch, make_scratch
 
 Export = Callable[[AdapterPayload], AdapterPayload | AdapterRef]
+STAGE_PREFIX = "counterpoint-learner-"  # <tmp>/counterpoint-learner-<pid>-r<rank>-*: a worker's staged files
 
 
 def left_in_store(payload) -> AdapterRef:
@@ -148,8 +150,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     cfg = LearnerConfig.model_validate(config["learner"])
     model_cfg = ModelConfig.model_validate(config["model"])
     torch.set_num_threads(cfg.torch_threads or max(1, int(cfg.num_cpus_per_worker)))
-    # This node's own scratch space: the run directory lives on the driver's node.
-    stage = Path(tempfile.mkdtemp(prefix=f"counterpoint-learner-r{rank}-"))
+    # This node's own scratch space: the run directory lives on the driver's node. A worker
+    # killed with SIGKILL (the OOM killer, a test) never reaches the clean-up below, so each
+    # worker first removes what dead ones left on this node (staged checkpoints can be large).
+    for left in dead_scratch(Path(tempfile.gettempdir()), STAGE_PREFIX):
+        shutil.rmtree(left, ignore_errors=True)
+    stage = make_scratch(STAGE_PREFIX, tag=f"r{rank}-")
     out = stage / "out"
     index = 0
     try:

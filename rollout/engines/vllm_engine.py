@@ -28,6 +28,7 @@ from model.adapter_dir import validate_payload, write_payload
 from config.rollout import ModelConfig, RolloutConfig
 from rollout.engines.base import Engine, finish_reason
 from model.base import stop_token_ids
+from model.scratch import dead_scratch, make_scratch
 from model.adapter import AdapterPayload
 from rollout.types import Prompt, Sample, SamplingParams
 
@@ -227,15 +228,10 @@ def sweep_adapter_roots(tmp: Path) -> list[Path]:
     """Remove the adapter directories (``<tmp>/cp-vllm-adapters-<pid>-*``) of engines whose
     process is gone, and the vLLM rendezvous files each one lists: a replica killed with SIGKILL
     never runs its own clean-up. Returns the directories it removed."""
-    import psutil  # a vLLM dependency
-
     from rollout.engines.vllm_merge import FILE_STORE_PREFIX
 
     removed = []
-    for root in tmp.glob(f"{ADAPTER_ROOT_PREFIX}*"):
-        pid = root.name[len(ADAPTER_ROOT_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or psutil.pid_exists(int(pid)):
-            continue
+    for root in dead_scratch(tmp, ADAPTER_ROOT_PREFIX):
         listed = root / STORE_LIST
         if listed.is_file():
             remove_files([p for p in listed.read_text().split("\n") if Path(p).name.startswith(FILE_STORE_PREFIX)])
@@ -316,7 +312,7 @@ class VllmEngine(Engine):
         # of this process, removed when the engine goes (or, after a kill, by the next engine),
         # which also lists vLLM's rendezvous files for that sweep.
         sweep_adapter_roots(Path(tempfile.gettempdir()))
-        self._adapter_root = Path(tempfile.mkdtemp(prefix=f"{ADAPTER_ROOT_PREFIX}{os.getpid()}-"))
+        self._adapter_root = make_scratch(ADAPTER_ROOT_PREFIX)
         self._remove_adapter_root = weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)
         # vLLM's rendezvous file, removed when the engine goes (a replica killed with SIGKILL leaves it)
         self.store_files = sorted({p for p in self.llm.collective_rpc("counterpoint_file_store") if p})
