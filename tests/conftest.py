@@ -29,6 +29,24 @@ def shared_dir() -> Path:
     return SHARED
 
 
+def reap_finished_multiprocessing_children() -> None:
+    """Join this process's multiprocessing children that have ended (what `active_children` does).
+    vLLM ends an engine core that outlives its 5 s grace with SIGKILL and never joins it
+    (vllm/v1/utils.py `shutdown`): the dead child stays a zombie of the pytest worker until
+    multiprocessing next polls, and a later test's waitpid(-1) reaped it instead (a fresh-clone
+    failure of test_code_exec_sandbox.py)."""
+    import multiprocessing
+
+    multiprocessing.active_children()
+
+
+@pytest.fixture(autouse=True)
+def _no_zombie_from_an_earlier_test():
+    reap_finished_multiprocessing_children()  # what a module's teardown before this test left
+    yield
+    reap_finished_multiprocessing_children()
+
+
 _SHARED_HEAD: dict = {}  # "head": this worker's SharedHead, once a test asked for it
 
 

@@ -2,7 +2,7 @@
 no process, under `make test` (its body) as under `make test-fast` (everywhere). CI runs only
 `make test`, so without the first a process-starting test left unmarked would be seen only by
 whoever runs the fast set by hand. These tests are themselves unmarked: their bodies are held to
-the rule they check."""
+the rule they check (but the last, which starts a child to kill it)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,26 @@ def test_another_threads_process_is_not_this_tests():
     thread.start()
     thread.join()
     assert got == (["refused"] if sys.modules["conftest"]._FORBID_EVERYWHERE else [0])
+
+
+@pytest.mark.subprocess
+def test_a_killed_multiprocessing_child_is_reaped_between_tests():
+    """vLLM SIGKILLs a slow engine core and never joins it; the suite joins such children around
+    every test (tests/conftest.py), so none stays a zombie for a later test's waitpid to find."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    reap = sys.modules["conftest"].reap_finished_multiprocessing_children
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    child.start()
+    os.kill(child.pid, signal.SIGKILL)  # as vllm/v1/utils.py shutdown does, without a join
+    deadline = time.monotonic() + 30
+    while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the killed child never ended"
+        time.sleep(0.01)
+    reap()
+    assert not psutil.pid_exists(child.pid) or child.pid not in {p.pid for p in psutil.Process().children()}
+    assert child.exitcode == -signal.SIGKILL
