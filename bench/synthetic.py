@@ -119,19 +119,12 @@ def config_lora_payload(model_dir, version: int, r: int = 32, alpha: float = 64.
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")  # the rest are attention's (self_attn)
 
 
-def _remove_quietly(path: str) -> None:
-    import contextlib
-    import os
-
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-
-
 def init_vllm_distributed(model_dir) -> None:
     """vLLM's one-rank process group, as a worker sets it up before it builds its model (once per
     process: tests/shared_base_owner.py, tests/fp8_merge_child.py, bench/merge_reload.py)."""
     import atexit
     import tempfile
+    from pathlib import Path
 
     from config.runtime_env import apply_defaults
 
@@ -143,7 +136,7 @@ def init_vllm_distributed(model_dir) -> None:
     config = EngineArgs(model=str(model_dir), enforce_eager=True, max_model_len=512).create_engine_config()
     with set_current_vllm_config(config):
         store = tempfile.mktemp(prefix="cp-owner-")  # gloo's rendezvous file, left behind by torch
-        atexit.register(_remove_quietly, store)
+        atexit.register(Path(store).unlink, missing_ok=True)
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"file://{store}")
         initialize_model_parallel(1, 1)
