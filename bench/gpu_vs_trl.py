@@ -116,7 +116,10 @@ LORA_R, LORA_ALPHA = 32, 64
 LR = 1e-5
 SHAPE_KEYS = ("model", "prompts", "group_size", "tokens", "trl_s_per_step", "trl_vllm_s_per_step",
               "counterpoint_s_per_step", "counterpoint_train_s_per_step", "counterpoint_train_variant",
-              "counterpoint_train_modes", "phases_s", "peak_gib", "mfu")
+              "counterpoint_train_modes", "phases_s", "peak_gib", "mfu",
+              # fp8 rollouts sample from another policy than the bf16 learner's: kept beside the
+              # headline, each side at the same fp8 setting, never in it
+              "trl_vllm_fp8_s_per_step", "counterpoint_train_fp8_s_per_step", "counterpoint_train_fp8_variant")
 PHASES = ("gen", "score", "adv", "old_log_prob", "ref", "update_actor", "update_weights")
 SHOWN_PHASES = ("gen", "score", "update_actor", "update_weights")  # the report's columns: the rest are ~0 here
 
@@ -765,17 +768,36 @@ def train_variant(row: dict[str, Any]) -> str:
     quant = record.get("mode")
     merged = quant not in (None, "none") and ("LoRA merged" in record.get("rollout_weights", "")
                                               or "rollout.vllm_lora=merged" in (row.get("command") or ""))
+    # the learner's own --sets (compiled layers, the fused LoRA off, ...) as written: two runs that
+    # differ only there must not share a label, or one would hide the other in the report
+    learner = re.findall(r"--set (learner\.\S+)", row.get("command") or "")
     return ", ".join([row["mode"]] + (["MPS"] if sharing == "mps" else [])
                      + ([f"{quant} rollouts"] if quant not in (None, "none") else [])
-                     + (["LoRA merged"] if merged else []))
+                     + (["LoRA merged"] if merged else []) + learner)
 
 
-def best_train_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _quantized(row: dict[str, Any]) -> bool:
+    """A result row (either side) whose rollouts came from an fp8 engine."""
+    q = row.get("rollout_quantization")
+    return (q.get("mode") if isinstance(q, dict) else q) not in (None, "none")
+
+
+def best_train_row(rows: list[dict[str, Any]], fp8: bool = False) -> dict[str, Any]:
     """The fastest row of one shape among those with TRL's semantics (bf16 rollouts: an fp8 row
-    samples from another policy, so it is reported beside, never as the headline)."""
-    timed = [r for r in rows if r.get("s_per_step")
-             and (r.get("rollout_quantization") or {}).get("mode") in (None, "none")]
+    samples from another policy, so it is reported beside, never as the headline); with fp8,
+    the fastest fp8 row instead."""
+    timed = [r for r in rows if r.get("s_per_step") and _quantized(r) == fp8]
     return min(timed, key=lambda r: r["s_per_step"]) if timed else {}
+
+
+def one_device(*results: dict[str, Any] | None) -> str | None:
+    """The GPU every result file was measured on. A ratio across machines would compare two
+    experiments, so files from two devices are refused, naming both."""
+    devices = {res["versions"]["device"] for res in results if res and (res.get("versions") or {}).get("device")}
+    if len(devices) > 1:
+        raise ValueError(f"the result files come from different GPUs ({', '.join(sorted(devices))}): "
+                         "a ratio must be measured on one machine, back to back")
+    return next(iter(devices), None)
 
 
 def merge(trl_res: dict[str, Any] | None, cp_res: dict[str, Any] | None, command: str,
@@ -786,16 +808,21 @@ def merge(trl_res: dict[str, Any] | None, cp_res: dict[str, Any] | None, command
     def index(res):
         return {(r["model"], r["prompts"]): r for r in (res or {}).get("shapes", [])}
 
-    trl_rows, cp_rows, tv_rows = index(trl_res), index(cp_res), index(trl_vllm_res)
+    one_device(trl_res, cp_res, trl_vllm_res, train_res)
+    trl_rows, cp_rows = index(trl_res), index(cp_res)
+    # TRL + vLLM at bf16 (the headline's peer) and with its vLLM in fp8 (the fp8 rows' peer)
+    tv_rows = {(r["model"], r["prompts"]): r for r in (trl_vllm_res or {}).get("shapes", []) if not _quantized(r)}
+    tv_fp8 = {(r["model"], r["prompts"]): r for r in (trl_vllm_res or {}).get("shapes", []) if _quantized(r)}
     train_rows: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in (train_res or {}).get("shapes", []):
         train_rows.setdefault((r["model"], r["prompts"]), []).append(r)
-    keys = set(trl_rows) | set(cp_rows) | set(tv_rows) | set(train_rows)
+    keys = set(trl_rows) | set(cp_rows) | set(tv_rows) | set(tv_fp8) | set(train_rows)
     shapes = []
     for key in [k for k in RUNS if k in keys] + sorted(keys - set(RUNS)):
         t, c, tv = trl_rows.get(key, {}), cp_rows.get(key, {}), tv_rows.get(key, {})
         modes = {train_variant(r): r.get("s_per_step") for r in train_rows.get(key, [])}
         best = best_train_row(train_rows.get(key, []))
+        best_fp8 = best_train_row(train_rows.get(key, []), fp8=True)
         gen = best.get("gen_tokens") or c.get("gen_tokens")
         peak = best.get("peak_gpu_mib") / 1024 if best.get("peak_gpu_mib") else c.get("peak_gib")
         mfu = None
@@ -814,6 +841,9 @@ def merge(trl_res: dict[str, Any] | None, cp_res: dict[str, Any] | None, command
             "phases_s": best.get("phases_s") or c.get("phases_s") or {},
             "peak_gib": peak,
             "mfu": mfu if best else c.get("mfu"),
+            "trl_vllm_fp8_s_per_step": tv_fp8.get(key, {}).get("s_per_step"),
+            "counterpoint_train_fp8_s_per_step": best_fp8.get("s_per_step"),
+            "counterpoint_train_fp8_variant": train_variant(best_fp8) if best_fp8 else None,
         })
     vers = {"counterpoint": (cp_res or {}).get("versions", {}), "trl": (trl_res or {}).get("versions", {}),
             "trl_vllm": (trl_vllm_res or {}).get("versions", {}), "counterpoint_train": (train_res or {}).get("versions", {})}
@@ -854,7 +884,7 @@ def validate_results(doc: dict[str, Any]) -> None:
             if not isinstance(row[k], dict):
                 raise ValueError(f"shapes[{i}].{k} must be an object")
         for k in ("trl_s_per_step", "trl_vllm_s_per_step", "counterpoint_s_per_step", "counterpoint_train_s_per_step",
-                  "peak_gib", "mfu"):
+                  "peak_gib", "mfu", "trl_vllm_fp8_s_per_step", "counterpoint_train_fp8_s_per_step"):
             if row[k] is not None and not isinstance(row[k], (int, float)):
                 raise ValueError(f"shapes[{i}].{k} must be a number or null, got {row[k]!r}")
         for k in ("prompts", "group_size", "tokens"):
@@ -898,8 +928,9 @@ def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[s
     def rows_of(res):
         return {(r["model"], r["prompts"]): r for r in (res or {}).get("shapes", [])}
 
-    t_rows, c_rows, tv_rows = rows_of(trl_res), rows_of(cp_res), rows_of(trl_vllm_res)
-    lines = ["# counterpoint vs TRL on one H200: the whole GRPO step", "",
+    t_rows, c_rows = rows_of(trl_res), rows_of(cp_res)
+    device = one_device(trl_res, cp_res, trl_vllm_res, train_res) or "one GPU"
+    lines = [f"# counterpoint vs TRL on one {device.removeprefix('NVIDIA ')}: the whole GRPO step", "",
              "Random-init Qwen3 shapes (vocab 151,936, bf16), LoRA r=32 alpha 64 on all linear layers, G=8, "
              "384 new tokens, ~200-token prompts, temperature 1, dapo, beta 0. bench/gpu_vs_trl.py says how.", "",
              "## Command", "", "```", doc["command"], "```", "",
@@ -920,6 +951,18 @@ def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[s
             + " | ".join(fmt(ph.get(p)) for p in SHOWN_PHASES)
             + f" | {fmt(row['trl_s_per_step'])} | {fmt(row['counterpoint_s_per_step'])} | "
               f"{fmt(row['peak_gib'], '.1f')} | {fmt(row['mfu'], '.4f')} |")
+    fp8_rows = [r for r in doc["shapes"] if r["trl_vllm_fp8_s_per_step"] or r["counterpoint_train_fp8_s_per_step"]]
+    lines += _section(
+        "fp8 rollouts, beside the headline (the fp8 engine samples from another policy than the bf16 learner's; "
+        "TIS corrects for it)",
+        ["model", "completions", "TRL + vLLM, its vLLM in fp8, s/step", "counterpoint train, fp8 rollouts, s/step",
+         "its variant", "ratio at the same fp8 setting", "ratio to TRL + vLLM's faster setting (bf16 or fp8)"],
+        [[r["model"], f"{r['prompts']}x{r['group_size']}", fmt(r["trl_vllm_fp8_s_per_step"]),
+          fmt(r["counterpoint_train_fp8_s_per_step"]), r["counterpoint_train_fp8_variant"] or "–",
+          fmt(_ratio(r["counterpoint_train_fp8_s_per_step"], r["trl_vllm_fp8_s_per_step"]), ".3f"),
+          fmt(_ratio(r["counterpoint_train_fp8_s_per_step"],
+                     min((x for x in (r["trl_vllm_s_per_step"], r["trl_vllm_fp8_s_per_step"]) if x), default=None)),
+              ".3f")] for r in fp8_rows] or [["–"] * 7])
     lines += ["", "## counterpoint train (Ray Serve vLLM replica + Ray Train learner + gRPC grader, one GPU)", "",
               "| model | completions | variant | exit | timed steps s | gen (wait) | generate call | score | update_actor | "
               "update_weights | ppl_ratio range | rollout k3 KL | TIS clipped | staleness | samples on their step's "
@@ -948,15 +991,15 @@ def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[s
                         *(fmt(o["phases_added_s"].get(p), "+.3f") for p in SHOWN_PHASES)]
                        for o in overhead] or [["–"] * (6 + len(SHOWN_PHASES))])
     tv_cells = []
-    for key, t in tv_rows.items():
+    for t in (trl_vllm_res or {}).get("shapes", []):
         ph = t.get("phases_s", {})
-        tv_cells.append([key[0], f"{key[1]}x{GROUP_SIZE}",
+        tv_cells.append([t["model"], f"{t['prompts']}x{GROUP_SIZE}", t.get("rollout_quantization") or "bf16",
                          f"{t.get('per_device_train_batch_size', '–')} x {t.get('gradient_accumulation_steps', '–')}",
                          t.get("gradient_checkpointing", "–"), fmt(t.get("warmup_s"), ".1f"), _steps(t, ".2f"),
                          fmt(ph.get("gen")), fmt(ph.get("score_and_logprobs")), fmt(ph.get("update")),
                          fmt(t.get("peak_gib"), ".1f")])
     lines += _section("TRL + vLLM colocate (GRPOTrainer, use_vllm=True, vllm_mode='colocate')",
-                      ["model", "completions", "batch", "checkpointing", "warm-up s", "timed steps s",
+                      ["model", "completions", "its vLLM", "batch", "checkpointing", "warm-up s", "timed steps s",
                        "gen (incl. weight sync)", "score + logprobs", "update", "peak GiB"], tv_cells)
     t_cells = []
     for key, t in t_rows.items():

@@ -314,6 +314,29 @@ def test_gpu_bench_config_and_results_follow_their_schemas(tmp_path):
                                                  "one_step_off, MPS, fp8 rollouts": 1.5,
                                                  "one_step_off, MPS, fp8 rollouts, LoRA merged": 1.2,
                                                  "sync, MPS, fp8 rollouts, LoRA merged": 1.3}
+    # the fastest fp8 row goes beside the headline, against TRL's vLLM at the same fp8 setting
+    assert four2["counterpoint_train_fp8_s_per_step"] == 1.2 and four2["trl_vllm_fp8_s_per_step"] is None
+    assert four2["counterpoint_train_fp8_variant"] == "one_step_off, MPS, fp8 rollouts, LoRA merged"
+    trl_both = {"versions": {"device": "NVIDIA H100 80GB HBM3"}, "shapes": [
+        trl_vllm["shapes"][0], {"model": "qwen3-4b", "prompts": 1, "s_per_step": 2.2, "rollout_quantization": "fp8"}]}
+    # two runs that differ only in the learner's --sets keep a label each
+    compiled = {**train["shapes"][1], "s_per_step": 1.95,
+                "command": "counterpoint train --set learner.compile_layers=true --set learner.fused_lora=false"}
+    train3 = {"versions": {"device": "NVIDIA H100 80GB HBM3"}, "shapes": train["shapes"] + [compiled, fp8_merged]}
+    doc3 = bench.merge(None, None, "cmd", trl_both, train3)
+    bench.validate_results(doc3)
+    four3 = {(r["model"], r["prompts"]): r for r in doc3["shapes"]}[("qwen3-4b", 1)]
+    assert four3["trl_vllm_s_per_step"] == 2.5 and four3["trl_vllm_fp8_s_per_step"] == 2.2  # bf16 stays the peer
+    assert four3["counterpoint_train_variant"] == "one_step_off, learner.compile_layers=true, learner.fused_lora=false"
+    assert four3["counterpoint_train_modes"]["one_step_off"] == 2.0
+    md3 = bench.markdown(doc3, None, None, trl_vllm_res=trl_both, train_res=train3)
+    assert md3.startswith("# counterpoint vs TRL on one H100 80GB HBM3: the whole GRPO step")
+    # 1.2 against TRL's fp8 2.2, which is also TRL's faster setting here
+    assert "| qwen3-4b | 1x8 | 2.20 | 1.20 | one_step_off, MPS, fp8 rollouts, LoRA merged | 0.545 | 0.545 |" in md3
+    assert "| qwen3-4b | 1x8 | fp8 | – x – |" in md3 and "| qwen3-4b | 1x8 | bf16 | – x – |" in md3
+    # files measured on two machines make no ratio: refused, naming both
+    with pytest.raises(ValueError, match="different GPUs .*H100.*H200"):
+        bench.merge(None, None, "cmd", trl_both, {**train3, "versions": {"device": "NVIDIA H200"}})
     # the writer refuses anything off the schema
     with pytest.raises(ValueError, match="keys"):
         bench.validate_results({**doc, "extra": 1})
