@@ -344,9 +344,10 @@ def test_gpu_bench_config_and_results_follow_their_schemas(tmp_path):
         bench.validate_results({**doc, "shapes": [{**doc["shapes"][0], "engine": "hf"}]})
     with pytest.raises(ValueError, match="number or null"):
         bench.validate_results({**doc, "shapes": [{**doc["shapes"][0], "mfu": "high"}]})
-    # the committed results are in that schema too
+    # the committed results are in that schema too: the H200's, and the H100's beside it
     committed = json.loads((bench.ROOT / "bench" / "results" / "gpu-vs-trl.json").read_text())
     bench.validate_results(committed)
+    bench.validate_results(json.loads((bench.ROOT / "bench" / "results" / "gpu-vs-trl-h100.json").read_text()))
     # one session's shapes, in the bench's order; the two (4B 1x8 and 4x8) always among them
     shapes = [(r["model"], r["prompts"]) for r in committed["shapes"]]
     assert shapes == [k for k in bench.RUNS if k in shapes] and {("qwen3-4b", 1), ("qwen3-4b", 4)} <= set(shapes)
