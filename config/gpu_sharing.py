@@ -22,8 +22,9 @@ class GpuSharingConfig(BaseModel):
     mode: Literal["auto", "timeslice", "mps"] = Field(
         "auto", description="'auto' (the default): 'mps' where it was measured to pay, that is one vLLM "
         "replica and one learner worker sharing one GPU of a local cluster with trainer.mode=one_step_off "
-        "(the update then runs beside generation: -3% to -15% s/step at Qwen3-4B on an H200, README), and the "
-        "control binary is found; 'timeslice' anywhere else (RunConfig.gpu_sharing_auto_blocker says why), and "
+        "(the update then runs beside generation: -3% to -15% s/step at Qwen3-4B on an H200, README), the "
+        "control binary is found, and every GPU the host's CUDA sees is a model where that was measured (the H200; "
+        "on an H100 it made the step slower than TRL's, so there, as on any unmeasured model, auto time-slices); 'timeslice' anywhere else (RunConfig.gpu_sharing_auto_blocker says why), and "
         "also when the daemon does not start or a throwaway CUDA client cannot connect under it (MPS is "
         "documented for data-center and workstation GPUs), both checked before any GPU process of the run "
         "exists; run.json records what ran and why. "

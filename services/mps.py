@@ -1,7 +1,8 @@
 """CUDA MPS for a run whose rollout replica and learner share a GPU (config/gpu_sharing.py).
 
 ``plan_mps`` is the rule (a pure function, table-tested in tests/test_mps.py): time-slice and do
-nothing (also mode=auto where RunConfig.gpu_sharing_auto_blocker names a reason); join a daemon
+nothing (also mode=auto where RunConfig.gpu_sharing_auto_blocker names a reason, or the GPU is
+not one where MPS was measured to pay, ``unmeasured_gpu_reason``); join a daemon
 that already answers; or start one of the run's own, with its pipe and log directories under
 the run directory (a short directory under /tmp when that path would exceed a Unix socket's
 length limit). ``GpuSharing`` carries the plan out: it starts the daemon
@@ -44,6 +45,13 @@ CONTROL_TIMEOUT_S = 30.0  # the control client answers in milliseconds; quit wai
 PROBE_COMMAND = (sys.executable, "-c", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()")
 PROBE_TIMEOUT_S = 180.0
 CLIENT_PRIORITY = {"normal": "0", "below_normal": "1"}  # CUDA_MPS_CLIENT_PRIORITY's two levels
+# The GPUs where mode=auto's MPS (the learner at 50% of the SMs beside generation) was measured to
+# beat time-slicing: the H200 (Qwen3-4B one_step_off, -5% at 1x8 and -15% at 4x8,
+# bench/results/gpu-vs-trl.md). On an H100 the same default made the bf16 step 5.46 s at 4x8,
+# 1.13x TRL + vLLM's 4.83 s, the update (5.1 s) outlasting generation (3.3 s) on its half of the
+# SMs (bench/results/gpu-vs-trl-h100.md). A GPU not listed time-slices under auto until measured.
+MPS_MEASURED_GPUS = ("H200",)
+NVIDIA_SMI_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,47 @@ def auto_timeslice_reason(auto_blocker: str | None, control_binary: str | None) 
     it goes on to MPS)."""
     why = auto_blocker or (None if control_binary else f"{CONTROL_BINARY} is not on this host")
     return None if why is None else f"gpu_sharing.mode=auto: time-sliced, as {why}"
+
+
+def visible_gpus(rows: list[tuple[str, str, str]], cuda_visible: str | None) -> list[str]:
+    """The names of the GPUs this host's CUDA processes see: ``rows`` are nvidia-smi's (index, uuid,
+    name), ``cuda_visible`` is CUDA_VISIBLE_DEVICES (indices or UUIDs, comma-separated; unset: all)."""
+    if cuda_visible is None:
+        return [name for _, _, name in rows]
+    wanted = [w.strip() for w in cuda_visible.split(",") if w.strip()]
+    by_key = {key: name for index, uuid, name in rows for key in (index, uuid)}
+    return [by_key[w] for w in wanted if w in by_key]
+
+
+def unmeasured_gpu_reason(names: list[str]) -> str | None:
+    """Why mode=auto time-slices on these GPUs (None: every one is a model where MPS was measured
+    to pay, MPS_MEASURED_GPUS)."""
+    if not names:
+        return "no GPU's model could be read on this host (nvidia-smi), so MPS's measured gain cannot be assumed"
+    other = sorted({n for n in names if not any(m in n for m in MPS_MEASURED_GPUS)})
+    if not other:
+        return None
+    return (f"the GPU is {', '.join(other)}: MPS was measured to pay only on {', '.join(MPS_MEASURED_GPUS)} (on an "
+            "H100 it made Qwen3-4B's bf16 step at 4x8 1.13x TRL + vLLM's, bench/results/gpu-vs-trl-h100.md); "
+            "gpu_sharing.mode=mps chooses it")
+
+
+def read_visible_gpus(environ: Mapping[str, str]) -> list[str]:
+    """visible_gpus from nvidia-smi on this host; [] where it is missing or fails. It opens no CUDA
+    context, so it runs before the run's GPU processes without touching the GPU."""
+    smi = shutil.which("nvidia-smi") or next(
+        (str(Path(d) / "nvidia-smi") for d in DRIVER_BIN_DIRS if (Path(d) / "nvidia-smi").is_file()), None)
+    if smi is None:
+        return []
+    try:
+        done = subprocess.run([smi, "--query-gpu=index,uuid,name", "--format=csv,noheader"], text=True,
+                              capture_output=True, timeout=NVIDIA_SMI_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if done.returncode != 0:
+        return []
+    rows = [tuple(c.strip() for c in line.split(",", 2)) for line in done.stdout.splitlines() if line.count(",") >= 2]
+    return visible_gpus(rows, environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def plan_mps(mode: str, sm_percent: Mapping[str, int], environ: Mapping[str, str], run_dir: Path,
@@ -125,7 +174,8 @@ def preview(cfg, control_binary: str | None) -> dict[str, Any]:
     if why is not None:
         return {"requested": "auto", "mode": "timeslice", "reason": why}
     return {"requested": "auto", "mode": "mps", "reason": "gpu_sharing.mode=auto: MPS (one replica and one learner "
-            "worker share a GPU, one_step_off), if the daemon comes up and a CUDA client connects under it at "
+            f"worker share a GPU, one_step_off), if the GPU is one where it was measured to pay "
+            f"({', '.join(MPS_MEASURED_GPUS)}), the daemon comes up and a CUDA client connects under it at "
             "start-up; else time-sliced"}
 
 
@@ -190,6 +240,8 @@ class GpuSharing:
     def for_run(cls, cfg, run_dir: Path) -> "GpuSharing":
         g = cfg.gpu_sharing
         blocker = cfg.gpu_sharing_auto_blocker() if g.mode == "auto" else None
+        if g.mode == "auto" and blocker is None:  # the config allows it: is this GPU one where it was measured?
+            blocker = unmeasured_gpu_reason(read_visible_gpus(os.environ))
         binary = find_control_binary() if g.mode == "mps" or (g.mode == "auto" and blocker is None) else None
         plan = plan_mps(g.mode, {"rollout": g.rollout_sm_percent, "learner": g.learner_sm_percent}, os.environ,
                         run_dir, lambda pipe_dir: daemon_answers(binary, pipe_dir), binary, blocker,

@@ -180,7 +180,11 @@ def control_binary(tmp_path, monkeypatch):
     binary = bin_dir / "nvidia-cuda-mps-control"
     binary.write_text(STAND_IN)
     binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    smi = bin_dir / "nvidia-smi"  # the GPU model auto asks for: one where MPS was measured to pay
+    smi.write_text('#!/bin/sh\necho "0, GPU-aaaa, ${FAKE_GPU_NAME:-NVIDIA H200}"\n')
+    smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("MPS_CALLS", str(tmp_path / "calls.log"))
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
@@ -281,6 +285,61 @@ def test_auto_run_where_mps_pays_starts_the_daemon(control_binary, tmp_path, mon
     sync.start()
     assert not sync.started and sync.record()["reason"].startswith("gpu_sharing.mode=auto: time-sliced, as trainer.mode=sync")
     assert (tmp_path / "calls.log").read_text().count(" -d ") == 3  # auto, auto refused, mps; not sync
+
+
+def test_auto_time_slices_on_a_gpu_where_mps_was_not_measured_to_pay(control_binary, tmp_path, monkeypatch):
+    """The H100 of 2026-12-05: auto's MPS made the bf16 step slower than TRL's there, so auto
+    asks nvidia-smi for the model before any daemon and time-slices on one not measured."""
+    monkeypatch.setenv("FAKE_GPU_NAME", "NVIDIA H100 80GB HBM3")
+    gpu = GpuSharing.for_run(RunConfig(**ONE_STEP_OFF), tmp_path / "run")
+    gpu.start()
+    record = gpu.record()
+    assert (record["mode"], record["requested"], record["daemon"]) == ("timeslice", "auto", "none")
+    assert record["reason"].startswith("gpu_sharing.mode=auto: time-sliced, as the GPU is NVIDIA H100 80GB HBM3: "
+                                       "MPS was measured to pay only on H200")
+    assert not (tmp_path / "calls.log").exists()  # the control binary was never asked
+    # asked for by name, MPS runs on any GPU
+    asked = GpuSharing.for_run(RunConfig(gpu_sharing={"mode": "mps"}, **ONE_STEP_OFF), tmp_path / "run")
+    assert asked.plan.action == "start"
+    # no nvidia-smi at all: no model, no assumption
+    monkeypatch.setenv("PATH", "/nonexistent")
+    from services import mps
+
+    monkeypatch.setattr(mps, "DRIVER_BIN_DIRS", ())
+    blind = GpuSharing.for_run(RunConfig(**ONE_STEP_OFF), tmp_path / "run")
+    assert blind.plan.action == "none" and "no GPU's model could be read" in blind.plan.reason
+
+
+@pytest.mark.parametrize("cuda_visible, names", [
+    (None, ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]),
+    ("1", ["NVIDIA H100 80GB HBM3"]),
+    ("GPU-a0", ["NVIDIA H200"]),
+    ("1,0", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]),
+    ("", []),
+    ("7", []),
+])
+def test_visible_gpus_follow_cuda_visible_devices(cuda_visible, names):
+    from services.mps import visible_gpus
+
+    rows = [("0", "GPU-a0", "NVIDIA H200"), ("1", "GPU-b1", "NVIDIA H100 80GB HBM3")]
+    assert visible_gpus(rows, cuda_visible) == names
+
+
+@pytest.mark.parametrize("names, pays", [
+    (["NVIDIA H200"], True),
+    (["NVIDIA H200", "NVIDIA H200"], True),
+    (["NVIDIA H100 80GB HBM3"], False),
+    (["NVIDIA H200", "NVIDIA H100 80GB HBM3"], False),  # one unmeasured card is enough to time-slice
+    (["NVIDIA GeForce RTX 4090"], False),
+    ([], False),
+])
+def test_auto_takes_mps_only_on_measured_gpus(names, pays):
+    from services.mps import unmeasured_gpu_reason
+
+    why = unmeasured_gpu_reason(names)
+    assert (why is None) == pays
+    if why is not None and names:
+        assert "NVIDIA H100 80GB HBM3" in why or "RTX 4090" in why
 
 
 def test_client_check_reports_in_one_line(tmp_path):
