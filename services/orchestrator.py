@@ -32,7 +32,7 @@ from rollout.types import Prompt, Sample, SamplingParams
 from config import RunConfig
 from graders.spread import score_spread
 from services.recovery import backoff_delays, first_line, retried_what
-from services.step_timer import PhaseTimer
+from services.step_timer import PhaseTimer, finished_at, seconds_beside
 
 log = logging.getLogger("counterpoint.train")
 
@@ -329,6 +329,7 @@ def run_steps(parts: RunParts, first_step: int) -> None:
     overlap = cfg.trainer.mode == "one_step_off"
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gen") if overlap else None
     ahead: Future[Rollouts] | None = None
+    ahead_ended: Callable[[], float | None] = lambda: None
     collect = parts.collect or collect_flat
     try:
         for step in range(first_step, cfg.trainer.steps + 1):
@@ -342,6 +343,7 @@ def run_steps(parts: RunParts, first_step: int) -> None:
                 parts.archive(RoundRecord(step, ro, scores, rewards, adv.tolist()))
             if pool is not None and step < cfg.trainer.steps:  # sample t+1 with adapter v while v+1 trains
                 ahead = pool.submit(generate, parts, step + 1, parts.version)
+                ahead_ended = finished_at(ahead)
             result = parts.learner.step(train_batch(ro, rewards, adv))
             timer.add(result.phases_s)
             with timer("update_weights"):
@@ -366,7 +368,9 @@ def run_steps(parts: RunParts, first_step: int) -> None:
                        "adapter_staleness": float(staleness),
                        # the generate call's own seconds; with one_step_off the `gen` phase is only
                        # the wait for it, the rest overlapped the previous update
-                       "generate_s": ro.gen_seconds},
+                       "generate_s": ro.gen_seconds,
+                       **({"update_weights_beside_gen_s": seconds_beside(timer.spans.get("update_weights"),
+                                                                         ahead_ended())} if overlap else {})},
             ))
     finally:
         if pool is not None:

@@ -14,20 +14,29 @@ log = logging.getLogger("counterpoint.train")
 SHORT = {"old_log_prob": "old_lp", "update_actor": "update", "update_weights": "sync", "save_checkpoint": "ckpt"}
 
 
-def phase_split(phases: dict[str, float] | None) -> str:
-    """'gen 1.2 score 0.0 ... s' in the step-loop order; empty without phases."""
+def phase_split(phases: dict[str, float] | None, sync_beside_gen_s: float | None = None) -> str:
+    """'gen 1.2 score 0.0 ... s' in the step-loop order; empty without phases. With one_step_off,
+    the part of the sync during which the next generation still ran is named beside it
+    ('sync 1.1 (0.9 beside gen)'): a replica that merges the adapter waits for that generation, so
+    those seconds are not a slow transfer."""
     from services.console import iter_phases
 
     if not phases:
         return ""
-    return "[" + " ".join(f"{SHORT.get(k, k)} {v:.1f}" for k, v in iter_phases(phases)) + " s]"
+
+    def item(k: str, v: float) -> str:
+        beside = f" ({sync_beside_gen_s:.1f} beside gen)" if k == "update_weights" and sync_beside_gen_s and \
+            sync_beside_gen_s >= 0.05 else ""
+        return f"{SHORT.get(k, k)} {v:.1f}{beside}"
+
+    return "[" + " ".join(item(k, v) for k, v in iter_phases(phases)) + " s]"
 
 
 def step_line(step: int, total: int, m: dict[str, float], phases: dict[str, float] | None = None) -> str:
     nan = float("nan")
     line = (f"step {step}/{total}  reward {m.get('reward_mean', nan):.3f}  pass {m.get('pass_rate', nan):.3f}  "
             f"ppl_ratio {m.get('ppl_ratio', nan):.4f}  {m.get('step_seconds', nan):.1f} s/step")
-    split = phase_split(phases)
+    split = phase_split(phases, m.get("update_weights_beside_gen_s"))
     return f"{line}  {split}" if split else line
 
 

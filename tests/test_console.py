@@ -59,6 +59,10 @@ def test_step_line_has_every_figure_and_the_phase_split_in_loop_order():
     assert line.startswith("step 4/8  reward 0.250  pass 0.500  ppl_ratio 1.0012  3.0 s/step")
     assert line.endswith("[gen 1.5 score 0.0 old_lp 0.1 update 0.8 sync 0.3 s]")
     assert phase_split({}) == "" and step_line(1, 1, m).endswith("s/step")
+    # one_step_off: the part of the sync the next generation still ran beside is named (from 0.05 s)
+    beside = step_line(4, 8, {**m, "update_weights_beside_gen_s": 0.26}, phases)
+    assert beside.endswith("[gen 1.5 score 0.0 old_lp 0.1 update 0.8 sync 0.3 (0.3 beside gen) s]")
+    assert step_line(4, 8, {**m, "update_weights_beside_gen_s": 0.01}, phases) == line
     assert stage_line("rollout replicas", 22.71) == "  rollout replicas     22.7 s"
 
 

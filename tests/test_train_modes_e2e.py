@@ -95,6 +95,12 @@ def test_one_step_off_forced_openings_heldout_eval_then_plot_and_eval(tmp_path: 
         assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
         assert [m["adapter_staleness"] for m in metrics] == [0.0] + [1.0] * (STEPS - 1)
         assert [m["adapter_version"] for m in metrics] == [float(s + 1) for s in range(1, STEPS + 1)]
+        # the share of each sync that ran beside the next generation: within the sync's own time,
+        # and 0 at the last step, which has no next generation
+        timing = {t["step"]: t for t in read_jsonl(run_dir / "timing.jsonl")}
+        for m in metrics:
+            assert 0.0 <= m["update_weights_beside_gen_s"] <= timing[m["step"]]["phases_s"]["update_weights"] + 1e-6, m
+        assert metrics[-1]["update_weights_beside_gen_s"] == 0.0
         rows = {s: rows_of(run_dir, s) for s in range(1, STEPS + 1)}
         for s, step_rows in rows.items():
             assert len(step_rows) == P * G
