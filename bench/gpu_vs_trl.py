@@ -683,6 +683,10 @@ def train_figures(run: Path, skip: int, mode: str) -> dict[str, Any]:
         "tis_clip_frac": [m.get("tis_clip_frac") for m in metrics],
         "adapter_staleness": [m.get("adapter_staleness") for m in metrics],
         "generate_s": median([m.get("generate_s", 0.0) for m in metrics[skip:-1] or metrics]),
+        # one_step_off: the part of update_weights the next generation still ran beside (a merging
+        # replica waits for it), None in sync mode and in runs from before it was recorded
+        "update_weights_beside_gen_s": median([m["update_weights_beside_gen_s"] for m in metrics[skip:-1] or metrics
+                                               if m.get("update_weights_beside_gen_s") is not None]),
         "learner_cuda_graphs": [m.get("learner_cuda_graphs") for m in metrics],
         "gen_tokens": [int(m.get("generated_tokens", 0)) for m in metrics],
         "samples": samples, "samples_behind": off, "max_behind": worst,
@@ -965,9 +969,9 @@ def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[s
               ".3f")] for r in fp8_rows] or [["–"] * 7])
     lines += ["", "## counterpoint train (Ray Serve vLLM replica + Ray Train learner + gRPC grader, one GPU)", "",
               "| model | completions | variant | exit | timed steps s | gen (wait) | generate call | score | update_actor | "
-              "update_weights | ppl_ratio range | rollout k3 KL | TIS clipped | staleness | samples on their step's "
+              "update_weights | of it beside gen | ppl_ratio range | rollout k3 KL | TIS clipped | staleness | samples on their step's "
               "version (sync) / at most one behind | learner graphs | start-up s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (train_res or {}).get("shapes", []):
         ph = r.get("phases_s", {})
         why = r.get("skipped") or ""
@@ -977,7 +981,7 @@ def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[s
             f"{', '.join(fmt(x) for x in r.get('steps_s', [])) or why} | {fmt(ph.get('gen'))} | "
             f"{fmt(r.get('generate_s'))} | "
             + " | ".join(fmt(ph.get(p)) for p in ("score", "update_actor", "update_weights"))
-            + f" | {_range(r.get('ppl_ratio'))} | {_range(r.get('rollout_k3_kl'))} | {_range(r.get('tis_clip_frac'))}"
+            + f" | {fmt(r.get('update_weights_beside_gen_s'))} | {_range(r.get('ppl_ratio'))} | {_range(r.get('rollout_k3_kl'))} | {_range(r.get('tis_clip_frac'))}"
               f" | {stale or '–'} | "
               f"{r.get('samples', 0) - r.get('samples_behind', 0)}/{r.get('samples', 0)} on, max behind "
               f"{r.get('max_behind', '–')} ({'OK' if r.get('versions_ok') else 'FAIL'}) | "

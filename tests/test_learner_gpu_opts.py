@@ -353,6 +353,31 @@ def test_gpu_bench_config_and_results_follow_their_schemas(tmp_path):
     assert shapes == [k for k in bench.RUNS if k in shapes] and {("qwen3-4b", 1), ("qwen3-4b", 4)} <= set(shapes)
 
 
+def test_train_figures_read_a_run_directory(tmp_path):
+    """bench/gpu_vs_trl.py's reading of a finished run: medians after the warm-up steps without
+    the last, the sync's share beside the next generation (one_step_off only), versions per row."""
+    import json
+
+    from bench import gpu_vs_trl as bench
+
+    def write(name, rows):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    steps = [(1, 5.0, 1.2), (2, 3.0, 0.9), (3, 3.2, 1.1), (4, 3.1, 1.0), (5, 2.0, 0.0)]
+    write("timing.jsonl", [{"step": s, "total_s": t, "phases_s": {"update_weights": w + 0.2}} for s, t, w in steps])
+    write("metrics.jsonl", [{"step": s, "generate_s": 2.5, "update_weights_beside_gen_s": w, "ppl_ratio": 1.0,
+                             "adapter_staleness": float(s > 1)} for s, _, w in steps])
+    (tmp_path / "round_0001").mkdir()
+    write("round_0001/rows.jsonl", [{"step": 1, "adapter_version": 1}, {"step": 2, "adapter_version": 1}])
+    got = bench.train_figures(tmp_path, skip=1, mode="one_step_off")
+    assert got["s_per_step"] == 3.1 and got["phases_s"]["update_weights"] == pytest.approx(1.2)
+    assert got["update_weights_beside_gen_s"] == 1.0  # the median of steps 2-4
+    assert (got["samples"], got["samples_behind"], got["max_behind"], got["versions_ok"]) == (2, 1, 1, True)
+    assert bench.train_figures(tmp_path, skip=1, mode="sync")["versions_ok"] is False  # sync allows none behind
+    write("metrics.jsonl", [{"step": s, "generate_s": 2.5} for s, _, _ in steps])  # a run from before the figure
+    assert bench.train_figures(tmp_path, skip=1, mode="one_step_off")["update_weights_beside_gen_s"] is None
+
+
 def test_ray_overhead_compares_sync_runs_with_the_vllm_loop():
     from bench import gpu_vs_trl as bench
 
