@@ -809,14 +809,14 @@ def merge(trl_res: dict[str, Any] | None, cp_res: dict[str, Any] | None, command
     """The committed JSON: one row per (model, prompts), null where a side was not measured.
     ``phases_s``, ``peak_gib`` and ``mfu`` are `counterpoint train`'s (its faster mode) where it
     ran, else the one-process loop's."""
-    def index(res):
-        return {(r["model"], r["prompts"]): r for r in (res or {}).get("shapes", [])}
+    def index(res, keep=lambda r: True):
+        return {(r["model"], r["prompts"]): r for r in (res or {}).get("shapes", []) if keep(r)}
 
     one_device(trl_res, cp_res, trl_vllm_res, train_res)
     trl_rows, cp_rows = index(trl_res), index(cp_res)
     # TRL + vLLM at bf16 (the headline's peer) and with its vLLM in fp8 (the fp8 rows' peer)
-    tv_rows = {(r["model"], r["prompts"]): r for r in (trl_vllm_res or {}).get("shapes", []) if not _quantized(r)}
-    tv_fp8 = {(r["model"], r["prompts"]): r for r in (trl_vllm_res or {}).get("shapes", []) if _quantized(r)}
+    tv_rows = index(trl_vllm_res, lambda r: not _quantized(r))
+    tv_fp8 = index(trl_vllm_res, _quantized)
     train_rows: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in (train_res or {}).get("shapes", []):
         train_rows.setdefault((r["model"], r["prompts"]), []).append(r)

@@ -110,8 +110,7 @@ def unmeasured_gpu_reason(names: list[str]) -> str | None:
 def read_visible_gpus(environ: Mapping[str, str]) -> list[str]:
     """visible_gpus from nvidia-smi on this host; [] where it is missing or fails. It opens no CUDA
     context, so it runs before the run's GPU processes without touching the GPU."""
-    smi = shutil.which("nvidia-smi") or next(
-        (str(Path(d) / "nvidia-smi") for d in DRIVER_BIN_DIRS if (Path(d) / "nvidia-smi").is_file()), None)
+    smi = find_driver_binary("nvidia-smi")
     if smi is None:
         return []
     try:
@@ -179,16 +178,22 @@ def preview(cfg, control_binary: str | None) -> dict[str, Any]:
             "start-up; else time-sliced"}
 
 
-def find_control_binary(path: str | None = None) -> str | None:
-    """The control binary: on PATH, else in the driver's usual bin directories."""
-    found = shutil.which(CONTROL_BINARY, path=path)
+def find_driver_binary(name: str, path: str | None = None) -> str | None:
+    """One of the driver's binaries (the MPS control, nvidia-smi): on PATH, else in the driver's
+    usual bin directories."""
+    found = shutil.which(name, path=path)
     if found:
         return found
     for d in DRIVER_BIN_DIRS:
-        candidate = Path(d) / CONTROL_BINARY
+        candidate = Path(d) / name
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
     return None
+
+
+def find_control_binary(path: str | None = None) -> str | None:
+    """The MPS control binary (find_driver_binary)."""
+    return find_driver_binary(CONTROL_BINARY, path)
 
 
 def _control(binary: str, pipe_dir: str, log_dir: str | None, command: str | None, timeout: float

@@ -24,12 +24,9 @@ def phase_split(phases: dict[str, float] | None, sync_beside_gen_s: float | None
     if not phases:
         return ""
 
-    def item(k: str, v: float) -> str:
-        beside = f" ({sync_beside_gen_s:.1f} beside gen)" if k == "update_weights" and sync_beside_gen_s and \
-            sync_beside_gen_s >= 0.05 else ""
-        return f"{SHORT.get(k, k)} {v:.1f}{beside}"
-
-    return "[" + " ".join(item(k, v) for k, v in iter_phases(phases)) + " s]"
+    beside = f" ({sync_beside_gen_s:.1f} beside gen)" if (sync_beside_gen_s or 0.0) >= 0.05 else ""
+    return "[" + " ".join(f"{SHORT.get(k, k)} {v:.1f}" + (beside if k == "update_weights" else "")
+                          for k, v in iter_phases(phases)) + " s]"
 
 
 def step_line(step: int, total: int, m: dict[str, float], phases: dict[str, float] | None = None) -> str:
