@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from learner.compiled_layers import decoder_layers
-from learner.passes import GradSync
+from learner.passes import GradSync, refuse_nonfinite
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -269,7 +269,8 @@ def fsdp_grad_sync(model, optimizer: torch.optim.Optimizer, max_grad_norm: float
         loss.backward()
 
     def step() -> float:
-        norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)))
+        norm = refuse_nonfinite(float(full_tensor(torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm))),
+                                optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return norm

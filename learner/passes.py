@@ -20,6 +20,7 @@ micro-batch's [B, W] (``MicroBatch.unpack``), so the losses see the same tensors
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
@@ -441,6 +442,33 @@ class GradSync:
     micro_batch: Callable[[bool], AbstractContextManager] = field(default=_no_context)
 
 
+class NonFiniteGradients(FloatingPointError):
+    """A step's gradient norm is nan or inf: its forward, loss or backward produced a non-finite
+    value. Raised before the optimizer step (DeepSpeed: after its engine's step, which clips and
+    steps in one call), so the worker ends without publishing an adapter from it."""
+
+
+def refuse_nonfinite(norm: float, optimizer: torch.optim.Optimizer, *, stepped: bool = False) -> float:
+    """``norm`` when it is finite; else the gradients are dropped and NonFiniteGradients raised.
+
+    An AdamW step on a nan gradient turns every weight it touches into nan, and an adapter of nans
+    still generates (degenerate text that a grader may even score): the run would go on training
+    a different experiment, its rewards looking fine. Seen on an H100 under MPS (issue 34: the
+    learner's forward gave nan from the first step while ppl_ratio read nan and the run exited 0).
+    Every rank sees the same global norm, so every rank raises at the same point and none is left
+    waiting in a collective."""
+    if math.isfinite(norm):
+        return norm
+    optimizer.zero_grad(set_to_none=True)
+    taken = ("its optimizer step was taken (DeepSpeed clips and steps in one call), and the worker stops "
+             "before publishing the adapter" if stepped else
+             "the optimizer step was not taken, so the adapter and optimizer state are the last step's")
+    raise NonFiniteGradients(
+        f"the learner's gradient norm is {norm}: this step's forward, loss or backward gave a non-finite value; "
+        f"{taken}. The run stops here; --resume continues from the last checkpoint. Seen under "
+        "gpu_sharing.mode=mps (README, MPS section): try gpu_sharing.mode=timeslice")
+
+
 def ddp_grad_sync(model, optimizer: torch.optim.Optimizer, max_grad_norm: float,
                   keep_grads: bool = False) -> GradSync:
     """Gradient accumulation over micro-batches; a DDP model all-reduces on the last one only.
@@ -469,7 +497,7 @@ def ddp_grad_sync(model, optimizer: torch.optim.Optimizer, max_grad_norm: float,
         loss.backward()
 
     def step() -> float:
-        norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm))
+        norm = refuse_nonfinite(float(torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)), optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=not keep_grads)
         return norm

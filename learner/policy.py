@@ -33,7 +33,7 @@ from learner.memory_plan import ModelShape, Sharding, memory_plan
 from learner.microbatch import mfu, model_flops
 from learner.optim import build_optimizer, build_scheduler, rebase_lr
 from learner.passes import (GradSync, ddp_grad_sync, make_micro_batches, old_log_prob, packing_refusal,
-                            pad_micro_batches, ref_log_prob, update_actor)
+                            pad_micro_batches, ref_log_prob, refuse_nonfinite, update_actor)
 from learner.rollout_correction import finalize
 from learner.shared_prefix import SharedPrefixLM
 from learner.types import TrainBatch, shard_bounds
@@ -100,8 +100,8 @@ def deepspeed_engine(peft_model, optimizer, cfg) -> tuple[Any, GradSync]:
     def step() -> float:
         engine.set_gradient_accumulation_boundary(True)
         engine.step()
-        norm = engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        norm = engine.get_global_grad_norm()  # None where the engine computed none: nothing to judge
+        return refuse_nonfinite(float(norm), optimizer, stepped=True) if norm is not None else float("nan")
 
     return engine, GradSync(backward=backward, step=step)
 

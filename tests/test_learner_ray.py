@@ -1,5 +1,5 @@
 """The learner through Ray Train (gloo on CPU): 1 worker and 2 workers take the same update;
-the job's lifecycle (init adapter, steps, checkpoint, a worker error) works end to end.
+the job's lifecycle (init adapter, steps, checkpoint, a worker error, a refused nan step) works end to end.
 One test, two fit() runs: each Ray Train start costs ~20 s."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def batch(k: int) -> TrainBatch:
     )
 
 
-def run(workers: int, tmp_path, then_fail: bool = False) -> tuple[list, dict]:
+def run(workers: int, tmp_path, then_fail: bool = False, then_nan: bool = False) -> tuple[list, dict]:
     job = LearnerJob(cfg(workers), tmp_path / f"w{workers}")
     try:
         info = job.start()
@@ -73,13 +73,20 @@ def run(workers: int, tmp_path, then_fail: bool = False) -> tuple[list, dict]:
             bad.prompt_ids[0] = [10**9]  # an id past the vocabulary: rank 0's forward fails
             with pytest.raises(RuntimeError, match="learner command 'step' failed in learner rank 0"):
                 job.step(bad)
+        if then_nan:  # a replica's nan log-probs make the gradients nan: refused, said, nothing published
+            bad = batch(8)
+            bad.rollout_logprobs[3][0] = float("nan")
+            with pytest.raises(RuntimeError, match=r"(?s)learner command 'step' failed in learner rank 0.*"
+                                                   r"NonFiniteGradients: the learner's gradient norm is nan"):
+                job.step(bad)
+            assert sorted(p.name for p in (tmp_path / f"w{workers}" / "adapters").iterdir()) == ["init", "step_2"]
         return results, info
     finally:
         job.stop()
 
 
 def test_one_worker_and_two_workers_take_the_same_update(ray_cluster, tmp_path):
-    one, info1 = run(1, tmp_path)
+    one, info1 = run(1, tmp_path, then_nan=True)
     two, info2 = run(2, tmp_path, then_fail=True)
     assert info1.adapter_sha256 == info2.adapter_sha256  # same seed, same init
     init = load(info1.init_payload.data())

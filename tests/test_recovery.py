@@ -127,3 +127,25 @@ def test_a_lost_learners_entry_names_the_workers_exception():
                                       "OwnerGone: the replica that owned the shared base weights (pid 6449) is gone")
     lost = LearnerLost("timeout", "learner command 'step' took more than 1800 s")
     assert lost_learner_line(lost) == "learner command 'step' took more than 1800 s"
+
+
+def test_a_nonfinite_step_is_not_retried_and_its_line_says_why():
+    """A learner whose gradients went nan would go nan again from the same checkpoint and batch:
+    the run stops with the worker's own words, it does not restart the learner."""
+    import traceback
+
+    import torch
+
+    from learner.job import LearnerLost
+    from learner.passes import NonFiniteGradients, refuse_nonfinite
+    from services.recovery import learner_failure_retryable, lost_learner_line
+
+    w = torch.nn.Parameter(torch.ones(2))
+    try:
+        refuse_nonfinite(float("nan"), torch.optim.AdamW([w]))
+    except NonFiniteGradients:
+        tb = traceback.format_exc()
+    err = LearnerLost("worker_error", f"learner command 'step' failed in learner rank 0 (pid 7):\n{tb}", detail=tb)
+    assert not learner_failure_retryable(err.kind, err.detail)
+    assert lost_learner_line(err).startswith("learner command 'step' failed in learner rank 0 (pid 7): "
+                                             "NonFiniteGradients: the learner's gradient norm is nan")
