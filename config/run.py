@@ -179,8 +179,9 @@ class RunConfig(BaseModel):
         "and only their layout, handle and checksum travel; version v is written to buffer v % 2 once the "
         "replica holds v - 1, else that version goes the host way. Refused before anything starts where the "
         "base is not shared. vLLM's merged-LoRA workers open the buffers themselves (no host copy); unmerged, "
-        "the replica copies them into a file for vLLM's loader. 'auto' = 'device' on a GPU with the hf engine "
-        "(vLLM's device path has not yet run on a GPU: 'device' asks for it), else 'host'. Versions and checksums are checked per sample either way; "
+        "the replica copies them into a file for vLLM's loader. 'auto' = 'device' on a GPU where the base is "
+        "shared (vLLM's merged path on an H100, Qwen3-4B 4x8: the sync 0.12 s a step against 0.20 s by host, README), "
+        "else 'host'. Versions and checksums are checked per sample either way; "
         "adapters/ on disk are written as always. run.json `adapter_transport` says which and why.")
 
     @model_validator(mode="after")

@@ -231,7 +231,8 @@ OWN = {"mode": "own", "reason": "share_base_weights=false"}
     ("host", SHARED, "hf", True, "host", "adapter_transport=host"),
     ("auto", OWN, None, True, "host", "does not map the replica's base weights (share_base_weights=false)"),
     ("auto", SHARED, "hf", False, "host", "GPU memory only"),
-    ("auto", SHARED, "vllm", True, "host", "keeps the vllm engine on the host path until its device path is measured"),
+    # vLLM's merged workers open the buffers themselves: ran on an H100 (bench/results/gpu-2026-12-05-ec41379-h100)
+    ("auto", SHARED, "vllm", True, "device", "one device"),
     ("auto", SHARED, "hf", True, "device", "one device"),
     ("device", SHARED, "hf", False, "device", "one device"),  # the CPU tests' path
     ("device", SHARED, "vllm", True, "device", "one device"),
