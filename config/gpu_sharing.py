@@ -24,7 +24,8 @@ class GpuSharingConfig(BaseModel):
         "replica and one learner worker sharing one GPU of a local cluster with trainer.mode=one_step_off "
         "(the update then runs beside generation: -3% to -15% s/step at Qwen3-4B on an H200, README), the "
         "control binary is found, and every GPU the host's CUDA sees is a model where that was measured (the "
-        "H200; on an H100 it made the step slower than TRL's, so there, as on any unmeasured model, auto "
+        "H200; on an H100 it made the bf16 step slower than TRL's and no faster than time-slicing, and at a "
+        "75% learner share its forward gave nan, so there, as on any unmeasured model, auto "
         "time-slices); 'timeslice' anywhere else (RunConfig.gpu_sharing_auto_blocker says why), and "
         "also when the daemon does not start or a throwaway CUDA client cannot connect under it (MPS is "
         "documented for data-center and workstation GPUs), both checked before any GPU process of the run "
@@ -41,7 +42,9 @@ class GpuSharingConfig(BaseModel):
     learner_sm_percent: int = Field(
         50, ge=1, le=100, description="With mode=mps: the share of the GPU's SMs each learner worker's "
         "kernels may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE). Below 100 leaves SMs free for the replica's "
-        "decode steps, so that the update runs beside generation instead of between its steps."
+        "decode steps, so that the update runs beside generation instead of between its steps. Measured: 50 "
+        "(H200, H100) and 100 (H200). 75 on an H100 gave the learner a nan forward from the first step, eager "
+        "and compiled alike (not understood); the learner now stops a run at the first non-finite gradient."
     )
     rollout_sm_percent: int = Field(
         100, ge=1, le=100, description="With mode=mps: the share of the SMs each rollout replica may use "
