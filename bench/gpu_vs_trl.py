@@ -69,6 +69,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as md
 import json
+import math
 import os
 import random
 import re
@@ -786,11 +787,19 @@ def _quantized(row: dict[str, Any]) -> bool:
     return (q.get("mode") if isinstance(q, dict) else q) not in (None, "none")
 
 
+def trained_finite(row: dict[str, Any]) -> bool:
+    """A train row whose learner stayed finite: no step's ppl_ratio is nan or inf (None: not
+    recorded). A run whose policy went nan still has a step time, and a fast one: on an H100
+    under MPS with the learner at 75% of the SMs (2026-12-05, before the learner refused non-finite
+    gradients) such a run would have been the report's headline."""
+    return all(v is None or math.isfinite(v) for v in row.get("ppl_ratio") or [])
+
+
 def best_train_row(rows: list[dict[str, Any]], fp8: bool = False) -> dict[str, Any]:
     """The fastest row of one shape among those with TRL's semantics (bf16 rollouts: an fp8 row
     samples from another policy, so it is reported beside, never as the headline); with fp8,
-    the fastest fp8 row instead."""
-    timed = [r for r in rows if r.get("s_per_step") and _quantized(r) == fp8]
+    the fastest fp8 row instead. A row whose policy went nan is never either."""
+    timed = [r for r in rows if r.get("s_per_step") and _quantized(r) == fp8 and trained_finite(r)]
     return min(timed, key=lambda r: r["s_per_step"]) if timed else {}
 
 
@@ -824,7 +833,8 @@ def merge(trl_res: dict[str, Any] | None, cp_res: dict[str, Any] | None, command
     shapes = []
     for key in [k for k in RUNS if k in keys] + sorted(keys - set(RUNS)):
         t, c, tv = trl_rows.get(key, {}), cp_rows.get(key, {}), tv_rows.get(key, {})
-        modes = {train_variant(r): r.get("s_per_step") for r in train_rows.get(key, [])}
+        modes = {train_variant(r) + ("" if trained_finite(r) else " (went nan: not a result)"): r.get("s_per_step")
+                 for r in train_rows.get(key, [])}
         best = best_train_row(train_rows.get(key, []))
         best_fp8 = best_train_row(train_rows.get(key, []), fp8=True)
         gen = best.get("gen_tokens") or c.get("gen_tokens")

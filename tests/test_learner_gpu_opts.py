@@ -334,6 +334,17 @@ def test_gpu_bench_config_and_results_follow_their_schemas(tmp_path):
     # 1.2 against TRL's fp8 2.2, which is also TRL's faster setting here
     assert "| qwen3-4b | 1x8 | 2.20 | 1.20 | one_step_off, MPS, fp8 rollouts, LoRA merged | 0.545 | 0.545 |" in md3
     assert "| qwen3-4b | 1x8 | fp8 | – x – |" in md3 and "| qwen3-4b | 1x8 | bf16 | – x – |" in md3
+    # a run whose policy went nan (its ppl_ratio says so) is never a result, however fast its steps
+    went_nan = {**compiled, "s_per_step": 1.0, "command": "counterpoint train --set learner.compile_layers=false",
+                "ppl_ratio": [float("nan"), float("nan")]}
+    doc4 = bench.merge(None, None, "cmd", trl_both, {**train3, "shapes": train3["shapes"] + [went_nan]})
+    four4 = {(r["model"], r["prompts"]): r for r in doc4["shapes"]}[("qwen3-4b", 1)]
+    assert four4["counterpoint_train_s_per_step"] == 1.95 and four4["counterpoint_train_variant"] == (
+        "one_step_off, learner.compile_layers=true, learner.fused_lora=false")
+    assert four4["counterpoint_train_modes"][
+        "one_step_off, learner.compile_layers=false (went nan: not a result)"] == 1.0
+    assert bench.trained_finite({"ppl_ratio": [1.0, None]})  # a step that recorded none
+    assert not bench.trained_finite({"ppl_ratio": [1.0, float("inf")]})
     # files measured on two machines make no ratio: refused, naming both
     with pytest.raises(ValueError, match="different GPUs .*H100.*H200"):
         bench.merge(None, None, "cmd", trl_both, {**train3, "versions": {"device": "NVIDIA H200"}})
