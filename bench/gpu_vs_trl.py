@@ -773,9 +773,10 @@ def train_variant(row: dict[str, Any]) -> str:
     quant = record.get("mode")
     merged = quant not in (None, "none") and ("LoRA merged" in record.get("rollout_weights", "")
                                               or "rollout.vllm_lora=merged" in (row.get("command") or ""))
-    # the learner's own --sets (compiled layers, the fused LoRA off, ...) as written: two runs that
-    # differ only there must not share a label, or one would hide the other in the report
-    learner = re.findall(r"--set (learner\.\S+)", row.get("command") or "")
+    # the learner's own --sets (compiled layers, the fused LoRA off, ...), the adapter's transport and
+    # MPS's shares and priority, as written: two runs that differ only there must not share a label,
+    # or one would hide the other in the report
+    learner = re.findall(r"--set ((?:learner\.|adapter_transport=|gpu_sharing\.learner_)\S+)", row.get("command") or "")
     return ", ".join([row["mode"]] + (["MPS"] if sharing == "mps" else [])
                      + ([f"{quant} rollouts"] if quant not in (None, "none") else [])
                      + (["LoRA merged"] if merged else []) + learner)

@@ -343,6 +343,11 @@ def test_gpu_bench_config_and_results_follow_their_schemas(tmp_path):
         "one_step_off, learner.compile_layers=true, learner.fused_lora=false")
     assert four4["counterpoint_train_modes"][
         "one_step_off, learner.compile_layers=false (went nan: not a result)"] == 1.0
+    # the adapter's transport and MPS's share are in the label too
+    assert bench.train_variant({"mode": "one_step_off", "gpu_sharing": {"mode": "mps"}, "command": (
+        "counterpoint train --set gpu_sharing.mode=mps --set gpu_sharing.learner_sm_percent=75 "
+        "--set adapter_transport=device")}) == (
+        "one_step_off, MPS, gpu_sharing.learner_sm_percent=75, adapter_transport=device")
     assert bench.trained_finite({"ppl_ratio": [1.0, None]})  # a step that recorded none
     assert not bench.trained_finite({"ppl_ratio": [1.0, float("inf")]})
     # files measured on two machines make no ratio: refused, naming both
@@ -358,7 +363,8 @@ def test_gpu_bench_config_and_results_follow_their_schemas(tmp_path):
     # the committed results are in that schema too: the H200's, and the H100's beside it
     committed = json.loads((bench.ROOT / "bench" / "results" / "gpu-vs-trl.json").read_text())
     bench.validate_results(committed)
-    bench.validate_results(json.loads((bench.ROOT / "bench" / "results" / "gpu-vs-trl-h100.json").read_text()))
+    for h100 in ("gpu-vs-trl-h100.json", "gpu-vs-trl-h100-2.json"):  # two leases, two machines: two reports
+        bench.validate_results(json.loads((bench.ROOT / "bench" / "results" / h100).read_text()))
     # one session's shapes, in the bench's order; the two (4B 1x8 and 4x8) always among them
     shapes = [(r["model"], r["prompts"]) for r in committed["shapes"]]
     assert shapes == [k for k in bench.RUNS if k in shapes] and {("qwen3-4b", 1), ("qwen3-4b", 4)} <= set(shapes)
