@@ -139,8 +139,24 @@ def apply_memory_budget(cfg: RunConfig):
 
 
 def check_adapter_dir(path: Path, option: str) -> None:
+    """An adapter directory whose weights are all finite. An adapter of nans (a run that went nan
+    before the learner refused non-finite gradients, a broken export) still loads and generates:
+    degenerate text that a grader may even score, so training or evaluating from it would run
+    another experiment than the one asked for, without an error."""
     if not (path / "adapter_config.json").is_file():
         raise PreflightError(f"{option} {path}: not an adapter directory (no adapter_config.json)")
+    weights = path / "adapter_model.safetensors"
+    if weights.is_file():
+        from safetensors.torch import load_file  # torch only where an adapter is given
+        import torch
+
+        bad = {name: int((~torch.isfinite(t)).sum()) for name, t in load_file(weights).items()
+               if t.is_floating_point() and not bool(torch.isfinite(t).all())}
+        if bad:
+            first = next(iter(bad))
+            raise PreflightError(f"{option} {path}: {sum(bad.values())} non-finite values (nan or inf) in "
+                                 f"{len(bad)} of its tensors, first {first}: a policy that went nan; "
+                                 "give an adapter from before that")
 
 
 def check_gpu_sharing(cfg: RunConfig) -> None:

@@ -131,14 +131,27 @@ def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_bad_input_fails_in_one_line_before_ray_starts(tmp_path: Path):
+    import torch
+    from safetensors.torch import save_file
+
     (tmp_path / "bad.yaml").write_text("trainer:\n  steps: [1\n")
     (tmp_path / "fx.json").write_text("{not json")
+    gone_nan = tmp_path / "gone-nan"  # an adapter of a run that went nan: it would load and generate
+    gone_nan.mkdir()
+    (gone_nan / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
+    save_file({"base_model.model.layers.0.q_proj.lora_A.weight": torch.zeros(2, 4),
+               "base_model.model.layers.0.q_proj.lora_B.weight": torch.tensor([[1.0, float("nan")]] * 4)},
+              str(gone_nan / "adapter_model.safetensors"))
     cases = [
         (("train", "--config", "bad.yaml"), "YAML syntax error"),
         (("train", "--config", str(SMOKE), "--set", "model.name_or_path=./no-model"), "no such directory"),
         (("train", "--config", str(SMOKE), "--set", "grader.fixture=fx.json"), "not valid JSON"),
         (("eval", "--config", str(SMOKE), "--run", "runs/none", "--out", "e.jsonl"), "no adapters"),
         (("train", "--resume", "runs/none"), "no run.json"),
+        (("train", "--config", str(SMOKE), "--init-adapter", "gone-nan"),
+         f"--init-adapter {gone_nan}: 4 non-finite values (nan or inf) in 1 of its tensors, first "
+         "base_model.model.layers.0.q_proj.lora_B.weight: a policy that went nan"),
+        (("eval", "--config", str(SMOKE), "--adapter", "gone-nan", "--out", "e.jsonl"), "non-finite values"),
     ]
     for args, expected in cases:
         done = _cli(tmp_path, *args)
