@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from model.adapter_dir import CONFIG_FILE, WEIGHTS_FILE, canonical_config
+from model.adapter_dir import CONFIG_FILE, WEIGHTS_FILE, canonical_config, check_adapter_fits
 from model.adapter import AdapterPayload
 from model.adapter_ipc import ST_DTYPES, blob_layout, word_sum  # noqa: F401 (word_sum: learner.lora's name too)
 
@@ -58,7 +58,9 @@ def attach_lora(base, lora_cfg, seed: int, init_adapter: Path | None = None):
         init_adapter = Path(init_adapter)
         if not (init_adapter / WEIGHTS_FILE).is_file():
             raise FileNotFoundError(f"init adapter {init_adapter} has no {WEIGHTS_FILE}")
-        return PeftModel.from_pretrained(base, str(init_adapter), is_trainable=True)
+        model = PeftModel.from_pretrained(base, str(init_adapter), is_trainable=True)
+        check_adapter_fits(model, init_adapter / WEIGHTS_FILE, f"init adapter {init_adapter}")
+        return model
     torch.manual_seed(seed)  # seed first, then build: the A init draws from this RNG
     return get_peft_model(base, peft_lora_config(lora_cfg))
 

@@ -95,3 +95,28 @@ def blob_checksum(data) -> int:
     words = np.frombuffer(memoryview(data).cast("B"), dtype="<i2").astype(np.int64) + 32768
     weights = np.arange(words.size, dtype=np.int64) % CHECKSUM_MOD + 1
     return int((words * weights).sum())
+
+
+class AdapterMismatch(ValueError):
+    """An adapter whose tensors do not match the LoRA layers it is loaded into."""
+
+
+def adapter_fit_problem(given: set[str] | list[str], wanted: set[str] | list[str]) -> str | None:
+    """Why an adapter file's tensors (``given``, peft's saved names) do not fill the LoRA layers
+    peft built from its config on this model (``wanted``, the same names), or None when they do.
+
+    peft loads an adapter non-strictly: tensors that match no layer are dropped, and layers that
+    no tensor matches keep their fresh init, with a warning at most. An adapter trained on another
+    base (other module names) thus loads as a fresh, randomly initialised one, and the run trains
+    or evaluates from there as if it had started from that adapter."""
+    given, wanted = set(given), set(wanted)
+    missing, unused = sorted(wanted - given), sorted(given - wanted)
+    if not missing and not unused:
+        return None
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} of the {len(wanted)} LoRA tensors peft built on this model are not in it "
+                     f"(first {missing[0]})")
+    if unused:
+        parts.append(f"{len(unused)} of its {len(given)} tensors fit no LoRA layer of this model (first {unused[0]})")
+    return "; ".join(parts) + ": it was made for another base model or other target modules"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from model.adapter import AdapterPayload
+from model.adapter import AdapterMismatch, AdapterPayload, adapter_fit_problem
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -69,3 +69,18 @@ def validate_payload(payload: AdapterPayload, max_rank: int | None = None) -> No
         raise AdapterError(
             f"adapter v{payload.version} has rank {cfg['r']} > rollout.max_lora_rank {max_rank}"
         )
+
+
+def check_adapter_fits(peft_model, weights: Path, what: str) -> None:
+    """AdapterMismatch, naming ``what``, where the safetensors file ``weights`` did not fill the
+    LoRA layers peft just built from it (model/adapter.py adapter_fit_problem: peft drops what does
+    not match and keeps a fresh init instead, with a warning at most). Only the file's header is
+    read; peft is imported by the caller already, which holds ``peft_model``."""
+    from peft import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="numpy") as f:
+        given = set(f.keys())
+    problem = adapter_fit_problem(given, get_peft_model_state_dict(peft_model).keys())
+    if problem is not None:
+        raise AdapterMismatch(f"{what}: {problem}")

@@ -60,6 +60,47 @@ def test_init_adapter_wins_over_the_seed(tmp_path):
         build(0, init_adapter=tmp_path / "missing")
 
 
+def test_an_init_adapter_that_does_not_fit_the_model_is_refused_naming_the_gap(tmp_path):
+    """peft loads an adapter non-strictly: one made for other modules would train from a fresh
+    init instead, with a warning at most. Each way it can miss is refused, naming a tensor."""
+    from safetensors.torch import save_file
+
+    from model.adapter import AdapterMismatch
+
+    save_adapter(build(1), tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "adapter_config.json").read_text())
+    state = load_file(tmp_path / "src" / WEIGHTS_FILE)
+    # other target modules: the file has tensors for layers peft does not build from this config
+    fewer = tmp_path / "fewer-targets"
+    fewer.mkdir()
+    (fewer / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "v_proj", "o_proj"]}))
+    save_file(state, str(fewer / WEIGHTS_FILE))
+    with pytest.raises(AdapterMismatch, match=r"init adapter .*fewer-targets: 16 of its 28 tensors fit no LoRA layer of "
+                                              r"this model \(first base_model\.model\.model\.layers\.0\.mlp\."
+                                              r"down_proj\.lora_A\.weight\): it was made for another base"):
+        build(0, init_adapter=fewer)
+    # another base's module names: every tensor is dropped, every layer keeps its fresh init
+    other = tmp_path / "other-base"
+    other.mkdir()
+    (other / "adapter_config.json").write_text(json.dumps(config))
+    save_file({k.replace(".model.layers.", ".transformer.h."): v for k, v in state.items()}, str(other / WEIGHTS_FILE))
+    with pytest.raises(AdapterMismatch, match=r"28 of the 28 LoRA tensors .* not in it .*; 28 of its 28 tensors fit "
+                                              r"no LoRA layer of this model \(first base_model\.model\.transformer\.h\.0"):
+        build(0, init_adapter=other)
+
+
+def test_adapter_fit_problem_table():
+    from model.adapter import adapter_fit_problem
+
+    assert adapter_fit_problem({"a", "b"}, {"b", "a"}) is None
+    assert adapter_fit_problem({"a"}, {"a", "b"}) == (
+        "1 of the 2 LoRA tensors peft built on this model are not in it (first b): "
+        "it was made for another base model or other target modules")
+    assert adapter_fit_problem({"a", "c"}, {"a"}) == (
+        "1 of its 2 tensors fit no LoRA layer of this model (first c): "
+        "it was made for another base model or other target modules")
+
+
 def test_payload_matches_saved_adapter_and_config(tmp_path):
     model = build(3)
     save_adapter(model, tmp_path / "d")

@@ -187,6 +187,21 @@ def test_hf_engine_adapter_swap_matches_learner(hf_engine, payloads, tmp_path, m
     zero = hf_engine.generate(PROMPTS, PARAMS, 1)
     zero_lp = _recompute(hf_engine.model_dir, zero, PARAMS.temperature)
     assert parity_stats([s.logprobs for s in zero], zero_lp).max_abs_diff < 1e-4
+    # An adapter made for another base (other module names): peft alone would drop its tensors and
+    # serve a fresh init as v3. Refused by name; the engine then holds the bare base, claiming v0.
+    from safetensors.torch import load, save
+
+    from model.adapter import AdapterMismatch
+
+    moved = payloads["moved"]
+    renamed = {k.replace(".layers.", ".blocks."): v for k, v in load(bytes(moved.safetensors)).items()}
+    with pytest.raises(AdapterMismatch, match=r"adapter v3: \d+ of the \d+ LoRA tensors peft built on this model "
+                                              r"are not in it .* fit no LoRA layer .* another base model"):
+        hf_engine.load_adapter(AdapterPayload(version=3, safetensors=save(renamed), config=moved.config))
+    assert hf_engine.loaded_version() == 0
+    with pytest.raises(AdapterVersionError, match="holds adapter v0"):
+        hf_engine.generate(PROMPTS, PARAMS, 3)
+    assert [s.token_ids for s in hf_engine.generate(PROMPTS, PARAMS, 0)] == [s.token_ids for s in base]
 
 
 @pytest.mark.parametrize("engine_name", ["vllm_engine", "hf_engine"])

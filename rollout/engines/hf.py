@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 from transformers.generation.logits_process import LogitsProcessor
 
-from model.adapter_dir import validate_payload, write_payload
+from model.adapter_dir import WEIGHTS_FILE, check_adapter_fits, validate_payload, write_payload
 from config.rollout import ModelConfig, RolloutConfig
 from model.base import load_causal_lm
 from rollout.engines.base import Engine, finish_reason
 from model.base import stop_token_ids
-from model.adapter import AdapterPayload
+from model.adapter import AdapterMismatch, AdapterPayload
 from rollout.types import Prompt, Sample, SamplingParams
 
 
@@ -67,7 +67,13 @@ class HFEngine(Engine):
         new_dir = write_payload(payload, tempfile.mkdtemp(prefix=f"cp-hf-adapter-v{payload.version}-"))
         try:
             base = self.model.unload() if isinstance(self.model, PeftModel) else self.model
-            self.model = PeftModel.from_pretrained(base, str(new_dir), is_trainable=False).to(self.device)
+            loaded = PeftModel.from_pretrained(base, str(new_dir), is_trainable=False)
+            try:
+                check_adapter_fits(loaded, Path(new_dir) / WEIGHTS_FILE, f"adapter v{payload.version}")
+            except AdapterMismatch:  # the bare base, claiming no version it does not hold
+                self.model, self._version = loaded.unload(), 0
+                raise
+            self.model = loaded.to(self.device)
         finally:
             shutil.rmtree(new_dir, ignore_errors=True)
         self.model.eval()
