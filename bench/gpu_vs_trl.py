@@ -685,7 +685,7 @@ def train_figures(run: Path, skip: int, mode: str) -> dict[str, Any]:
         "adapter_staleness": [m.get("adapter_staleness") for m in metrics],
         "generate_s": median([m.get("generate_s", 0.0) for m in metrics[skip:-1] or metrics]),
         # one_step_off: the part of update_weights the next generation still ran beside (a merging
-        # replica waits for it), None in sync mode and in runs from before it was recorded
+        # replica waits for it); 0 in sync mode, None in runs from before it was recorded
         "update_weights_beside_gen_s": median([m["update_weights_beside_gen_s"] for m in metrics[skip:-1] or metrics
                                                if m.get("update_weights_beside_gen_s") is not None]),
         "learner_cuda_graphs": [m.get("learner_cuda_graphs") for m in metrics],

@@ -66,6 +66,11 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
         "counterpoint_tokens_per_second",
         "Generated tokens per second of the gen phase (defaults to tokens / phases_s['gen']).",
     ),
+    "update_weights_beside_gen_s": (
+        "counterpoint_update_weights_beside_gen_seconds",
+        "Seconds of the step's update_weights phase during which the next step's generation still ran "
+        "(one_step_off: a merging replica loads the adapter after it; not a slow transfer).",
+    ),
 }
 
 # Every name a scrape of the trainer shows (the histogram and counter as exposed on the wire).

@@ -369,8 +369,10 @@ def run_steps(parts: RunParts, first_step: int) -> None:
                        # the generate call's own seconds; with one_step_off the `gen` phase is only
                        # the wait for it, the rest overlapped the previous update
                        "generate_s": ro.gen_seconds,
-                       **({"update_weights_beside_gen_s": seconds_beside(timer.spans.get("update_weights"),
-                                                                         ahead_ended())} if overlap else {})},
+                       # 0 where no generation ran beside the sync (sync mode), as staleness is 0 there:
+                       # one series on every run's dashboard
+                       "update_weights_beside_gen_s": (seconds_beside(timer.spans.get("update_weights"), ahead_ended())
+                                                       if overlap else 0.0)},
             ))
     finally:
         if pool is not None:

@@ -22,12 +22,14 @@ DESIGN_NAMES = {
     "counterpoint_step_seconds", "counterpoint_adapter_staleness", "counterpoint_tokens_per_second",
     # issue 25 (README "What survives what"); DESIGN.md's list is to gain it with the issue
     "counterpoint_recoveries_total",
+    # issue 34: the part of a one_step_off sync that waited for the next generation
+    "counterpoint_update_weights_beside_gen_seconds",
 }
 
 STEP_METRICS = {
     "ppl_ratio": 1.0004, "rollout_kl": 0.0012, "rollout_k3_kl": 0.0003, "reward_mean": 0.41,
     "pass_rate": 0.25, "frac_reward_zero_std": 0.5, "kl": 0.002, "entropy": 1.7,
-    "grad_norm": 0.83, "learning_rate": 1e-5, "adapter_staleness": 1,
+    "grad_norm": 0.83, "learning_rate": 1e-5, "adapter_staleness": 1, "update_weights_beside_gen_s": 0.04,
     "loss": 0.12,  # not exported: accepted and ignored
 }
 PHASES_S = {
@@ -78,6 +80,7 @@ def test_every_design_name_is_scraped_after_one_step(served):
     assert value("counterpoint_generated_tokens_total") == 2048
     assert value("counterpoint_step_seconds") == pytest.approx(9.6)
     assert value("counterpoint_tokens_per_second") == pytest.approx(2048 / 4.0)
+    assert value("counterpoint_update_weights_beside_gen_seconds") == pytest.approx(0.04)
     assert value("counterpoint_phase_seconds", phase="update_actor") == pytest.approx(3.2)
     # save_checkpoint did not happen this step: the last-step gauge reads 0, the histogram is empty.
     assert value("counterpoint_phase_seconds", phase="save_checkpoint") == 0

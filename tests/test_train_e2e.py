@@ -486,6 +486,7 @@ def check_reward_rises(run_dir: Path, steps: int, scored: list) -> None:
     for m in metrics:
         assert abs(m["ppl_ratio"] - 1.0) <= 1e-2, m
         assert m["adapter_staleness"] == 0.0
+        assert m["update_weights_beside_gen_s"] == 0.0  # no generation runs beside a sync-mode sync
     # The rewards the run trained on are the grader's, for exactly what it was sent.
     sent = []
     for step in range(1, steps + 1):
