@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
@@ -448,7 +449,8 @@ class NonFiniteGradients(FloatingPointError):
     steps in one call), so the worker ends without publishing an adapter from it."""
 
 
-def refuse_nonfinite(norm: float, optimizer: torch.optim.Optimizer, *, stepped: bool = False) -> float:
+def refuse_nonfinite(norm: float, optimizer: torch.optim.Optimizer, *, stepped: bool = False,
+                     under_mps: bool | None = None) -> float:
     """``norm`` when it is finite; else the gradients are dropped and NonFiniteGradients raised.
 
     An AdamW step on a nan gradient turns every weight it touches into nan, and an adapter of nans
@@ -456,17 +458,21 @@ def refuse_nonfinite(norm: float, optimizer: torch.optim.Optimizer, *, stepped: 
     a different experiment, its rewards looking fine. Seen on an H100 under MPS (issue 34: the
     learner's forward gave nan from the first step while ppl_ratio read nan and the run exited 0).
     Every rank sees the same global norm, so every rank raises at the same point and none is left
-    waiting in a collective."""
+    waiting in a collective. ``under_mps`` (default: this worker got the run's MPS pipe directory,
+    services/mps.py) adds where it was seen."""
     if math.isfinite(norm):
         return norm
+    if under_mps is None:
+        under_mps = "CUDA_MPS_PIPE_DIRECTORY" in os.environ
     optimizer.zero_grad(set_to_none=True)
     taken = ("its optimizer step was taken (DeepSpeed clips and steps in one call), and the worker stops "
              "before publishing the adapter" if stepped else
              "the optimizer step was not taken, so the adapter and optimizer state are the last step's")
+    seen = (" This worker runs under CUDA MPS, where a learner's forward was seen to go nan (README, MPS "
+            "section): try gpu_sharing.mode=timeslice." if under_mps else "")
     raise NonFiniteGradients(
         f"the learner's gradient norm is {norm}: this step's forward, loss or backward gave a non-finite value; "
-        f"{taken}. The run stops here; --resume continues from the last checkpoint. Seen under "
-        "gpu_sharing.mode=mps (README, MPS section): try gpu_sharing.mode=timeslice")
+        f"{taken}. The run stops here; --resume continues from the last checkpoint.{seen}")
 
 
 def ddp_grad_sync(model, optimizer: torch.optim.Optimizer, max_grad_norm: float,

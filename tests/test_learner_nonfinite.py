@@ -71,3 +71,8 @@ def test_refuse_nonfinite_drops_the_gradients(norm):
     with pytest.raises(NonFiniteGradients, match="its optimizer step was taken"):
         refuse_nonfinite(norm, opt, stepped=True)
     assert refuse_nonfinite(2.5, opt) == 2.5  # a finite norm passes through
+    # where it was seen is said only to a worker under MPS
+    with pytest.raises(NonFiniteGradients, match="checkpoint.$"):
+        refuse_nonfinite(norm, opt, under_mps=False)
+    with pytest.raises(NonFiniteGradients, match="runs under CUDA MPS.*try gpu_sharing.mode=timeslice"):
+        refuse_nonfinite(norm, opt, under_mps=True)
