@@ -150,8 +150,9 @@ def check_adapter_dir(path: Path, option: str) -> None:
         from safetensors.torch import load_file  # torch only where an adapter is given
         import torch
 
-        bad = {name: int((~torch.isfinite(t)).sum()) for name, t in load_file(weights).items()
-               if t.is_floating_point() and not bool(torch.isfinite(t).all())}
+        counts = {name: int((~torch.isfinite(t)).sum()) for name, t in load_file(weights).items()
+                  if t.is_floating_point()}
+        bad = {name: n for name, n in counts.items() if n}
         if bad:
             first = next(iter(bad))
             raise PreflightError(f"{option} {path}: {sum(bad.values())} non-finite values (nan or inf) in "
