@@ -776,10 +776,10 @@ def train_variant(row: dict[str, Any]) -> str:
     # the learner's own --sets (compiled layers, the fused LoRA off, ...), the adapter's transport and
     # MPS's shares and priority, as written: two runs that differ only there must not share a label,
     # or one would hide the other in the report
-    learner = re.findall(r"--set ((?:learner\.|adapter_transport=|gpu_sharing\.learner_)\S+)", row.get("command") or "")
+    sets = re.findall(r"--set ((?:learner\.|adapter_transport=|gpu_sharing\.learner_)\S+)", row.get("command") or "")
     return ", ".join([row["mode"]] + (["MPS"] if sharing == "mps" else [])
                      + ([f"{quant} rollouts"] if quant not in (None, "none") else [])
-                     + (["LoRA merged"] if merged else []) + learner)
+                     + (["LoRA merged"] if merged else []) + sets)
 
 
 def _quantized(row: dict[str, Any]) -> bool:
