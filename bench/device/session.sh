@@ -38,6 +38,8 @@
 #   overlap [FLAGS]      torch only, no piece needed (~5 min): does an update-like load hide under a 4B
 #                        decode, time-sliced, under MPS (caps, a below-normal learner) or as two streams
 #                        of one process (bench/gpu_overlap.py)
+#   mps MODEL [FLAGS]    does the learner compute the same numbers under MPS at each SM share (bench/mps_numerics.py;
+#                        e.g. --shares none,100,75,50 --beside-busy; --shared maps a vLLM engine's base: needs the pieces)
 #   shared [MODEL]       a vLLM replica lends its weights to a learner over CUDA IPC, checked against a
 #                        learner with its own copy (bench/shared_base_gpu.py; ~2 min at 4B)
 set -uo pipefail
@@ -194,6 +196,11 @@ PY
     build "$M" || exit 1
     python3 bench/shared_base_gpu.py --model "$MODELS/$M" --tokenizer "$TOK" --out "$OUT/shared-base-$M.json" 2>&1 \
       | tee "$OUT/shared-base-$M.log" | grep -E "^\{|shared base check|Error|error" | cut -c 1-1500 ;;
+  mps)  # mps MODEL [FLAGS]: the learner's numbers under MPS per SM share (bench/mps_numerics.py)
+    M=$1; shift; tag=$(printf '%s' "$*" | sed 's/--shares //; s/--//g' | tr -c 'A-Za-z0-9_.' '_' | cut -c 1-40)
+    build "$M" || exit 1
+    python3 bench/mps_numerics.py --model "$MODELS/$M" --out "$OUT/mps-numerics-$M-$tag.json" "$@" 2>&1 \
+      | tee "$OUT/mps-numerics-$M-$tag.log" | grep -E "^\||Error|error" | cut -c 1-600 ;;
   overlap)  # overlap [FLAGS]: whether an update-like load hides under a 4B decode, per way of sharing (bench/gpu_overlap.py)
     python3 bench/gpu_overlap.py --rows 8,32 --out "$OUT/overlap.json" "$@" 2>&1 | tee "$OUT/overlap.log" \
       | grep -E "^\||Error|error" | cut -c 1-300 ;;
