@@ -128,7 +128,8 @@ def learner_checks(model: Path, shared: bool) -> dict:
     names = {m: n for n, m in policy.peft_model.named_modules()}
     handles = [m.register_forward_hook(hook) for m in names]
     ids = torch.tensor([p + r for p, r in zip(batch.prompt_ids[:8], batch.response_ids[:8])], device=DEVICE)
-    with torch.no_grad():
+    # the learner keeps its adapter in fp32 and runs its passes under bf16 autocast
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=DEVICE == "cuda"):
         logits = policy.peft_model(input_ids=ids).logits.float()
     for h in handles:
         h.remove()
@@ -186,7 +187,7 @@ def driver_version() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--model", type=Path)
     ap.add_argument("--shares", default="none,100,75,50", help="comma-separated: none or an SM percent")
     ap.add_argument("--beside-busy", action="store_true", help="a second MPS client at 100%% keeps the GPU busy")
     ap.add_argument("--shared", action="store_true", help="the learner maps a vLLM engine's base weights (needs vLLM)")
@@ -198,6 +199,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.busy:
         return busy()
+    if args.model is None:
+        ap.error("--model is required")
     if args.child:
         return child(args)
 
