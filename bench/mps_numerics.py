@@ -61,7 +61,7 @@ def kernel_checks() -> dict:
     go = torch.randn(b_, h, t, d, device=DEVICE, generator=g, dtype=low)
 
     def run(backend, dtype):
-        q, k, v = (x.to(dtype).requires_grad_(True) for x in (q0, k0, v0))
+        q, k, v = (x.detach().to(dtype, copy=True).requires_grad_(True) for x in (q0, k0, v0))
         with sdpa_kernel(backend):
             o = F.scaled_dot_product_attention(q, k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1),
                                                is_causal=True)
@@ -80,6 +80,34 @@ def kernel_checks() -> dict:
         out[f"sdpa_{backend.name.lower()}"] = {
             "finite": all(bool(torch.isfinite(x).all()) for x in got),
             "max_rel": max(float((x - r).abs().max() / r.abs().max()) for x, r in zip(got, ref))}
+    return out
+
+
+def lora_gemm_checks(rank: int = 32) -> dict:
+    """LoRA's skinny GEMMs at the learner's shapes (rank 32; tokens of a micro-batch; Qwen3-4B's
+    input and output widths), bf16 on the device against fp32 on the CPU from the same bf16 inputs:
+    x A^T (lora_A), h B^T (lora_B), and the backward's gy^T x (A's gradient: a reduction over
+    every token) and gy A (the input's gradient)."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(1)
+    low = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    out: dict = {}
+    for t in (4672, 8176):
+        for d in (2560, 4096, 9728):
+            x = torch.randn(t, d, generator=g).to(low)
+            a = (torch.randn(rank, d, generator=g) * d ** -0.5).to(low)
+            gy = torch.randn(t, rank, generator=g).to(low)
+            xd, ad, gyd = x.to(DEVICE), a.to(DEVICE), gy.to(DEVICE)
+            checks = {"x@A^T": (lambda: F.linear(xd, ad), lambda: x.float() @ a.float().T),
+                      "h@B^T": (lambda: F.linear(gyd, ad.T.contiguous()), lambda: gy.float() @ a.float()),
+                      "gy^T@x": (lambda: gyd.T @ xd, lambda: gy.float().T @ x.float()),
+                      "gy@A": (lambda: gyd @ ad, lambda: gy.float() @ a.float())}
+            for name, (dev_fn, ref_fn) in checks.items():
+                got, ref = dev_fn().float().cpu(), ref_fn()
+                out[f"{name} T={t} d={d}"] = {"finite": bool(torch.isfinite(got).all()),
+                                               "max_rel": float((got - ref).abs().max() / ref.abs().max())}
     return out
 
 
@@ -154,8 +182,12 @@ def child(args) -> int:
                  "sm_count": props.multi_processor_count if props else None,
                  "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
                  "mps": os.environ.get("CUDA_MPS_PIPE_DIRECTORY") is not None}
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
+    row["blas"] = str(torch.backends.cuda.preferred_blas_library()) if DEVICE == "cuda" else None
     t = time.perf_counter()
     row["kernels"] = kernel_checks()
+    row["lora_gemms"] = lora_gemm_checks()
     row["learner"] = learner_checks(args.model, args.shared)
     row["seconds"] = round(time.perf_counter() - t, 1)
     print("ROW " + json.dumps(row), flush=True)
@@ -193,6 +225,7 @@ def main() -> int:
     ap.add_argument("--shared", action="store_true", help="the learner maps a vLLM engine's base weights (needs vLLM)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--device", default="cuda", help="cpu: the plumbing without a GPU (--shares none only)")
+    ap.add_argument("--blas", choices=("cublas", "cublaslt"), help="torch.backends.cuda.preferred_blas_library")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--busy", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--share", help=argparse.SUPPRESS)
@@ -232,7 +265,7 @@ def main() -> int:
                                         text=True)
                 side.stdout.readline()  # BUSY
             cmd = [sys.executable, __file__, "--child", "--model", str(args.model), "--share", share,
-                   "--device", args.device] + (
+                   "--device", args.device] + (["--blas", args.blas] if args.blas else []) + (
                 ["--shared"] if args.shared else [])
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if side is not None:
@@ -246,17 +279,18 @@ def main() -> int:
     finally:
         mps.stop()
     base = next((r for r in report["rows"] if r.get("share") == "none" and "learner" in r), None)
-    print(f"\n| share | SMs | kernels not finite | forward | first non-finite module | step | logprob sum - none's |  ({report['driver']})")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n| share | SMs | kernels not finite | LoRA GEMMs off by > 2% | forward | first non-finite module | step | logprob sum - none's |  ({report['driver']})")
+    print("|---|---|---|---|---|---|---|---|")
     for r in report["rows"]:
         if "learner" not in r:
-            print(f"| {r['share']} | | failed: {r.get('error')} | | | | |")
+            print(f"| {r['share']} | | failed: {r.get('error')} | | | | | |")
             continue
         bad = [k for k, v in r["kernels"].items() if v.get("finite") is False]
+        off = [k for k, v in r["lora_gemms"].items() if not v["finite"] or v["max_rel"] > 0.02]
         f, s = r["learner"]["forward"], r["learner"]["step"]
         step = s.get("nonfinite") or f"loss {s['loss']:.4g} grad {s['grad_norm']:.4g} ppl {s['ppl_ratio']:.4g}"
         diff = f["logprob_sum"] - base["learner"]["forward"]["logprob_sum"] if base else float("nan")
-        print(f"| {r['share']} | {r['sm_count']} | {', '.join(bad) or 'none'} | {'finite' if f['finite'] else 'NOT finite'} "
+        print(f"| {r['share']} | {r['sm_count']} | {', '.join(bad) or 'none'} | {', '.join(off) or 'none'} | {'finite' if f['finite'] else 'NOT finite'} "
               f"| {f['first_nonfinite_module'] or '-'} | {step} | {diff:.4g} |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
