@@ -6,6 +6,8 @@ For each share (`none` = no MPS, else CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) a fresh
 optionally beside a second MPS client at 100% that keeps the GPU busy with decode-sized GEMMs
 (the replica's place in a run), reports:
 - the SM count CUDA gives it (an MPS share changes what the device properties say);
+- model/gemm_check.py's check (the run's start-up check under a share): LoRA's and the base's
+  GEMMs as autograd runs them, against fp32 on the CPU;
 - kernels: bf16 GEMMs at the learner's shapes and every SDPA backend (flash, efficient, cudnn,
   math; causal, GQA, forward and backward), each finite or not and its distance to an fp32 math
   reference;
@@ -80,34 +82,6 @@ def kernel_checks() -> dict:
         out[f"sdpa_{backend.name.lower()}"] = {
             "finite": all(bool(torch.isfinite(x).all()) for x in got),
             "max_rel": max(float((x - r).abs().max() / r.abs().max()) for x, r in zip(got, ref))}
-    return out
-
-
-def lora_gemm_checks(rank: int = 32) -> dict:
-    """LoRA's skinny GEMMs at the learner's shapes (rank 32; tokens of a micro-batch; Qwen3-4B's
-    input and output widths), bf16 on the device against fp32 on the CPU from the same bf16 inputs:
-    x A^T (lora_A), h B^T (lora_B), and the backward's gy^T x (A's gradient: a reduction over
-    every token) and gy A (the input's gradient)."""
-    import torch
-    import torch.nn.functional as F
-
-    g = torch.Generator().manual_seed(1)
-    low = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    out: dict = {}
-    for t in (4672, 8176):
-        for d in (2560, 4096, 9728):
-            x = torch.randn(t, d, generator=g).to(low)
-            a = (torch.randn(rank, d, generator=g) * d ** -0.5).to(low)
-            gy = torch.randn(t, rank, generator=g).to(low)
-            xd, ad, gyd = x.to(DEVICE), a.to(DEVICE), gy.to(DEVICE)
-            checks = {"x@A^T": (lambda: F.linear(xd, ad), lambda: x.float() @ a.float().T),
-                      "h@B^T": (lambda: F.linear(gyd, ad.T.contiguous()), lambda: gy.float() @ a.float()),
-                      "gy^T@x": (lambda: gyd.T @ xd, lambda: gy.float().T @ x.float()),
-                      "gy@A": (lambda: gyd @ ad, lambda: gy.float() @ a.float())}
-            for name, (dev_fn, ref_fn) in checks.items():
-                got, ref = dev_fn().float().cpu(), ref_fn()
-                out[f"{name} T={t} d={d}"] = {"finite": bool(torch.isfinite(got).all()),
-                                               "max_rel": float((got - ref).abs().max() / ref.abs().max())}
     return out
 
 
@@ -187,7 +161,10 @@ def child(args) -> int:
     row["blas"] = str(torch.backends.cuda.preferred_blas_library()) if DEVICE == "cuda" else None
     t = time.perf_counter()
     row["kernels"] = kernel_checks()
-    row["lora_gemms"] = lora_gemm_checks()
+    from model.gemm_check import FALLBACK_WIDTHS, check, learner_gemms  # Qwen3-4B's widths
+
+    row["gemm_check"] = check(learner_gemms(FALLBACK_WIDTHS, 32, (4672, 8176)), DEVICE,
+                              "bfloat16" if DEVICE == "cuda" else "float32")
     row["learner"] = learner_checks(args.model, args.shared)
     row["seconds"] = round(time.perf_counter() - t, 1)
     print("ROW " + json.dumps(row), flush=True)
@@ -279,18 +256,18 @@ def main() -> int:
     finally:
         mps.stop()
     base = next((r for r in report["rows"] if r.get("share") == "none" and "learner" in r), None)
-    print(f"\n| share | SMs | kernels not finite | LoRA GEMMs off by > 2% | forward | first non-finite module | step | logprob sum - none's |  ({report['driver']})")
+    print(f"\n| share | SMs | kernels not finite | GEMMs off by > 2% (model/gemm_check.py) | forward | first non-finite module | step | logprob sum - none's |  ({report['driver']})")
     print("|---|---|---|---|---|---|---|---|")
     for r in report["rows"]:
         if "learner" not in r:
             print(f"| {r['share']} | | failed: {r.get('error')} | | | | | |")
             continue
         bad = [k for k, v in r["kernels"].items() if v.get("finite") is False]
-        off = [k for k, v in r["lora_gemms"].items() if not v["finite"] or v["max_rel"] > 0.02]
+        off = r["gemm_check"]["off"]
         f, s = r["learner"]["forward"], r["learner"]["step"]
         step = s.get("nonfinite") or f"loss {s['loss']:.4g} grad {s['grad_norm']:.4g} ppl {s['ppl_ratio']:.4g}"
         diff = f["logprob_sum"] - base["learner"]["forward"]["logprob_sum"] if base else float("nan")
-        print(f"| {r['share']} | {r['sm_count']} | {', '.join(bad) or 'none'} | {', '.join(off) or 'none'} | {'finite' if f['finite'] else 'NOT finite'} "
+        print(f"| {r['share']} | {r['sm_count']} | {', '.join(bad) or 'none'} | {len(off)} of {r['gemm_check']['checked']}: {', '.join(off[:4]) or '-'} | {'finite' if f['finite'] else 'NOT finite'} "
               f"| {f['first_nonfinite_module'] or '-'} | {step} | {diff:.4g} |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
