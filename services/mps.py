@@ -16,6 +16,7 @@ No Ray import: the daemon is a host process, driven through its control binary.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -54,6 +55,11 @@ CLIENT_PRIORITY = {"normal": "0", "below_normal": "1"}  # CUDA_MPS_CLIENT_PRIORI
 # SMs gave a nan forward from the first step (eager and compiled), not understood, so the H100
 # stays off this list (bench/results/gpu-vs-trl-h100.md). A GPU not listed time-slices under auto.
 MPS_MEASURED_GPUS = ("H200",)
+# A capped client can compute wrong numbers: on an H100 (driver 580.159.04) the learner's bf16 LoRA
+# GEMMs came out nan or wrong at 60, 75 and 80% of the SMs, right at 50, 90 and 100%
+# (model/gemm_check.py). Every role capped below 100% runs that check as a throwaway client with
+# its own variables before any GPU process of the run exists.
+NUMERICS_TIMEOUT_S = 300.0
 NVIDIA_SMI_TIMEOUT_S = 30.0
 
 
@@ -166,6 +172,54 @@ def plan_mps(mode: str, sm_percent: Mapping[str, int], environ: Mapping[str, str
                    pipe_dir, log_dir, shares, levels)
 
 
+def numerics_specs(cfg) -> dict[str, dict]:
+    """model/gemm_check.py's spec per role: one adapted layer of the run's model (its config.json,
+    else Qwen3-4B's widths) at the LoRA rank, at the token counts of the role's GEMMs: the
+    learner's micro-batch (and an odd count beside it: cuBLAS picks kernels by shape), the
+    replica's decode batch."""
+    from model.gemm_check import model_widths
+
+    widths, source = model_widths(cfg.model.name_or_path)
+    learner, rollout = cfg.learner, cfg.rollout
+    mb = learner.micro_batch_tokens if isinstance(learner.micro_batch_tokens, int) else \
+        learner.micro_batch_size * (rollout.max_tokens + 256)
+    mb = min(mb, 16384)
+    base = {"widths": [list(w) for w in widths], "widths_from": source, "rank": learner.lora.r,
+            "dtype": cfg.model.dtype}
+    return {"learner": {**base, "tokens": [mb, mb // 3 + 1]},
+            "rollout": {**base, "tokens": [8, rollout.max_num_seqs or 256]}}
+
+
+def numerics_command(spec: Mapping[str, Any]) -> tuple[str, ...]:
+    """The throwaway client that runs model/gemm_check.py on ``spec`` (one JSON line on stdout)."""
+    return (sys.executable, "-m", "model.gemm_check", json.dumps({k: v for k, v in spec.items() if k != "widths_from"}))
+
+
+def numerics_fail(command: tuple[str, ...] | list[str], env: Mapping[str, str], timeout: float = NUMERICS_TIMEOUT_S
+                  ) -> tuple[str | None, dict[str, Any]]:
+    """(None, the check's result) when the GEMM check passes as a client with ``env``, else (why in
+    one line, what is known of the result)."""
+    try:
+        done = subprocess.run(list(command), env=dict(os.environ, **env), text=True, capture_output=True,
+                              timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"its GEMM check did not finish ({type(err).__name__}: {err})", {}
+    lines = [line for line in (done.stdout or "").splitlines() if line.startswith("{")]
+    try:
+        result = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        result = {}
+    if done.returncode == 0 and result.get("ok"):
+        return None, result
+    if result.get("off"):
+        worst = result.get("worst") or {}
+        return (f"{len(result['off'])} of {result.get('checked')} of an adapted layer's GEMMs came out wrong under it "
+                f"(worst: {worst.get('name')}, off by {worst.get('error'):.3g} of the result's scale; "
+                "model/gemm_check.py against fp32 on the CPU)"), result
+    detail = (done.stderr or done.stdout or "").strip().splitlines()
+    return f"its GEMM check exited {done.returncode}" + (f": {detail[-1]}" if detail else ""), result
+
+
 def preview(cfg, control_binary: str | None) -> dict[str, Any]:
     """run.json's ``gpu_sharing`` as ``--dry-run`` shows it: the mode the run would take and why,
     without asking or starting a daemon (the start-up checks of mode=auto are named, not run)."""
@@ -238,9 +292,12 @@ class GpuSharing:
     ExitStack callback registered before Ray's shutdown, so it runs after it) quits a daemon this
     run started. ``record`` is run.json's ``gpu_sharing``."""
 
-    def __init__(self, plan: MpsPlan, binary: str | None, requested: str = "mps"):
+    def __init__(self, plan: MpsPlan, binary: str | None, requested: str = "mps",
+                 numerics: Mapping[str, Mapping[str, Any]] | None = None):
         self.plan, self.binary, self.requested, self.timeout_s = plan, binary, requested, CONTROL_TIMEOUT_S
         self.probe_command = PROBE_COMMAND
+        self.numerics_specs = dict(numerics or {})  # role -> model/gemm_check.py spec; a role without one is not checked
+        self.numerics: dict[str, Any] = {}  # run.json gpu_sharing.numerics: role -> the check's result
         self.started = False
         self.quit: str | None = None
 
@@ -254,21 +311,47 @@ class GpuSharing:
         plan = plan_mps(g.mode, {"rollout": g.rollout_sm_percent, "learner": g.learner_sm_percent}, os.environ,
                         run_dir, lambda pipe_dir: daemon_answers(binary, pipe_dir), binary, blocker,
                         priority={"learner": g.learner_priority})
-        return cls(plan, binary, g.mode)
+        return cls(plan, binary, g.mode, numerics_specs(cfg))
 
     def env(self, role: str) -> dict[str, str]:
         return self.plan.env(role)
 
     def start(self) -> None:
         self._start_daemon()
-        if self.requested != "auto" or self.plan.action == "none":
+        if self.plan.action == "none":
             return
-        why = client_fails(self.probe_command, str(self.plan.pipe_dir))
-        if why is not None:  # still before any GPU process of the run: time-slice instead
-            log.warning("gpu_sharing.mode=auto: MPS at %s, but %s; the run time-slices the GPU", self.plan.pipe_dir, why)
+        if self.requested == "auto":
+            why = client_fails(self.probe_command, str(self.plan.pipe_dir))
+            if why is not None:  # still before any GPU process of the run: time-slice instead
+                self._time_slice_instead(f"MPS at {self.plan.pipe_dir} was up but {why}")
+                return
+        self._check_numerics()
+
+    def _check_numerics(self) -> None:
+        """model/gemm_check.py as a client of each role capped below 100% of the SMs: auto
+        time-slices where one is wrong, mps refuses in one line; both before any GPU process of
+        the run exists."""
+        for role in ROLES:
+            share = self.plan.sm_percent.get(role, 100)
+            if share >= 100 or role not in self.numerics_specs:
+                continue
+            why, result = numerics_fail(numerics_command(self.numerics_specs[role]), self.plan.env(role))
+            self.numerics[role] = {"sm_percent": share, "ok": why is None, **({"why": why} if why else {}),
+                                   **{k: result[k] for k in ("sm_count", "checked", "worst") if k in result}}
+            if why is None:
+                continue
+            what = f"under MPS with {role}_sm_percent={share} (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) {why}"
+            if self.requested == "auto":
+                self._time_slice_instead(what)
+                return
             self.stop()
-            self.plan = MpsPlan("none", f"gpu_sharing.mode=auto: time-sliced, as MPS at {self.plan.pipe_dir} was up "
-                                        f"but {why}")
+            raise RuntimeError(f"gpu_sharing.mode=mps: {what}; choose another gpu_sharing.{role}_sm_percent "
+                               "(on an H100 50 and 90 were right, 60, 75 and 80 wrong) or gpu_sharing.mode=timeslice")
+
+    def _time_slice_instead(self, why: str) -> None:
+        log.warning("gpu_sharing.mode=auto: %s; the run time-slices the GPU", why)
+        self.stop()
+        self.plan = MpsPlan("none", f"gpu_sharing.mode=auto: time-sliced, as {why}")
 
     def _start_daemon(self) -> None:
         plan = self.plan
@@ -312,4 +395,6 @@ class GpuSharing:
                        priority=dict(p.priority), control_binary=self.binary)
             if p.action == "start":
                 out["quit"] = self.quit
+        if self.numerics:
+            out["numerics"] = dict(self.numerics)
         return out

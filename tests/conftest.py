@@ -180,7 +180,9 @@ SUBPROCESS_TESTS = {
         "test_the_split_needs_neither_torch_nor_ray",
     },
     "test_mps.py": {
+        "test_a_capped_role_runs_the_gemm_check_under_its_share",
         "test_a_daemon_that_does_not_come_up_fails_in_one_line",
+        "test_gemm_check_failures_read_in_one_line",
         "test_auto_run_where_mps_pays_starts_the_daemon",
         "test_auto_time_slices_on_a_gpu_where_mps_was_not_measured_to_pay",  # a stand-in nvidia-smi
         "test_client_check_reports_in_one_line",

@@ -188,7 +188,24 @@ def control_binary(tmp_path, monkeypatch):
     monkeypatch.setenv("MPS_CALLS", str(tmp_path / "calls.log"))
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
+    # the GEMM check of a capped role (model/gemm_check.py needs CUDA here): a client that logs
+    # the variables it got and answers as the check does; FAKE_GEMMS=off makes it find wrong GEMMs
+    from services import mps
+
+    def stand_in_check(spec):
+        return ("/bin/sh", "-c", f"""echo "check $CUDA_MPS_PIPE_DIRECTORY ${{CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-100}} \
+{spec['tokens']}" >> "$MPS_CALLS"
+if [ "$FAKE_GEMMS" = off ]; then echo '{WRONG_GEMMS}'; exit 1; fi
+echo '{{"ok": true, "sm_count": 66, "checked": 70, "worst": {{"name": "base 2560->4096 forward at 4672 tokens", "error": 0.003}}, "off": []}}'""")
+
+    monkeypatch.setattr(mps, "numerics_command", stand_in_check)
+    monkeypatch.delenv("FAKE_GEMMS", raising=False)
     return binary
+
+
+# what model/gemm_check.py printed at 60% of an H100's SMs (bench/mps_numerics.py)
+WRONG_GEMMS = ('{"ok": false, "sm_count": 78, "checked": 70, "worst": {"name": "lora_A 2560->32 forward at 4672 tokens", '
+               '"error": Infinity}, "off": ["lora_A 2560->32 forward at 4672 tokens", "lora_A 2560->32 dgrad at 4672 tokens"]}')
 
 
 def test_run_starts_its_daemon_and_quits_it(control_binary, tmp_path, monkeypatch, request):
@@ -216,6 +233,83 @@ def test_run_starts_its_daemon_and_quits_it(control_binary, tmp_path, monkeypatc
     calls = (tmp_path / "calls.log").read_text().split("\n")
     assert f"{pipe} -d {run_dir.resolve()}/mps/log" in calls  # the daemon got its log directory
     assert calls[-2].startswith(str(pipe)) and "stdin" in calls[-2]  # quit last
+
+
+def test_a_capped_role_runs_the_gemm_check_under_its_share(control_binary, tmp_path, monkeypatch, request):
+    """A capped MPS client can compute wrong numbers (an H100 at 60-80% of the SMs): the learner's
+    role is checked as a client with its own variables before any GPU process of the run exists;
+    the replica at 100% is not."""
+    from services import mps
+
+    monkeypatch.setattr(mps, "DEFAULT_PIPE_DIR", str(tmp_path / "no-daemon-here"))
+    run_dir = Path(tempfile.mkdtemp(prefix="cp-mps-test-", dir="/tmp")) / "run"
+    request.addfinalizer(lambda: shutil.rmtree(run_dir.parent, ignore_errors=True))
+    pipe = run_dir.resolve() / "mps" / "pipe"
+    gpu = GpuSharing.for_run(RunConfig(gpu_sharing={"mode": "mps"}, **ONE_STEP_OFF), run_dir)
+    gpu.start()
+    checks = [c for c in (tmp_path / "calls.log").read_text().splitlines() if c.startswith("check ")]
+    assert checks == [f"check {pipe} 50 [3072, 1025]"]  # micro_batch_size 8 x (max_tokens 128 + 256), a third + 1
+    gpu.stop()
+    assert gpu.record()["numerics"] == {"learner": {
+        "sm_percent": 50, "ok": True, "sm_count": 66, "checked": 70,
+        "worst": {"name": "base 2560->4096 forward at 4672 tokens", "error": 0.003}}}
+
+    # wrong GEMMs under the share: mode=mps refuses in one line and quits its daemon
+    monkeypatch.setenv("FAKE_GEMMS", "off")
+    asked = GpuSharing.for_run(RunConfig(gpu_sharing={"mode": "mps", "learner_sm_percent": 60}, **ONE_STEP_OFF), run_dir)
+    with pytest.raises(RuntimeError) as err:
+        asked.start()
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("gpu_sharing.mode=mps: under MPS with learner_sm_percent=60 ")
+    assert "2 of 70 of an adapted layer's GEMMs came out wrong under it (worst: lora_A 2560->32 forward at 4672 " \
+           "tokens, off by inf of the result's scale" in line
+    assert line.endswith("or gpu_sharing.mode=timeslice")
+    assert not asked.started and not (pipe / "control").exists()
+    # mode=auto time-slices instead, saying why
+    auto = GpuSharing.for_run(RunConfig(**ONE_STEP_OFF), run_dir)
+    auto.probe_command = ("/bin/sh", "-c", "exit 0")
+    auto.start()
+    record = auto.record()
+    assert not auto.started and auto.env("learner") == {} and not (pipe / "control").exists()
+    assert (record["mode"], record["daemon"]) == ("timeslice", "none")
+    assert record["reason"].startswith("gpu_sharing.mode=auto: time-sliced, as under MPS with learner_sm_percent=50 "
+                                       "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) 2 of 70")
+    assert record["numerics"]["learner"]["ok"] is False
+
+
+def test_gemm_check_specs_follow_the_run(tmp_path):
+    """The check runs the run's model widths at its LoRA rank and token counts; a model whose
+    config.json is not on this host (a hub id) gets Qwen3-4B's widths, and run.json says so."""
+    from services.mps import numerics_command, numerics_specs
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64, "num_attention_heads": 4, "head_dim": 32, '
+                                       '"num_key_value_heads": 2, "intermediate_size": 96}')
+    cfg = RunConfig.model_validate({**ONE_STEP_OFF, "model": {"name_or_path": str(model)},
+                                    "learner": {**ONE_STEP_OFF["learner"], "lora": {"r": 8}, "micro_batch_tokens": 3000},
+                                    "rollout": {"num_gpus": 0.4, "max_num_seqs": 48}})
+    specs = numerics_specs(cfg)
+    assert specs["learner"]["widths"] == [[64, 128], [64, 64], [128, 64], [64, 96], [96, 64]]
+    assert (specs["learner"]["rank"], specs["learner"]["tokens"], specs["rollout"]["tokens"]) == (8, [3000, 1001], [8, 48])
+    assert specs["learner"]["widths_from"] == str(model / "config.json")
+    hub = numerics_specs(RunConfig.model_validate({**ONE_STEP_OFF, "model": {"name_or_path": "Qwen/Qwen3-32B"}}))
+    assert hub["learner"]["widths"][0] == [2560, 4096] and "no config.json readable" in hub["learner"]["widths_from"]
+    assert "widths_from" not in numerics_command(specs["learner"])[-1]
+
+
+def test_gemm_check_failures_read_in_one_line(tmp_path):
+    """numerics_fail on real processes: a pass, wrong GEMMs, a crash, a hang."""
+    from services.mps import numerics_fail
+
+    why, result = numerics_fail(("/bin/sh", "-c", "echo '{\"ok\": true, \"checked\": 3}'"), {})
+    assert why is None and result["checked"] == 3
+    why, result = numerics_fail(("/bin/sh", "-c", f"echo noise; echo '{WRONG_GEMMS}'; exit 1"), {})
+    assert why.startswith("2 of 70 of an adapted layer's GEMMs came out wrong under it (worst: lora_A") and result["sm_count"] == 78
+    why, _ = numerics_fail(("/bin/sh", "-c", "echo 'RuntimeError: CUDA error: no device' >&2; exit 1"), {})
+    assert why == "its GEMM check exited 1: RuntimeError: CUDA error: no device"
+    why, _ = numerics_fail(("/bin/sh", "-c", "sleep 5"), {}, timeout=0.2)
+    assert why.startswith("its GEMM check did not finish (TimeoutExpired")
 
 
 def test_run_joins_a_running_daemon_and_leaves_it(control_binary, tmp_path, monkeypatch):
