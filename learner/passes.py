@@ -468,8 +468,9 @@ def refuse_nonfinite(norm: float, optimizer: torch.optim.Optimizer, *, stepped: 
     taken = ("its optimizer step was taken (DeepSpeed clips and steps in one call), and the worker stops "
              "before publishing the adapter" if stepped else
              "the optimizer step was not taken, so the adapter and optimizer state are the last step's")
-    seen = (" This worker runs under CUDA MPS, where a learner's forward was seen to go nan (README, MPS "
-            "section): try gpu_sharing.mode=timeslice." if under_mps else "")
+    seen = (" This worker runs under CUDA MPS, where a capped share's GEMMs were seen to come out nan or wrong "
+            "(README, MPS section; the run's start-up check, model/gemm_check.py, can miss a shape it does not "
+            "run): try another gpu_sharing.learner_sm_percent or gpu_sharing.mode=timeslice." if under_mps else "")
     raise NonFiniteGradients(
         f"the learner's gradient norm is {norm}: this step's forward, loss or backward gave a non-finite value; "
         f"{taken}. The run stops here; --resume continues from the last checkpoint.{seen}")

@@ -51,9 +51,9 @@ CLIENT_PRIORITY = {"normal": "0", "below_normal": "1"}  # CUDA_MPS_CLIENT_PRIORI
 # bench/results/gpu-vs-trl.md). On an H100 the same default made the bf16 step 5.46 s at 4x8,
 # 1.13x TRL + vLLM's 4.83 s, the update (5.1 s) outlasting generation (3.3 s) on its half of the
 # SMs; time-sliced, a second lease gave 1.14-1.18x: in bf16 a wash. With fp8 rollouts MPS was
-# 0.65x TRL there, time-slicing 0.75x; but on the second lease MPS with the learner at 75% of the
-# SMs gave a nan forward from the first step (eager and compiled), not understood, so the H100
-# stays off this list (bench/results/gpu-vs-trl-h100.md). A GPU not listed time-slices under auto.
+# 0.65x TRL there, time-slicing 0.75x; so in bf16 the H100 stays off this list
+# (bench/results/gpu-vs-trl-h100.md). A GPU not listed time-slices under auto. (The second lease's
+# nan at a 75% learner share was wrong GEMMs under that share: NUMERICS_TIMEOUT_S's comment.)
 MPS_MEASURED_GPUS = ("H200",)
 # A capped client can compute wrong numbers: on an H100 (driver 580.159.04) the learner's bf16 LoRA
 # GEMMs came out nan or wrong at 60, 75 and 80% of the SMs, right at 50, 90 and 100%
@@ -112,8 +112,8 @@ def unmeasured_gpu_reason(names: list[str]) -> str | None:
     if not other:
         return None
     return (f"the GPU is {', '.join(other)}: MPS was measured to pay only on {', '.join(MPS_MEASURED_GPUS)} (on an "
-            "H100 its bf16 step at Qwen3-4B 4x8 was no faster than time-slicing, and with the learner at 75% of "
-            "the SMs its forward gave nan: bench/results/gpu-vs-trl-h100.md); gpu_sharing.mode=mps chooses it")
+            "H100 its bf16 step at Qwen3-4B 4x8 was no faster than time-slicing: bench/results/gpu-vs-trl-h100.md); "
+            "gpu_sharing.mode=mps chooses it")
 
 
 def read_visible_gpus(environ: Mapping[str, str]) -> list[str]:
