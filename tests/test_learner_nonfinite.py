@@ -74,5 +74,5 @@ def test_refuse_nonfinite_drops_the_gradients(norm):
     # where it was seen is said only to a worker under MPS
     with pytest.raises(NonFiniteGradients, match="checkpoint.$"):
         refuse_nonfinite(norm, opt, under_mps=False)
-    with pytest.raises(NonFiniteGradients, match="runs under CUDA MPS.*try gpu_sharing.mode=timeslice"):
+    with pytest.raises(NonFiniteGradients, match="runs under CUDA MPS, where a capped share.s GEMMs .*try another gpu_sharing.learner_sm_percent or gpu_sharing.mode=timeslice"):
         refuse_nonfinite(norm, opt, under_mps=True)
