@@ -2,11 +2,11 @@
 CUDA MPS client share below 100% before any of its GPU processes exists (services/mps.py).
 
 Why: on an H100 (driver 580.159.04, torch 2.11) an MPS client capped by
-CUDA_MPS_ACTIVE_THREAD_PERCENTAGE at 60, 75 or 80% of the SMs got wrong bf16 results from LoRA's
-skinny GEMMs, while 50, 90 and 100% matched the uncapped process to the last bit
-(bench/mps_numerics.py, bench/results/gpu-2026-12-05-6fb1d60-h100/). At 60% lora_A's forward
-gave nan in the first layer; at 75% every output was finite and wrong (a step's gradient norm
-5.9e4 against 0.15). A run trained on such numbers looks like a run.
+CUDA_MPS_ACTIVE_THREAD_PERCENTAGE at 60, 75 or 80% of the SMs got wrong bf16 GEMMs, while 50, 90
+and 100% matched the uncapped process (bench/mps_numerics.py, bench/results/gpu-2026-12-05-h100-mps/).
+At 60% lora_A's forward gave nan in the first layer; at 75% every output was finite and wrong (a
+step's gradient norm 5.9e4 against 0.15); at 80% a plain GEMM of the down projection's shape was
+off by 1.35 of its scale. A run trained on such numbers looks like a run.
 
 The check runs each linear of one adapted layer the way autograd does (forward F.linear, the
 input's gradient, the adapter's weight gradient; LoRA's B also as the fused learner's addmm) at
