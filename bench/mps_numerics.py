@@ -21,6 +21,7 @@ other algorithms at another SM count, so equal to the last bit is not expected, 
 
     python3 bench/mps_numerics.py --model /tmp/gpu-vs-trl/models/qwen3-4b --shares none,100,75,50 --out $OUT/mps-numerics.json
     python3 bench/mps_numerics.py --model ... --shares none,75 --beside-busy --shared
+    python3 bench/mps_numerics.py --model ... --shares 60,75,50 --gpu-sharing   # the run's start-up check
 """
 
 from __future__ import annotations
@@ -194,6 +195,34 @@ def driver_version() -> str:
                           text=True).stdout.strip()
 
 
+def gpu_sharing_start(model: Path, shares: list[str]) -> list[dict]:
+    """The run's own path per share: services/mps.py GpuSharing with gpu_sharing.mode=mps on a real
+    daemon, its start-up GEMM check (model/gemm_check.py) included: started, or refused in one line."""
+    from config import RunConfig
+    from services.mps import GpuSharing
+
+    rows = []
+    for share in shares:
+        cfg = RunConfig.model_validate({
+            "model": {"name_or_path": str(model), "dtype": "bfloat16"},
+            "rollout": {"engine": "vllm", "num_gpus": 0.5, "max_tokens": RESPONSE_TOKENS, "max_num_seqs": 64},
+            "learner": {"use_gpu": True, "gpus_per_worker": 0.5, "lora": {"r": 32}},
+            "trainer": {"mode": "one_step_off"}, "gpu_sharing": {"mode": "mps", "learner_sm_percent": int(share)}})
+        gpu = GpuSharing.for_run(cfg, Path(tempfile.mkdtemp(prefix="cp-gs-", dir="/tmp")) / "run")
+        t = time.perf_counter()
+        try:
+            gpu.start()
+            row = {"share": share, "started": True}
+        except RuntimeError as err:
+            row = {"share": share, "started": False, "refused": str(err)}
+        finally:
+            gpu.stop()
+        row.update(seconds=round(time.perf_counter() - t, 1), numerics=gpu.record().get("numerics"))
+        print("GPU_SHARING " + json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path)
@@ -201,6 +230,8 @@ def main() -> int:
     ap.add_argument("--beside-busy", action="store_true", help="a second MPS client at 100%% keeps the GPU busy")
     ap.add_argument("--shared", action="store_true", help="the learner maps a vLLM engine's base weights (needs vLLM)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--gpu-sharing", action="store_true", help="only the run's start-up path per share "
+                    "(services/mps.py GpuSharing, mode=mps, on its own daemon): started or refused")
     ap.add_argument("--device", default="cuda", help="cpu: the plumbing without a GPU (--shares none only)")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"), help="torch.backends.cuda.preferred_blas_library")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -217,6 +248,13 @@ def main() -> int:
     from services.mps import GpuSharing, MpsPlan, find_control_binary
 
     shares = args.shares.split(",")
+    if args.gpu_sharing:
+        rows = gpu_sharing_start(args.model, [s for s in shares if s != "none"])
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "driver": driver_version(),
+                                            "gpu_sharing": rows}, indent=2) + "\n")
+        return 0
     binary = find_control_binary()
     if binary is None and shares != ["none"]:
         print("no nvidia-cuda-mps-control on this host: only --shares none runs here", file=sys.stderr)

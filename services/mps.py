@@ -174,9 +174,9 @@ def plan_mps(mode: str, sm_percent: Mapping[str, int], environ: Mapping[str, str
 
 def numerics_specs(cfg) -> dict[str, dict]:
     """model/gemm_check.py's spec per role: one adapted layer of the run's model (its config.json,
-    else Qwen3-4B's widths) at the LoRA rank, at the token counts of the role's GEMMs: the
-    learner's micro-batch (and an odd count beside it: cuBLAS picks kernels by shape), the
-    replica's decode batch."""
+    else Qwen3-4B's widths) at the LoRA rank, at token counts of the role's GEMMs: the learner's
+    full micro-batch and three odd counts below it (a micro-batch's rows x its longest row vary by
+    step, and cuBLAS picks kernels by shape), the replica's decode batches."""
     from model.gemm_check import model_widths
 
     widths, source = model_widths(cfg.model.name_or_path)
@@ -186,7 +186,7 @@ def numerics_specs(cfg) -> dict[str, dict]:
     mb = min(mb, 16384)
     base = {"widths": [list(w) for w in widths], "widths_from": source, "rank": learner.lora.r,
             "dtype": cfg.model.dtype}
-    return {"learner": {**base, "tokens": [mb, mb // 3 + 1]},
+    return {"learner": {**base, "tokens": [mb, mb * 3 // 4 + 1, mb // 3 + 1, 257]},
             "rollout": {**base, "tokens": [8, rollout.max_num_seqs or 256]}}
 
 

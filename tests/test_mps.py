@@ -248,7 +248,7 @@ def test_a_capped_role_runs_the_gemm_check_under_its_share(control_binary, tmp_p
     gpu = GpuSharing.for_run(RunConfig(gpu_sharing={"mode": "mps"}, **ONE_STEP_OFF), run_dir)
     gpu.start()
     checks = [c for c in (tmp_path / "calls.log").read_text().splitlines() if c.startswith("check ")]
-    assert checks == [f"check {pipe} 50 [3072, 1025]"]  # micro_batch_size 8 x (max_tokens 128 + 256), a third + 1
+    assert checks == [f"check {pipe} 50 [3072, 2305, 1025, 257]"]  # micro_batch_size 8 x (max_tokens 128 + 256), below
     gpu.stop()
     assert gpu.record()["numerics"] == {"learner": {
         "sm_percent": 50, "ok": True, "sm_count": 66, "checked": 70,
@@ -291,7 +291,8 @@ def test_gemm_check_specs_follow_the_run(tmp_path):
                                     "rollout": {"num_gpus": 0.4, "max_num_seqs": 48}})
     specs = numerics_specs(cfg)
     assert specs["learner"]["widths"] == [[64, 128], [64, 64], [128, 64], [64, 96], [96, 64]]
-    assert (specs["learner"]["rank"], specs["learner"]["tokens"], specs["rollout"]["tokens"]) == (8, [3000, 1001], [8, 48])
+    assert (specs["learner"]["rank"], specs["learner"]["tokens"], specs["rollout"]["tokens"]) == (
+        8, [3000, 2251, 1001, 257], [8, 48])
     assert specs["learner"]["widths_from"] == str(model / "config.json")
     hub = numerics_specs(RunConfig.model_validate({**ONE_STEP_OFF, "model": {"name_or_path": "Qwen/Qwen3-32B"}}))
     assert hub["learner"]["widths"][0] == [2560, 4096] and "no config.json readable" in hub["learner"]["widths_from"]

@@ -40,6 +40,7 @@
 #                        of one process (bench/gpu_overlap.py)
 #   mps MODEL [FLAGS]    does the learner compute the same numbers under MPS at each SM share (bench/mps_numerics.py;
 #                        e.g. --shares none,100,75,50 --beside-busy; --shared maps a vLLM engine's base: needs the pieces)
+#                        --gpu-sharing: only the run's start-up path per share (GpuSharing on a real daemon, refused or started)
 #   shared [MODEL]       a vLLM replica lends its weights to a learner over CUDA IPC, checked against a
 #                        learner with its own copy (bench/shared_base_gpu.py; ~2 min at 4B)
 set -uo pipefail
@@ -200,7 +201,7 @@ PY
     M=$1; shift; tag=$(printf '%s' "$*" | sed 's/--shares //; s/--//g' | tr -c 'A-Za-z0-9_.' '_' | cut -c 1-40)
     build "$M" || exit 1
     python3 bench/mps_numerics.py --model "$MODELS/$M" --out "$OUT/mps-numerics-$M-$tag.json" "$@" 2>&1 \
-      | tee "$OUT/mps-numerics-$M-$tag.log" | grep -E "^\||Error|error" | cut -c 1-600 ;;
+      | tee "$OUT/mps-numerics-$M-$tag.log" | grep -E "^\||^GPU_SHARING|Error|error" | cut -c 1-600 ;;
   overlap)  # overlap [FLAGS]: whether an update-like load hides under a 4B decode, per way of sharing (bench/gpu_overlap.py)
     python3 bench/gpu_overlap.py --rows 8,32 --out "$OUT/overlap.json" "$@" 2>&1 | tee "$OUT/overlap.log" \
       | grep -E "^\||Error|error" | cut -c 1-300 ;;
