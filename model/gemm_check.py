@@ -25,13 +25,13 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 # bf16 keeps 8 bits of mantissa: its GEMMs land within ~0.3% of the fp32 result's scale (measured
 # 0.2-0.31% at these shapes). The wrong kernels were off by far more, or nan.
 TOLERANCE = 0.02
 SAMPLE_ROWS = 64
-# where the model's config.json cannot be read here (a hub id not yet fetched): Qwen3-4B's widths
+# Qwen3-4B's linears (in, out): the widths where the run's model's config.json cannot be read
+# (services/mps.py numerics_specs) and bench/mps_numerics.py's
 FALLBACK_WIDTHS = ((2560, 4096), (2560, 1024), (4096, 2560), (2560, 9728), (9728, 2560))
 
 
@@ -49,28 +49,6 @@ class Gemm:
     @property
     def name(self) -> str:
         return f"{self.linear} {self.op} at {self.tokens} tokens"
-
-
-def layer_widths(config: dict) -> tuple[tuple[int, int], ...]:
-    """(in, out) of a decoder layer's linears from a HF config.json: q, k/v, o, gate/up, down."""
-    hidden = config["hidden_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv = config.get("num_key_value_heads") or heads
-    inter = config["intermediate_size"]
-    return tuple(dict.fromkeys(((hidden, heads * head_dim), (hidden, kv * head_dim), (heads * head_dim, hidden),
-                                (hidden, inter), (inter, hidden))))
-
-
-def model_widths(model_dir: str | Path) -> tuple[tuple[tuple[int, int], ...], str]:
-    """(the widths, where they came from): the local directory's config.json, else the fallback."""
-    path = Path(model_dir).expanduser() / "config.json"
-    try:
-        config = json.loads(path.read_text())
-        config = config.get("text_config", config)
-        return layer_widths(config), str(path)
-    except (OSError, ValueError, KeyError, TypeError):
-        return FALLBACK_WIDTHS, "Qwen3-4B's widths (no config.json readable at " + str(path) + ")"
 
 
 def learner_gemms(widths, rank: int, tokens) -> list[Gemm]:

@@ -173,13 +173,22 @@ def plan_mps(mode: str, sm_percent: Mapping[str, int], environ: Mapping[str, str
 
 
 def numerics_specs(cfg) -> dict[str, dict]:
-    """model/gemm_check.py's spec per role: one adapted layer of the run's model (its config.json,
-    else Qwen3-4B's widths) at the LoRA rank, at token counts of the role's GEMMs: the learner's
-    full micro-batch and three odd counts below it (a micro-batch's rows x its longest row vary by
-    step, and cuBLAS picks kernels by shape), the replica's decode batches."""
-    from model.gemm_check import model_widths
+    """model/gemm_check.py's spec per role: one adapted layer of the run's model at the LoRA rank,
+    at token counts of the role's GEMMs: the learner's full micro-batch and three odd counts below
+    it (a micro-batch's rows x its longest row vary by step, and cuBLAS picks kernels by shape),
+    the replica's decode batches. The widths are the model's linears (services/memory_budget.py
+    reads its config.json without a download), else Qwen3-4B's."""
+    from model.gemm_check import FALLBACK_WIDTHS
+    from services.memory_budget import DTYPE_BYTES, find_model_config, linear_sizes, model_shape
 
-    widths, source = model_widths(cfg.model.name_or_path)
+    try:
+        config = find_model_config(cfg, None)
+        shape = model_shape(config.get("text_config", config), DTYPE_BYTES[cfg.model.dtype])
+        local = Path(cfg.model.name_or_path).expanduser() / "config.json"  # find_model_config's first choice
+        widths = tuple(dict.fromkeys(linear_sizes(shape).values()))
+        source = str(local) if local.is_file() else f"{cfg.model.name_or_path}'s config.json (shipped or hub-cached)"
+    except (ValueError, KeyError, TypeError) as err:
+        widths, source = FALLBACK_WIDTHS, f"Qwen3-4B's widths (no config.json readable for {cfg.model.name_or_path}: {err})"
     learner, rollout = cfg.learner, cfg.rollout
     mb = learner.micro_batch_tokens if isinstance(learner.micro_batch_tokens, int) else \
         learner.micro_batch_size * (rollout.max_tokens + 256)
@@ -311,7 +320,8 @@ class GpuSharing:
         plan = plan_mps(g.mode, {"rollout": g.rollout_sm_percent, "learner": g.learner_sm_percent}, os.environ,
                         run_dir, lambda pipe_dir: daemon_answers(binary, pipe_dir), binary, blocker,
                         priority={"learner": g.learner_priority})
-        return cls(plan, binary, g.mode, numerics_specs(cfg))
+        capped = plan.action != "none" and min(plan.sm_percent.values()) < 100
+        return cls(plan, binary, g.mode, numerics_specs(cfg) if capped else None)  # config.json read only then
 
     def env(self, role: str) -> dict[str, str]:
         return self.plan.env(role)

@@ -11,20 +11,24 @@ import sys
 import pytest
 import torch
 
-from model.gemm_check import (FALLBACK_WIDTHS, TOLERANCE, Gemm, check, layer_widths, learner_gemms, model_widths,
-                              relative_error)
+from model.gemm_check import FALLBACK_WIDTHS, TOLERANCE, Gemm, check, learner_gemms, relative_error
 
 QWEN3_4B = {"hidden_size": 2560, "num_attention_heads": 32, "head_dim": 128, "num_key_value_heads": 8,
-            "intermediate_size": 9728}
+            "intermediate_size": 9728, "num_hidden_layers": 36, "vocab_size": 151936}
 
 
 def test_widths_of_a_layer_from_its_config(tmp_path):
-    assert layer_widths(QWEN3_4B) == ((2560, 4096), (2560, 1024), (4096, 2560), (2560, 9728), (9728, 2560))
-    assert layer_widths(QWEN3_4B) == FALLBACK_WIDTHS
-    # no head_dim and no kv heads: hidden / heads, plain multi-head attention; duplicates once
-    assert layer_widths({"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 64}) == ((64, 64),)
-    (tmp_path / "config.json").write_text(json.dumps({"text_config": QWEN3_4B}))  # a multimodal wrapper
-    assert model_widths(tmp_path) == (FALLBACK_WIDTHS, str(tmp_path / "config.json"))
+    """services/mps.py reads the run's model's config.json (services/memory_budget.py) into the
+    check's widths: Qwen3-4B's are the fallback's, a multimodal wrapper's text_config counts."""
+    from config import RunConfig
+    from services.mps import numerics_specs
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_4B))
+    run = {"model": {"name_or_path": str(tmp_path)}, "rollout": {"num_gpus": 0.4},
+           "learner": {"use_gpu": True, "gpus_per_worker": 0.6}}
+    assert numerics_specs(RunConfig.model_validate(run))["learner"]["widths"] == [list(w) for w in FALLBACK_WIDTHS]
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": QWEN3_4B}))
+    assert numerics_specs(RunConfig.model_validate(run))["learner"]["widths"] == [list(w) for w in FALLBACK_WIDTHS]
 
 
 def test_every_product_of_a_layer_per_token_count():

@@ -285,7 +285,8 @@ def test_gemm_check_specs_follow_the_run(tmp_path):
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text('{"hidden_size": 64, "num_attention_heads": 4, "head_dim": 32, '
-                                       '"num_key_value_heads": 2, "intermediate_size": 96}')
+                                       '"num_key_value_heads": 2, "intermediate_size": 96, "num_hidden_layers": 2, '
+                                       '"vocab_size": 128}')
     cfg = RunConfig.model_validate({**ONE_STEP_OFF, "model": {"name_or_path": str(model)},
                                     "learner": {**ONE_STEP_OFF["learner"], "lora": {"r": 8}, "micro_batch_tokens": 3000},
                                     "rollout": {"num_gpus": 0.4, "max_num_seqs": 48}})
@@ -294,7 +295,7 @@ def test_gemm_check_specs_follow_the_run(tmp_path):
     assert (specs["learner"]["rank"], specs["learner"]["tokens"], specs["rollout"]["tokens"]) == (
         8, [3000, 2251, 1001, 257], [8, 48])
     assert specs["learner"]["widths_from"] == str(model / "config.json")
-    hub = numerics_specs(RunConfig.model_validate({**ONE_STEP_OFF, "model": {"name_or_path": "Qwen/Qwen3-32B"}}))
+    hub = numerics_specs(RunConfig.model_validate({**ONE_STEP_OFF, "model": {"name_or_path": "some-org/Unshipped-7B"}}))
     assert hub["learner"]["widths"][0] == [2560, 4096] and "no config.json readable" in hub["learner"]["widths_from"]
     assert "widths_from" not in numerics_command(specs["learner"])[-1]
 
