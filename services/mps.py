@@ -208,11 +208,9 @@ def numerics_fail(command: tuple[str, ...] | list[str], env: Mapping[str, str], 
                   ) -> tuple[str | None, dict[str, Any]]:
     """(None, the check's result) when the GEMM check passes as a client with ``env``, else (why in
     one line, what is known of the result)."""
-    try:
-        done = subprocess.run(list(command), env=dict(os.environ, **env), text=True, capture_output=True,
-                              timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return f"its GEMM check did not finish ({type(err).__name__}: {err})", {}
+    done, why = run_client(command, env, timeout)
+    if done is None:
+        return f"its GEMM check did not finish ({why})", {}
     lines = [line for line in (done.stdout or "").splitlines() if line.startswith("{")]
     try:
         result = json.loads(lines[-1]) if lines else {}
@@ -225,8 +223,7 @@ def numerics_fail(command: tuple[str, ...] | list[str], env: Mapping[str, str], 
         return (f"{len(result['off'])} of {result.get('checked')} of an adapted layer's GEMMs came out wrong under it "
                 f"(worst: {worst.get('name')}, off by {worst.get('error'):.3g} of the result's scale; "
                 "model/gemm_check.py against fp32 on the CPU)"), result
-    detail = (done.stderr or done.stdout or "").strip().splitlines()
-    return f"its GEMM check exited {done.returncode}" + (f": {detail[-1]}" if detail else ""), result
+    return f"its GEMM check {exit_line(done)}", result
 
 
 def preview(cfg, control_binary: str | None) -> dict[str, Any]:
@@ -282,18 +279,29 @@ def daemon_answers(binary: str | None, pipe_dir: str, timeout: float = CONTROL_T
         return False
 
 
+def run_client(command: tuple[str, ...] | list[str], env: Mapping[str, str], timeout: float
+               ) -> tuple[subprocess.CompletedProcess | None, str]:
+    """(the finished process, "") or (None, why it did not finish); ``env`` on top of ours."""
+    try:
+        return subprocess.run(list(command), env=dict(os.environ, **env), text=True, capture_output=True,
+                              timeout=timeout), ""
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return None, f"{type(err).__name__}: {err}"
+
+
+def exit_line(done: subprocess.CompletedProcess) -> str:
+    """'exited N' and the process's last line of output."""
+    detail = (done.stderr or done.stdout or "").strip().splitlines()
+    return f"exited {done.returncode}" + (f": {detail[-1]}" if detail else "")
+
+
 def client_fails(command: tuple[str, ...] | list[str], pipe_dir: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     """None when ``command`` (a CUDA client) runs to exit 0 under the daemon at ``pipe_dir``, else why
     not in one line."""
-    try:
-        done = subprocess.run(list(command), env=dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=pipe_dir), text=True,
-                              capture_output=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return f"a CUDA client under it did not come up ({type(err).__name__}: {err})"
-    if done.returncode == 0:
-        return None
-    detail = (done.stderr or done.stdout or "").strip().splitlines()
-    return f"a CUDA client under it exited {done.returncode}" + (f": {detail[-1]}" if detail else "")
+    done, why = run_client(command, {"CUDA_MPS_PIPE_DIRECTORY": pipe_dir}, timeout)
+    if done is None:
+        return f"a CUDA client under it did not come up ({why})"
+    return None if done.returncode == 0 else f"a CUDA client under it {exit_line(done)}"
 
 
 class GpuSharing:
