@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,7 +189,7 @@ def busy() -> int:
 def driver_version() -> str:
     from services.mps import find_driver_binary
 
-    smi = find_driver_binary("nvidia-smi")
+    smi = find_driver_binary("nvidia-smi")  # also in the driver's bin directories; none on a CPU host
     if smi is None:
         return "unknown"
     return subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True,
@@ -266,16 +267,16 @@ def main() -> int:
     mps.start()
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "driver": driver_version(), "beside_busy": args.beside_busy,
               "shared": args.shared, "rows": []}
+    def client_env(share: str) -> dict[str, str]:  # a learner client's variables, as a run's (MpsPlan.env)
+        extra = {} if share == "none" else replace(plan, sm_percent={"learner": int(share)}).env("learner")
+        return dict(os.environ, **extra)
+
     try:
         for share in shares:
-            env = dict(os.environ)
-            if share != "none":
-                env["CUDA_MPS_PIPE_DIRECTORY"] = pipe
-                if int(share) < 100:
-                    env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = share
+            env = client_env(share)
             side = None
-            if args.beside_busy:
-                side_env = dict(os.environ, **({"CUDA_MPS_PIPE_DIRECTORY": pipe} if share != "none" else {}))
+            if args.beside_busy:  # the neighbour at every SM, under the same daemon (or none)
+                side_env = client_env("none" if share == "none" else "100")
                 side = subprocess.Popen([sys.executable, __file__, "--busy"], env=side_env, stdout=subprocess.PIPE,
                                         text=True)
                 side.stdout.readline()  # BUSY
