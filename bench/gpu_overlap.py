@@ -14,9 +14,10 @@ Variants, each a fresh set of processes released at once:
   alone          each load by itself: the baseline, measured in the same run
   timeslice      two processes, no MPS: the GPU switches between their contexts
   mps            two MPS clients, both normal, every SM (gpu_sharing.mode=mps)
-  mps_cap50      the update at 50% of the SMs (gpu_sharing.learner_sm_percent=50)
+  mps_capN       the update at N% of the SMs (gpu_sharing.learner_sm_percent=N), any N in 1-99:
+                 mps_cap50, mps_cap30, ...
   mps_low        the update a below-normal client (gpu_sharing.learner_priority=below_normal)
-  mps_low_cap50  both
+  mps_low_capN   both
   streams        one process: the decode on a high-priority stream, the update on a low one
                  (what MPS priorities would give at best: one context, no time-slicing at all)
 A row: each load's seconds (from its release to its last kernel), the pair's wall, and
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -45,10 +47,23 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 TOKENS_PER_ROW = 584  # bench/gpu_vs_trl.py's rows: ~200 prompt and 384 response tokens
-VARIANTS = ("alone", "timeslice", "mps", "mps_cap50", "mps_low", "mps_low_cap50", "streams")
-# the update's MPS settings per variant: (SM percent, priority), as config/gpu_sharing.py names them
-MPS_UPDATE = {"mps": (100, "normal"), "mps_cap50": (50, "normal"), "mps_low": (100, "below_normal"),
-              "mps_low_cap50": (50, "below_normal")}
+VARIANTS = ("alone", "timeslice", "mps", "mps_cap50", "mps_low", "mps_low_cap50", "streams")  # the default set
+
+
+def mps_update(variant: str) -> tuple[int, str] | None:
+    """The update's MPS settings for a variant, (SM percent, priority) as config/gpu_sharing.py
+    names them; None for a variant that is not an MPS one or a cap outside 1-99."""
+    m = re.fullmatch(r"mps(_low)?(?:_cap(\d+))?", variant)
+    if m is None:
+        return None
+    sm = int(m.group(2)) if m.group(2) else 100
+    if not 0 < sm <= 100 or (m.group(2) and sm == 100):
+        return None
+    return sm, "below_normal" if m.group(1) else "normal"
+
+
+def known(variant: str) -> bool:
+    return variant in ("alone", "timeslice", "streams") or mps_update(variant) is not None
 
 
 @dataclass(frozen=True)
@@ -216,7 +231,8 @@ def measure(args, rows: int, variant: str, mps_env) -> dict:
     if variant == "streams":
         (both,) = run_together([(_worker_cmd("both", rows, args), {})], args.timeout)
         return {"decode": both["decode"], "update": both["update"], "wall": max(both["decode"], both["update"])}
-    envs = ({}, {}) if variant == "timeslice" else (mps_env("rollout", 100, "normal"), mps_env("learner", *MPS_UPDATE[variant]))
+    envs = ({}, {}) if variant == "timeslice" else (mps_env("rollout", 100, "normal"),
+                                                    mps_env("learner", *mps_update(variant)))
     d, u = run_together([(decode, envs[0]), (update, envs[1])], args.timeout)
     return {"decode": d["decode"], "update": u["update"], "wall": max(d["end"], u["end"]) - min(d["start"], u["start"])}
 
@@ -225,9 +241,10 @@ def run(args) -> dict:
     from services.mps import GpuSharing, MpsPlan, find_control_binary
 
     wanted = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in wanted if v not in VARIANTS]
+    unknown = [v for v in wanted if not known(v)]
     if unknown:
-        raise SystemExit(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}, or mps_capN / "
+                         f"mps_low_capN for another cap N in 1-99")
     wanted = ["alone", *(v for v in wanted if v != "alone")]  # first: every other row is read against it
     cuda_only = [v for v in wanted if v.startswith("mps") or v == "streams"]
     if args.device != "cuda" and cuda_only:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_overlap import QWEN3_4B, VARIANTS, hidden_share, table_row
+from bench.gpu_overlap import QWEN3_4B, VARIANTS, hidden_share, mps_update, table_row
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,6 +25,16 @@ REPO = Path(__file__).resolve().parents[1]
 ])
 def test_hidden_share(decode, update, wall, want):
     assert hidden_share(decode, update, wall) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("variant, want", [
+    ("mps", (100, "normal")), ("mps_low", (100, "below_normal")),
+    ("mps_cap50", (50, "normal")), ("mps_cap30", (30, "normal")), ("mps_low_cap25", (25, "below_normal")),
+    ("mps_cap0", None), ("mps_cap100", None), ("mps_cap101", None),  # a cap is 1-99; 100 is plain mps
+    ("mps_capx", None), ("timeslice", None), ("streams", None), ("mps_cap50_", None),
+])
+def test_the_updates_mps_settings_per_variant(variant, want):
+    assert mps_update(variant) == want
 
 
 def test_the_probe_has_qwen3_4bs_linear_layers():
@@ -54,7 +64,8 @@ def test_the_plumbing_on_cpu(tmp_path):
 
 @pytest.mark.subprocess
 @pytest.mark.parametrize("variants, match", [("mps_low", "need --device cuda"), ("streams", "need --device cuda"),
-                                             ("nope", "unknown")])
+                                             ("mps_cap30", "need --device cuda"), ("nope", "unknown"),
+                                             ("mps_cap100", "unknown")])
 def test_what_cannot_run_here_is_refused_in_one_line(variants, match):
     done = subprocess.run([sys.executable, "bench/gpu_overlap.py", "--device", "cpu", "--tiny", "--variants", variants],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
