@@ -8,6 +8,8 @@ step, against ~1.9 ms for one read of the 8 GB of weights). This splits that fig
   token's processed log-prob, our stop set, the samples built from vLLM's outputs);
 - ``raw``: the same requests straight to ``engine.llm.generate`` (what our wrapping costs);
 - ``raw_unseeded``: without per-request seeds (vLLM samples seeded rows one kernel each);
+- ``raw_flat``: the log-prob as flat lists (``flat_logprobs=True``, what ``ours`` asks for) instead
+  of a dict and a Logprob object per token: the knob alone, against ``raw``;
 - ``raw_nologprobs``: without the log-prob;
 - ``raw_bare``: neither;
 - ``raw_1tok``: max_tokens=1, the prefill and the fixed cost of a call; a decode step is
@@ -52,16 +54,18 @@ def variants(engine, prompt_ids: list[list[int]], stop_ids: tuple[int, ...], see
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.inputs import TokensPrompt
 
-    def raw(seeded: bool = True, logprobs: bool = True, max_tokens: int = NEW_TOKENS):
+    def raw(seeded: bool = True, logprobs: bool = True, max_tokens: int = NEW_TOKENS, flat: bool = False):
         params = [VllmSamplingParams(n=GROUP_SIZE, temperature=1.0, max_tokens=max_tokens,
                                      seed=seed + i * GROUP_SIZE if seeded else None,
-                                     logprobs=0 if logprobs else None, stop_token_ids=list(stop_ids),
+                                     logprobs=0 if logprobs else None, flat_logprobs=flat,
+                                     stop_token_ids=list(stop_ids),
                                      ignore_eos=True, detokenize=False)
                   for i in range(len(prompt_ids))]
         return lambda: engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
                                            use_tqdm=False)
 
-    return {"raw": raw(), "raw_unseeded": raw(seeded=False), "raw_nologprobs": raw(logprobs=False),
+    return {"raw": raw(), "raw_flat": raw(flat=True), "raw_unseeded": raw(seeded=False),
+            "raw_nologprobs": raw(logprobs=False),
             "raw_bare": raw(seeded=False, logprobs=False), "raw_1tok": raw(max_tokens=1)}
 
 
