@@ -5,6 +5,7 @@ One vLLM engine per module (start-up is the expensive part); every test uses it.
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import pytest
@@ -248,6 +249,15 @@ def test_vllm_cpu_engine_runs_lora_through_the_grouped_ops(vllm_engine):
 
     for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice", "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice"):
         assert getattr(punica_cpu, name) is getattr(vllm_cpu_lora, name), name
+
+
+def test_vllm_freezes_the_replicas_heap_once_the_engine_is_up(vllm_engine):
+    """Why the engine adds no gc.freeze() of its own (issue 34's "gc frozen after engine start"):
+    vLLM does it, here in the replica's process, where the engine core runs on a CPU host."""
+    import gc
+
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert gc.get_freeze_count() > 0
 
 
 def test_a_config_that_names_no_architecture_still_samples_from_the_causal_lm(vllm_engine, tmp_path):

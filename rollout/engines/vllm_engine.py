@@ -302,6 +302,9 @@ class VllmEngine(Engine):
         # set above (thread binding, KV space) from this one.
         getattr(vllm_envs, "disable_envs_cache", lambda: None)()
         t = time.perf_counter()
+        # No gc.freeze() of ours after this: vLLM (0.26 as 0.32) freezes the heap itself once
+        # the engine is up (EngineCore.__init__ and the worker's warm-up call freeze_gc_heap), in
+        # this process when the engine core runs here, in the engine core's when it runs apart.
         self.llm = LLM(**kwargs)
         self._start_s = time.perf_counter() - t
         self._ids = itertools.count(1)
