@@ -18,6 +18,7 @@ Variants, each a fresh set of processes released at once:
                  mps_cap50, mps_cap30, ...
   mps_low        the update a below-normal client (gpu_sharing.learner_priority=below_normal)
   mps_low_capN   both
+  ..._rM         the decode too capped, at M% (gpu_sharing.rollout_sm_percent=M): mps_cap30_r70
   streams        one process: the decode on a high-priority stream, the update on a low one
                  (what MPS priorities would give at best: one context, no time-slicing at all)
 A row: each load's seconds (from its release to its last kernel), the pair's wall, and
@@ -50,20 +51,23 @@ TOKENS_PER_ROW = 584  # bench/gpu_vs_trl.py's rows: ~200 prompt and 384 response
 VARIANTS = ("alone", "timeslice", "mps", "mps_cap50", "mps_low", "mps_low_cap50", "streams")  # the default set
 
 
-def mps_update(variant: str) -> tuple[int, str] | None:
-    """The update's MPS settings for a variant, (SM percent, priority) as config/gpu_sharing.py
-    names them; None for a variant that is not an MPS one or a cap outside 1-99."""
-    m = re.fullmatch(r"mps(_low)?(?:_cap(\d+))?", variant)
+def mps_settings(variant: str) -> dict | None:
+    """A variant's MPS settings as config/gpu_sharing.py names them: the update's SM percent and
+    priority, the decode's SM percent; None for a variant that is not an MPS one or a cap outside
+    1-99 (100 is no cap: plain `mps`)."""
+    m = re.fullmatch(r"mps(_low)?(?:_cap(\d+))?(?:_r(\d+))?", variant)
     if m is None:
         return None
-    sm = int(m.group(2)) if m.group(2) else 100
-    if not 0 < sm <= 100 or (m.group(2) and sm == 100):
+    caps = [int(c) for c in m.group(2, 3) if c is not None]
+    if not all(0 < c < 100 for c in caps):
         return None
-    return sm, "below_normal" if m.group(1) else "normal"
+    return {"learner_sm_percent": int(m.group(2) or 100),
+            "learner_priority": "below_normal" if m.group(1) else "normal",
+            "rollout_sm_percent": int(m.group(3) or 100)}
 
 
 def known(variant: str) -> bool:
-    return variant in ("alone", "timeslice", "streams") or mps_update(variant) is not None
+    return variant in ("alone", "timeslice", "streams") or mps_settings(variant) is not None
 
 
 @dataclass(frozen=True)
@@ -231,8 +235,12 @@ def measure(args, rows: int, variant: str, mps_env) -> dict:
     if variant == "streams":
         (both,) = run_together([(_worker_cmd("both", rows, args), {})], args.timeout)
         return {"decode": both["decode"], "update": both["update"], "wall": max(both["decode"], both["update"])}
-    envs = ({}, {}) if variant == "timeslice" else (mps_env("rollout", 100, "normal"),
-                                                    mps_env("learner", *mps_update(variant)))
+    if variant == "timeslice":
+        envs = ({}, {})
+    else:
+        mps = mps_settings(variant)
+        envs = (mps_env("rollout", mps["rollout_sm_percent"], "normal"),
+                mps_env("learner", mps["learner_sm_percent"], mps["learner_priority"]))
     d, u = run_together([(decode, envs[0]), (update, envs[1])], args.timeout)
     return {"decode": d["decode"], "update": u["update"], "wall": max(d["end"], u["end"]) - min(d["start"], u["start"])}
 
@@ -244,7 +252,7 @@ def run(args) -> dict:
     unknown = [v for v in wanted if not known(v)]
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}, or mps_capN / "
-                         f"mps_low_capN for another cap N in 1-99")
+                         f"mps_low_capN / mps_capN_rM for other caps in 1-99")
     wanted = ["alone", *(v for v in wanted if v != "alone")]  # first: every other row is read against it
     cuda_only = [v for v in wanted if v.startswith("mps") or v == "streams"]
     if args.device != "cuda" and cuda_only:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_overlap import QWEN3_4B, VARIANTS, hidden_share, mps_update, table_row
+from bench.gpu_overlap import QWEN3_4B, VARIANTS, hidden_share, mps_settings, table_row
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,14 +27,19 @@ def test_hidden_share(decode, update, wall, want):
     assert hidden_share(decode, update, wall) == pytest.approx(want)
 
 
+def _mps(learner=100, priority="normal", rollout=100):
+    return {"learner_sm_percent": learner, "learner_priority": priority, "rollout_sm_percent": rollout}
+
+
 @pytest.mark.parametrize("variant, want", [
-    ("mps", (100, "normal")), ("mps_low", (100, "below_normal")),
-    ("mps_cap50", (50, "normal")), ("mps_cap30", (30, "normal")), ("mps_low_cap25", (25, "below_normal")),
+    ("mps", _mps()), ("mps_low", _mps(priority="below_normal")),
+    ("mps_cap50", _mps(50)), ("mps_cap30", _mps(30)), ("mps_low_cap25", _mps(25, "below_normal")),
+    ("mps_cap30_r70", _mps(30, rollout=70)), ("mps_r80", _mps(rollout=80)),
     ("mps_cap0", None), ("mps_cap100", None), ("mps_cap101", None),  # a cap is 1-99; 100 is plain mps
-    ("mps_capx", None), ("timeslice", None), ("streams", None), ("mps_cap50_", None),
+    ("mps_cap30_r100", None), ("mps_capx", None), ("timeslice", None), ("streams", None), ("mps_cap50_", None),
 ])
-def test_the_updates_mps_settings_per_variant(variant, want):
-    assert mps_update(variant) == want
+def test_the_mps_settings_per_variant(variant, want):
+    assert mps_settings(variant) == want
 
 
 def test_the_probe_has_qwen3_4bs_linear_layers():
