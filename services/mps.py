@@ -46,19 +46,19 @@ CONTROL_TIMEOUT_S = 30.0  # the control client answers in milliseconds; quit wai
 PROBE_COMMAND = (sys.executable, "-c", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()")
 PROBE_TIMEOUT_S = 180.0
 CLIENT_PRIORITY = {"normal": "0", "below_normal": "1"}  # CUDA_MPS_CLIENT_PRIORITY's two levels
-# The GPUs where mode=auto's MPS (the learner at 50% of the SMs beside generation) was measured to
-# beat time-slicing: the H200 (Qwen3-4B one_step_off, -5% at 1x8 and -15% at 4x8,
-# bench/results/gpu-vs-trl.md). On an H100 the same default made the bf16 step 5.46 s at 4x8,
-# 1.13x TRL + vLLM's 4.83 s, the update (5.1 s) outlasting generation (3.3 s) on its half of the
-# SMs; time-sliced, a second lease gave 1.14-1.18x: in bf16 a wash. With fp8 rollouts MPS was
-# 0.65x TRL there, time-slicing 0.75x; so in bf16 the H100 stays off this list
-# (bench/results/gpu-vs-trl-h100.md). A GPU not listed time-slices under auto. (The second lease's
-# nan at a 75% learner share was wrong GEMMs under that share: NUMERICS_TIMEOUT_S's comment.)
-MPS_MEASURED_GPUS = ("H200",)
+# The GPU models where mode=auto's MPS (the learner at 50% of the SMs beside generation) was measured
+# to beat time-slicing, as nvidia-smi names them (a substring):
+# - the H200: Qwen3-4B one_step_off, -5% at 1x8 and -15% at 4x8 (bench/results/gpu-vs-trl.md);
+# - the H100 80GB HBM3: -7% at 1x8 on one machine, 2.394 s against 2.564 s, TRL + vLLM 2.477 s
+#   (bench/results/gpu-2026-12-06-h100); at 4x8 a wash across two leases (MPS 1.11-1.13x TRL, time-
+#   slicing 1.14-1.18x), and with fp8 rollouts MPS 0.65x, time-slicing 0.755x (gpu-vs-trl-h100*.md).
+# A GPU not listed time-slices under auto; mode=mps asks for MPS anywhere.
+MPS_MEASURED_GPUS = ("H200", "H100 80GB HBM3")
 # A capped client can compute wrong numbers: on an H100 (driver 580.159.04) the learner's bf16 LoRA
-# GEMMs came out nan or wrong at 60, 75 and 80% of the SMs, right at 50, 90 and 100%
-# (model/gemm_check.py). Every role capped below 100% runs that check as a throwaway client with
-# its own variables before any GPU process of the run exists.
+# GEMMs came out nan or wrong at most shares from 15 to 85% of the SMs (60, 75 and 80 among them),
+# right at 5, 10, 25, 27, 48, 50 and 90-99% (model/gemm_check.py; bench/results/gpu-2026-12-06-h100).
+# Every role capped below 100% runs that check as a throwaway client with its own variables before
+# any GPU process of the run exists.
 NUMERICS_TIMEOUT_S = 300.0
 NVIDIA_SMI_TIMEOUT_S = 30.0
 
@@ -111,9 +111,8 @@ def unmeasured_gpu_reason(names: list[str]) -> str | None:
     other = sorted({n for n in names if not any(m in n for m in MPS_MEASURED_GPUS)})
     if not other:
         return None
-    return (f"the GPU is {', '.join(other)}: MPS was measured to pay only on {', '.join(MPS_MEASURED_GPUS)} (on an "
-            "H100 its bf16 step at Qwen3-4B 4x8 was no faster than time-slicing: bench/results/gpu-vs-trl-h100.md); "
-            "gpu_sharing.mode=mps chooses it")
+    return (f"the GPU is {', '.join(other)}: MPS was measured to pay only on {', '.join(MPS_MEASURED_GPUS)} "
+            "(services/mps.py MPS_MEASURED_GPUS); gpu_sharing.mode=mps chooses it")
 
 
 def read_visible_gpus(environ: Mapping[str, str]) -> list[str]:
@@ -364,7 +363,7 @@ class GpuSharing:
                 return
             self.stop()
             raise RuntimeError(f"gpu_sharing.mode=mps: {what}; choose another gpu_sharing.{role}_sm_percent "
-                               "(on an H100 50 and 90 were right, 60, 75 and 80 wrong) or gpu_sharing.mode=timeslice")
+                               "(on an H100 50 was right, most shares from 15 to 85 wrong) or gpu_sharing.mode=timeslice")
 
     def _time_slice_instead(self, why: str) -> None:
         log.warning("gpu_sharing.mode=auto: %s; the run time-slices the GPU", why)
