@@ -22,7 +22,7 @@ class GpuSharingConfig(BaseModel):
     mode: Literal["auto", "timeslice", "mps"] = Field(
         "auto", description="'auto' (the default): 'mps' where it was measured to pay, that is one vLLM "
         "replica and one learner worker sharing one GPU of a local cluster with trainer.mode=one_step_off "
-        "(the update then runs beside generation: -3% to -15% s/step at Qwen3-4B on an H200, README), the "
+        "(the update then runs beside generation, README), the "
         "control binary is found, and every GPU the host's CUDA sees is a model where that was measured (the "
         "H200, -5% at 1x8 and -15% at 4x8; the H100 80GB HBM3, -7% at 1x8 on one machine and a wash at 4x8; "
         "on any other model auto time-slices); 'timeslice' anywhere else "
