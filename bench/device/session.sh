@@ -22,7 +22,7 @@
 #   decode MODEL PROMPTS [--set k=v ...] [--adapter]   where generation time goes (bench/vllm_decode.py;
 #                        --adapter: three adapter loads timed first, then generation with the last)
 #   train SHAPES MODES [--set k=v ...]   `counterpoint train` on Ray (bench/gpu_vs_trl.py train); e.g.
-#                        one_step_off runs under CUDA MPS by default on an H200 (gpu_sharing.mode=auto; time-sliced on other GPUs, --set gpu_sharing.mode=mps asks), --set gpu_sharing.mode=timeslice without,
+#                        one_step_off runs under CUDA MPS by default on an H200 or H100 80GB HBM3 (gpu_sharing.mode=auto; time-sliced on other GPUs, --set gpu_sharing.mode=mps asks), --set gpu_sharing.mode=timeslice without,
 #                        --set gpu_sharing.learner_priority=below_normal [--set gpu_sharing.learner_sm_percent=100]
 #                        with the replica's decode kernels scheduled ahead of the update's
 #                        or --set rollout.quantization=fp8 for fp8 rollouts (vLLM's online fp8, LoRA
