@@ -540,12 +540,21 @@ def shipped_shape(name_or_path: str) -> Path:
 
 
 def find_model_config(cfg: RunConfig, model_config_path: str | None) -> dict[str, Any]:
-    """The model's config.json without a download: ``model_config_path`` if given, else the
+    """The model's config.json without a download (``model_config_file`` says where from)."""
+    import json
+
+    path = model_config_file(cfg, model_config_path)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not JSON ({err})") from None
+
+
+def model_config_file(cfg: RunConfig, model_config_path: str | None) -> Path:
+    """Where the model's config.json is on this host: ``model_config_path`` if given, else the
     model's local directory's, the shipped shape of its name, or a hub id's in the local hub
     cache. ValueError (one line) when none is there (a built-in model's is built with its weights:
     pass it as ``model_config_path``)."""
-    import json
-
     name = cfg.model.name_or_path
     if model_config_path:
         candidates = [Path(model_config_path)]
@@ -557,10 +566,7 @@ def find_model_config(cfg: RunConfig, model_config_path: str | None) -> dict[str
                       *([Path(cached)] if isinstance(cached, str) else [])]
     for path in candidates:
         if path.is_file():
-            try:
-                return json.loads(path.read_text())
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: not JSON ({err})") from None
+            return path
     if model_config_path:
         raise ValueError(f"--model-config {model_config_path}: no such file")
     raise ValueError(f"no config.json for model.name_or_path={name} on this host (nor {shipped_shape(name)}): "

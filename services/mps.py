@@ -178,14 +178,13 @@ def numerics_specs(cfg) -> dict[str, dict]:
     the replica's decode batches. The widths are the model's linears (services/memory_budget.py
     reads its config.json without a download), else Qwen3-4B's."""
     from model.gemm_check import FALLBACK_WIDTHS
-    from services.memory_budget import DTYPE_BYTES, find_model_config, linear_sizes, model_shape
+    from services.memory_budget import DTYPE_BYTES, linear_sizes, model_config_file, model_shape
 
     try:
-        config = find_model_config(cfg, None)
+        path = model_config_file(cfg, None)
+        config = json.loads(path.read_text())
         shape = model_shape(config.get("text_config", config), DTYPE_BYTES[cfg.model.dtype])
-        local = Path(cfg.model.name_or_path).expanduser() / "config.json"  # find_model_config's first choice
-        widths = tuple(dict.fromkeys(linear_sizes(shape).values()))
-        source = str(local) if local.is_file() else f"{cfg.model.name_or_path}'s config.json (shipped or hub-cached)"
+        widths, source = tuple(dict.fromkeys(linear_sizes(shape).values())), str(path)
     except (ValueError, KeyError, TypeError) as err:
         widths, source = FALLBACK_WIDTHS, f"Qwen3-4B's widths (no config.json readable for {cfg.model.name_or_path}: {err})"
     learner, rollout = cfg.learner, cfg.rollout
