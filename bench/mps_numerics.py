@@ -267,6 +267,7 @@ def main() -> int:
     mps.start()
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "driver": driver_version(), "beside_busy": args.beside_busy,
               "shared": args.shared, "rows": []}
+
     def client_env(share: str) -> dict[str, str]:  # a learner client's variables, as a run's (MpsPlan.env)
         extra = {} if share == "none" else replace(plan, sm_percent={"learner": int(share)}).env("learner")
         return dict(os.environ, **extra)
