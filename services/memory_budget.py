@@ -89,9 +89,22 @@ def parameter_count(config: Mapping[str, Any]) -> int:
     return layers * layer + vocab * h + head + h
 
 
+def text_model_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's part of a config.json: a multimodal wrapper (Gemma 3, Qwen2.5-VL,
+    Llama 4) keeps it under ``text_config``; ``tie_word_embeddings`` may sit on the wrapper alone."""
+    text = config.get("text_config")
+    if not isinstance(text, Mapping):
+        return config
+    if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
+        return {**text, "tie_word_embeddings": config["tie_word_embeddings"]}
+    return text
+
+
 def model_shape(config: Mapping[str, Any], dtype_bytes: int) -> ModelShape:
-    """learner/memory_plan.py's shape of the model whose config.json is ``config``."""
-    return ModelShape.from_hf_config(SimpleNamespace(**config), params=parameter_count(config),
+    """learner/memory_plan.py's shape of the model whose config.json is ``config`` (its language
+    model's, for a multimodal wrapper; the vision tower is not counted)."""
+    text = text_model_config(config)
+    return ModelShape.from_hf_config(SimpleNamespace(**text), params=parameter_count(text),
                                      dtype_bytes=dtype_bytes)
 
 

@@ -183,7 +183,7 @@ def numerics_specs(cfg) -> dict[str, dict]:
     try:
         path = model_config_file(cfg, None)
         config = json.loads(path.read_text())
-        shape = model_shape(config.get("text_config", config), DTYPE_BYTES[cfg.model.dtype])
+        shape = model_shape(config, DTYPE_BYTES[cfg.model.dtype])
         widths, source = tuple(dict.fromkeys(linear_sizes(shape).values())), str(path)
     except (ValueError, KeyError, TypeError) as err:
         widths, source = FALLBACK_WIDTHS, f"Qwen3-4B's widths (no config.json readable for {cfg.model.name_or_path}: {err})"

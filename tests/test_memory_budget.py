@@ -48,6 +48,17 @@ def test_qwen3_4b_shape_and_lora():
     assert round(shape.params * 2 / GIB, 2) == 7.49
 
 
+def test_a_multimodal_wrapper_is_measured_by_its_language_model():
+    """Gemma 3 / Qwen2.5-VL config.json keep the LM under text_config, and may keep the tie flag on
+    the wrapper: the shape is the inner model's, its head tied as the wrapper says."""
+    inner = {k: v for k, v in QWEN3_4B.items() if k != "tie_word_embeddings"}
+    wrapped = {"architectures": ["Qwen3VLForConditionalGeneration"], "tie_word_embeddings": True,
+               "text_config": inner, "vision_config": {"hidden_size": 1152}}
+    assert model_shape(wrapped, 2) == model_shape(QWEN3_4B, 2)
+    untied = model_shape({"text_config": inner}, 2)  # no flag anywhere: untied, the safe side
+    assert untied.params == model_shape(QWEN3_4B, 2).params + 151936 * 2560
+
+
 def _replica(**changes) -> ReplicaNeeds:
     base = dict(sequences=8, sequence_tokens=640, merged=True, cuda_graphs=True, w0_on_device=False,
                 lora_slots=2, lora_slot_rank=32)
