@@ -93,6 +93,23 @@ def batches(n: int, prompts: int, vocab: int, prompt_len: int, response_len: int
                           rollout_logprob=-12.0) for k in range(n)]
 
 
+KERNEL_KINDS = (  # (kind, substrings of the kernel's name), first match wins
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "splitk", "cublas")),
+    ("inductor", ("triton_",)),
+    ("copy/cast", ("copy", "memcpy", "memset", "cast", "fill")),
+    ("reduce", ("reduce", "norm", "softmax", "logsumexp")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """A kernel's kind by its name (cuBLAS' nvjet/xmma GEMMs, FlashAttention, inductor's triton
+    kernels, ATen's elementwise and reductions), to see which kind holds an update's time."""
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
 def profile_step(policy, batch, gpu: bool) -> dict:
     """One step under torch.profiler: wall, the device's busy time (its kernels' sum), top ops."""
     import torch
@@ -123,8 +140,14 @@ def profile_step(policy, batch, gpu: bool) -> dict:
             part["calls"] = max(part["calls"], e.count)
             part["host_ms"] = max(part["host_ms"], e.cpu_time_total / 1e3)
             part["device_ms"] = max(part["device_ms"], getattr(e, "device_time_total", 0.0) / 1e3)
+    kinds: dict[str, float] = {}  # where the device's time goes, by kind of kernel
+    if gpu:
+        for e in avgs:
+            ms = getattr(e, attr, 0.0) / 1e3
+            if ms > 0 and getattr(e, "device_type", None) is not None:
+                kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + ms
     return {"wall_s": wall, "device_busy_s": busy / 1e6 if gpu else None, "ops_with_time": kernels,
-            "parts": parts,
+            "parts": parts, "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "top": [{"name": e.key[:70], "ms": getattr(e, attr, 0.0) / 1e3, "calls": e.count} for e in top]}
 
 
@@ -251,6 +274,8 @@ def main() -> int:
             for name, part in sorted(p.get("parts", {}).items(), key=lambda kv: -kv[1]["host_ms"]):
                 print(f"{'':<16} {name:<18} x{part['calls']:<4} host {part['host_ms']:8.1f} ms"
                       f"  device {part['device_ms']:8.1f} ms")
+            if p.get("kinds_ms"):
+                print(f"{'':<16} by kind: " + ", ".join(f"{k} {v:.1f} ms" for k, v in p["kinds_ms"].items()))
             for op in p["top"][:8]:
                 print(f"{'':<16} {op['name'][:48]:<48} x{op['calls']:<6} {op['ms']:8.1f} ms")
     print("adapter distance (relative to eager's movement):", json.dumps({k: f"{v:.2e}" for k, v in checks.items()}))
