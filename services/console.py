@@ -8,7 +8,8 @@ and where the run directory is. Everything else lands in `runs/<run>/logs/`:
   and whatever the process writes to its stdout/stderr file descriptors (C++ core, libraries).
 - `ray/`: Ray's session logs (`worker-*.out|err` of every Serve replica, vLLM engine, Ray Train
   worker and controller, `serve/`, `train/`, raylet, GCS). A symlink to Ray's session
-  directory while the run is alive, a copy once the cluster this run started is shut down.
+  directory while the run is alive, a copy once the cluster this run started is shut down (the
+  session directory is then removed from /tmp/ray).
 
 How: the process's fds 1 and 2 point at driver.log; `sys.stdout` is a stream on a copy of the
 terminal's fd (so `print`, `typer.echo` and rich tables reach people; other threads' stdout goes
@@ -238,10 +239,13 @@ class RunLogs:
                 self.ray_dir.unlink()
         self.ray_dir.symlink_to(session_logs, target_is_directory=True)
 
-    def keep_ray_logs(self, session_logs: Path) -> None:
-        """Replace the symlink with a copy (Ray's /tmp session directories do not last)."""
-        if self.ray_dir.is_symlink() and session_logs.is_dir():
-            copy_logs(session_logs, self.ray_dir)
+    def keep_ray_logs(self, session_logs: Path) -> bool:
+        """Replace the symlink with a copy (Ray's /tmp session directory is removed next:
+        services/launch.py); whether runs/<run>/logs/ray now holds the copy."""
+        if not (self.ray_dir.is_symlink() and session_logs.is_dir()):
+            return False
+        copy_logs(session_logs, self.ray_dir)
+        return self.ray_dir.is_dir() and not self.ray_dir.is_symlink()  # not made: no file to copy
 
 
 _current: RunLogs | None = None

@@ -27,8 +27,8 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
 
     Inside `counterpoint train` (services/console.py) workers' output is not streamed to the
     driver unless --verbose: it stays in Ray's session logs, linked as runs/<run>/logs/ray and
-    copied there when a cluster started here shuts down. (A joined cluster's other nodes keep
-    their logs; --verbose streams them.)"""
+    copied there when a cluster started here shuts down, its /tmp session directory then removed.
+    (A joined cluster's other nodes keep their logs; --verbose streams them.)"""
     import ray
 
     from services.console import current
@@ -57,14 +57,19 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
         from ray import serve
 
         global _cluster_started_here
+        copied = False
         try:
             serve.shutdown()  # every app at once, each replica given its graceful shutdown
         finally:
-            ray.shutdown()
-            _cluster_started_here = False
-            remove_leftover_shared_memory(shm_before)
-            if logs is not None and session_logs is not None:
-                logs.keep_ray_logs(session_logs)
+            try:
+                ray.shutdown()
+                _cluster_started_here = False
+                remove_leftover_shared_memory(shm_before)
+                if logs is not None and session_logs is not None:
+                    copied = logs.keep_ray_logs(session_logs)
+            finally:  # also when the shutdown failed: then the directory stays, and where is said
+                if logs is not None and session_logs is not None:
+                    remove_ray_session(session_logs.parent, started_here=True, logs_copied=copied)
 
     global _cluster_started_here
     _cluster_started_here = True
@@ -207,6 +212,66 @@ def _link_session_logs(context, logs):
     session_logs = Path(session_dir) / "logs"
     logs.link_ray_logs(session_logs)
     return session_logs
+
+
+SESSION_LATEST = "session_latest"  # Ray's link, beside the session directories, to the newest one
+
+
+def ray_session_leftovers(started_here: bool, session_dir: str | Path | None, logs_copied: bool,
+                          latest_target: str | None) -> list[Path]:
+    """What of Ray's session to remove after the run: the directory of a cluster the run started,
+    once its logs were copied into runs/<run>/logs/ray, and ``session_latest`` when it points there
+    (``latest_target``: that link's target, None without the link). A joined cluster's session is
+    its head's; logs not copied are the only copy."""
+    if not (started_here and session_dir and logs_copied):
+        return []
+    session = Path(session_dir)
+    latest = session.parent / SESSION_LATEST
+    out = [session]
+    if latest_target is not None and os.path.normpath(latest.parent / latest_target) == os.path.normpath(session):
+        out.insert(0, latest)  # the link first: nothing follows it into a half-removed directory
+    return out
+
+
+def remove_ray_session(session_dir: Path, started_here: bool, logs_copied: bool) -> list[Path]:
+    """After the local cluster's shutdown: remove ``ray_session_leftovers``; when a started
+    cluster's logs were not copied, say where they stay instead. Never raises (a run that
+    finished must not fail here). Returns the paths removed."""
+    log = logging.getLogger("counterpoint")
+    if started_here and not logs_copied:
+        log.info("Ray's logs stay in %s (not copied into the run directory)", session_dir / "logs")
+    try:
+        latest_target: str | None = os.readlink(session_dir.parent / SESSION_LATEST)
+    except OSError:
+        latest_target = None
+    removed = []
+    for path in ray_session_leftovers(started_here, session_dir, logs_copied, latest_target):
+        if remove_path(path):
+            removed.append(path)
+    return removed
+
+
+def remove_path(path: Path, attempts: int = 5, pause_s: float = 0.2) -> bool:
+    """Remove a link, file or directory tree, trying again while Ray's processes, still exiting
+    after ray.shutdown() returned, make or remove files in it; a failure is logged at debug level,
+    never raised. Whether the path is gone."""
+    import shutil
+    import time
+
+    for attempt in range(attempts):
+        try:
+            if path.is_symlink() or not path.is_dir():
+                path.unlink()
+            else:
+                shutil.rmtree(path)
+            return True
+        except FileNotFoundError:  # the path, or a file inside that vanished mid-walk
+            if not os.path.lexists(path):
+                return True
+        except OSError as err:
+            logging.getLogger("counterpoint").debug("removing %s (attempt %d): %s", path, attempt + 1, err)
+        time.sleep(pause_s)
+    return not os.path.lexists(path)
 
 
 def required_resources(cfg: RunConfig, with_learner: bool = True) -> dict[str, float]:

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from cliharness import REPO, cli
-from services.console import (console_wants, copy_logs, failing_logs, failure_lines, first_lines, stage_line,
-                              traceback_cause)
+from services.console import (RunLogs, console_wants, copy_logs, failing_logs, failure_lines, first_lines,
+                              stage_line, traceback_cause)
 from services.progress import phase_split, step_line
 
 REPLICA_LOG = textwrap.dedent("""\
@@ -115,6 +115,19 @@ def test_copy_logs_replaces_the_link_with_regular_files_only(tmp_path):
     assert (dest / "serve" / "replica_x.log").read_text() == "replica\n"
     assert (dest / "worker-1.err").read_text() == "err\n"
     assert not (dest / "agent.sock").exists()
+
+
+def test_keep_ray_logs_says_whether_the_run_now_holds_the_copy(tmp_path):
+    session = tmp_path / "session" / "logs"
+    session.mkdir(parents=True)
+    logs = RunLogs(tmp_path / "run" / "logs", verbose=False, console=sys.stdout)
+    logs.dir.mkdir(parents=True)
+    logs.link_ray_logs(session)
+    assert not logs.keep_ray_logs(session)  # no file to copy: no copy made
+    (session / "raylet.out").write_text("raylet\n")
+    logs.link_ray_logs(session)
+    assert logs.keep_ray_logs(session) and (logs.ray_dir / "raylet.out").read_text() == "raylet\n"
+    assert not logs.keep_ray_logs(session)  # no link left to replace
 
 
 def test_run_logs_send_people_lines_to_the_terminal_and_the_rest_to_driver_log(tmp_path):

@@ -1,8 +1,12 @@
 """services/launch.py's rules that need no cluster: which train runs start the learner beside the
-rollout replicas, and the local Ray start tried again after Ray's start-up timeout."""
+rollout replicas, the local Ray start tried again after Ray's start-up timeout, and what of Ray's
+session directory a run removes when it ends."""
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +16,8 @@ import pytest
 
 from config import load_config
 from services.launch import (STARTUP_TIMEOUT, init_retrying_startup_timeout, learner_starts_beside_rollout,
-                             leftover_shared_memory, torch_shm_maker)
+                             leftover_shared_memory, ray_session_leftovers, remove_path, remove_ray_session,
+                             torch_shm_maker)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -53,6 +58,79 @@ def test_only_new_torch_files_of_dead_makers_are_left_over():
     assert leftover_shared_memory(names, before, lambda pid: not dead(pid)) == \
         ["torch_10_1_1", "torch_10_1_2", "torch_40_2_2"]  # 20 lives: its files are its own still
     assert leftover_shared_memory([], set(), lambda pid: False) == []
+
+
+SESSION = "/tmp/ray/session_2026-12-01_10-00-00_123_4567"
+LATEST = Path("/tmp/ray/session_latest")
+
+
+@pytest.mark.parametrize("started_here, session_dir, copied, latest_target, removed", [
+    (True, SESSION, True, SESSION, [LATEST, Path(SESSION)]),
+    (True, SESSION, True, "session_2026-12-01_10-00-00_123_4567", [LATEST, Path(SESSION)]),  # a relative link
+    (True, SESSION, True, "/tmp/ray/session_2026-12-01_11-00-00_9_99", [Path(SESSION)]),  # a newer cluster's
+    (True, SESSION, True, None, [Path(SESSION)]),  # no session_latest
+    (True, SESSION, False, SESSION, []),  # the logs were not copied: Ray's copy is the only one
+    (False, SESSION, True, SESSION, []),  # a joined cluster: the session is its head's
+    (False, SESSION, False, None, []),
+    (True, None, True, SESSION, []),  # Ray said no session directory
+])
+def test_only_a_started_clusters_session_whose_logs_were_copied_is_removed(started_here, session_dir, copied,
+                                                                           latest_target, removed):
+    assert ray_session_leftovers(started_here, session_dir, copied, latest_target) == removed
+
+
+def _session(root: Path, name: str = "session_1") -> Path:
+    session = root / name
+    (session / "logs" / "serve").mkdir(parents=True)
+    (session / "logs" / "serve" / "replica.log").write_text("replica\n")
+    (session / "sockets").mkdir()
+    return session
+
+
+def test_the_session_and_its_latest_link_are_removed_once_the_logs_are_copied(tmp_path):
+    session = _session(tmp_path)
+    (tmp_path / "session_latest").symlink_to(session)
+    assert remove_ray_session(session, started_here=True, logs_copied=True) == [tmp_path / "session_latest", session]
+    assert os.listdir(tmp_path) == []
+
+
+def test_another_sessions_latest_link_stays(tmp_path):
+    session, newer = _session(tmp_path), _session(tmp_path, "session_2")
+    (tmp_path / "session_latest").symlink_to(newer)
+    assert remove_ray_session(session, started_here=True, logs_copied=True) == [session]
+    assert sorted(os.listdir(tmp_path)) == ["session_2", "session_latest"]
+
+
+def test_logs_not_copied_keep_the_session_and_say_where_they_are(tmp_path, caplog):
+    session = _session(tmp_path)
+    with caplog.at_level(logging.INFO, logger="counterpoint"):
+        assert remove_ray_session(session, started_here=True, logs_copied=False) == []
+    assert (session / "logs" / "serve" / "replica.log").is_file()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"Ray's logs stay in {session / 'logs'} (not copied into the run directory)"]
+
+
+def test_removing_retries_past_files_that_vanish_and_never_raises(tmp_path, monkeypatch, caplog):
+    session = _session(tmp_path)
+    real_rmtree, calls = shutil.rmtree, []
+
+    def racing_rmtree(path, *args, **kwargs):  # Ray's exiting processes remove a file mid-walk
+        calls.append(path)
+        if len(calls) == 1:
+            raise FileNotFoundError(2, "No such file or directory", str(path / "sockets" / "raylet"))
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", racing_rmtree)
+    assert remove_path(session, pause_s=0) and not session.exists() and len(calls) == 2
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    stuck = _session(tmp_path, "session_stuck")
+    monkeypatch.setattr(shutil, "rmtree", denied)
+    with caplog.at_level(logging.DEBUG, logger="counterpoint"):
+        assert remove_path(stuck, attempts=2, pause_s=0) is False
+    assert stuck.is_dir() and [r.levelno for r in caplog.records] == [logging.DEBUG, logging.DEBUG]
 
 
 def test_a_local_start_that_timed_out_is_cleaned_up_and_tried_again():
