@@ -18,6 +18,7 @@ T = TypeVar("T")
 
 # Whether the live Ray cluster is the local one start_ray started (and shuts down with Serve).
 _cluster_started_here = False
+_session_dir: str | None = None  # the session directory of the cluster start_ray started or joined
 
 
 def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
@@ -40,7 +41,7 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
     kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": logs is None or logs.verbose}
     if cfg.trainer.ray_address:
         context = _init_keeping_sigterm(ray, address=cfg.trainer.ray_address, **kwargs)
-        _link_session_logs(context, logs)
+        _link_session_logs(_note_session_dir(context), logs)
         stack.callback(_leave_joined_cluster, ray)  # last: after this run's apps are deleted
         return None
     from config.runtime_env import bind_local_cluster_to_loopback
@@ -51,7 +52,7 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
     context = init_retrying_startup_timeout(lambda: _init_keeping_sigterm(
         ray, num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False, _metrics_export_port=metrics_port, **kwargs),
         ray.shutdown)
-    session_logs = _link_session_logs(context, logs)
+    session_logs = _link_session_logs(_note_session_dir(context), logs)
 
     def _shutdown() -> None:
         from ray import serve
@@ -203,10 +204,22 @@ def _init_keeping_sigterm(ray, **kwargs):
             signal.signal(signal.SIGTERM, before)
 
 
-def _link_session_logs(context, logs):
-    from pathlib import Path
+def _note_session_dir(context) -> str | None:
+    """Ray's session directory of the cluster just started or joined, kept for ``ray_session``."""
+    global _session_dir
+    _session_dir = (getattr(context, "address_info", None) or {}).get("session_dir")
+    return _session_dir
 
-    session_dir = (getattr(context, "address_info", None) or {}).get("session_dir")
+
+def ray_session() -> dict[str, Any] | None:
+    """run.json's ``ray_session``: Ray's session directory of this driver's cluster and whether the
+    run started it (then the directory is removed when the run ends) or joined it."""
+    if _session_dir is None:
+        return None
+    return {"session_dir": _session_dir, "cluster": "started" if _cluster_started_here else "joined"}
+
+
+def _link_session_logs(session_dir: str | None, logs):
     if logs is None or not session_dir:
         return None
     session_logs = Path(session_dir) / "logs"

@@ -76,6 +76,7 @@ UPDATABLE_FIELDS = (
     "adapter_transport",  # how adapters reach the replica: in device memory or host memory, and why
     "gpu_sharing",  # time-sliced or under CUDA MPS (services/mps.py), recorded by services/train.py
     "rollout_quantization",  # the engine's weight format against the learner's (config/run.py rollout_quantization)
+    "ray_session",  # Ray's session directory and whether the run started the cluster (services/launch.py ray_session)
 )
 
 ExitStatus = Literal["completed", "interrupted", "failed"]

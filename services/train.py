@@ -22,8 +22,8 @@ from config import RunConfig, config_from_dict, config_with_overrides, resolved,
 from services.recovery import RecoveryLog, first_line, resume_what
 from services.orchestrator import RoundRecord, RunParts, StepRecord, record_grader_outages, run_steps
 from services.cluster import check_placement, nodes, placement_record
-from services.launch import (check_resources, learner_starts_beside_rollout, start_grader, start_ray, start_rollout,
-                             stop_token_report, watch_grader)
+from services.launch import (check_resources, learner_starts_beside_rollout, ray_session, start_grader, start_ray,
+                             start_rollout, stop_token_report, watch_grader)
 from services.runlock import RunInUse  # noqa: F401 (raised by resume_config; callers import it from here)
 
 log = logging.getLogger("counterpoint.train")
@@ -334,7 +334,7 @@ def train(opts: TrainOptions) -> RunDir:
     with at.receipt.guard(), ExitStack() as stack:
         stages = StageClock()
         parts = Services(gpu=share_gpu(at, stack))  # before Ray: its quit then runs after Ray's shutdown
-        ray_metrics = join_ray(at.cfg, stack, stages)
+        ray_metrics = join_ray(at, stack, stages)
         parts.learner = recovering_learner(at, parts, stack)
         cases, sampler = start_grader_and_sampler(at, parts, stack, stages)
         adapter, init = start_rollout_and_learner(at, parts, stack, stages)
@@ -393,11 +393,14 @@ def share_gpu(at: Attempt, stack: ExitStack):
     return gpu
 
 
-def join_ray(cfg: RunConfig, stack: ExitStack, stages) -> str | None:
-    """Ray started (or joined), and the run checked to fit it; returns Ray's metrics endpoint."""
+def join_ray(at: Attempt, stack: ExitStack, stages) -> str | None:
+    """Ray started (or joined), and the run checked to fit it; returns Ray's metrics endpoint.
+    run.json ``ray_session``: Ray's session directory, removed at the end when started here."""
     from services.receipt import install_sigterm_handler
 
+    cfg = at.cfg
     ray_metrics = start_ray(cfg, stack)
+    at.receipt.update(ray_session=ray_session())
     check_resources(cfg)
     check_placement(cfg)  # a part whose resources/labels no live node offers would wait forever
     stages.done("Ray")
