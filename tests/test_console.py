@@ -194,6 +194,20 @@ def check_healthy_console(lines: list[str], run: Path, steps: int, grader_replic
     assert "vllm" in worker_err.lower()
     # The cause of the repeated message is gone: no PlacementGroupCleaner polling a missing State API.
     assert "PlacementGroupCleaner" not in worker_err and "Failed to query Ray Train Controller" not in worker_err
+    check_ray_session_removed(run)
+
+
+def check_ray_session_removed(run: Path) -> None:
+    """The run's copy of Ray's logs is all that is left of the Ray session of a cluster it started:
+    run.json `ray_session` names the /tmp directory, gone (nor pointed at by session_latest)."""
+    ray = run / "logs" / "ray"
+    assert ray.is_dir() and not ray.is_symlink() and any(ray.iterdir()), ray
+    session = json.loads((run / "run.json").read_text())["ray_session"]
+    assert session["cluster"] == "started", session
+    session_dir = Path(session["session_dir"])
+    assert not session_dir.exists(), f"{session_dir} left behind: {sorted(os.listdir(session_dir))[:20]}"
+    latest = session_dir.parent / "session_latest"
+    assert not latest.is_symlink() or os.readlink(latest) != str(session_dir)
 
 
 @pytest.mark.slow
@@ -214,6 +228,7 @@ def test_a_replica_failing_in_its_constructor_shows_its_cause_and_the_log_paths(
     controller = "".join(p.read_text() for p in (run / "logs" / "ray" / "serve").glob("controller_*.log"))
     starts = [ln for ln in controller.splitlines() if "Starting Replica(" in ln and "deployment='RolloutReplica'" in ln]
     assert len(starts) == 1, controller[-3000:]
+    check_ray_session_removed(run)  # a failed run too, once its logs are copied
 
 
 def test_ray_prefixed_lines_from_the_main_thread_go_to_the_log(tmp_path: Path):

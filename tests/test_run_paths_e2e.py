@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from cliharness import CLI, REPO
-from tests.test_console import check_healthy_console
+from tests.test_console import check_healthy_console, check_ray_session_removed
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 RUN = "paths"
@@ -91,6 +91,7 @@ def test_relative_paths_from_the_users_directory_then_resume_then_eval(tmp_path:
     assert (run / "checkpoints" / "step_3" / "state.json").exists()
     assert (run / "adapters" / "step_3" / "adapter_config.json").exists()
     assert not ray_session_leftovers()
+    check_ray_session_removed(run)  # the resume's own session, as the first run's (check_healthy_console)
 
     evaluated = cli_in(user_dir, "eval", "--config", "configs/smoke.yaml", "--run", f"runs/{RUN}",
                        "--out", "evals/paths.jsonl", "--limit", "2", "-g", "1", "--max-new-tokens", "8")
