@@ -113,6 +113,7 @@ def kernel_kind(name: str) -> str:
 def profile_step(policy, batch, gpu: bool) -> dict:
     """One step under torch.profiler: wall, the device's busy time (its kernels' sum), top ops."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
@@ -125,9 +126,14 @@ def profile_step(policy, batch, gpu: bool) -> dict:
     wall = time.perf_counter() - t
     attr = "self_device_time_total" if gpu else "self_cpu_time_total"
     avgs = prof.key_averages()
-    busy = sum(getattr(e, attr, 0.0) for e in avgs if (not gpu) or getattr(e, "device_type", None) is not None)
-    kernels = sum(e.count for e in avgs if getattr(e, attr, 0.0) > 0)
-    top = sorted(avgs, key=lambda e: getattr(e, attr, 0.0), reverse=True)[:10]
+    # On a GPU the device's own events only (kernels, copies): an ATen op and a compiled graph's
+    # launch on the host carry their kernels' device time too, and a label its range on the
+    # device's timeline, so a sum over every event counts a kernel two or three times.
+    device_events = [e for e in avgs if getattr(e, attr, 0.0) > 0 and (not gpu or (
+        e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)))]
+    busy = sum(getattr(e, attr, 0.0) for e in device_events)
+    kernels = sum(e.count for e in device_events)
+    top = sorted(device_events, key=lambda e: getattr(e, attr, 0.0), reverse=True)[:10]
     # The learner's own labels (record_function "cp.*" in learner/policy.py and passes.py): the
     # host's time inside each, which includes its waits on the device (a sync at the grad norm,
     # the metrics, the export's copy), and the device time of the kernels each launched.
@@ -141,11 +147,8 @@ def profile_step(policy, batch, gpu: bool) -> dict:
             part["host_ms"] = max(part["host_ms"], e.cpu_time_total / 1e3)
             part["device_ms"] = max(part["device_ms"], getattr(e, "device_time_total", 0.0) / 1e3)
     kinds: dict[str, float] = {}  # where the device's time goes, by kind of kernel
-    if gpu:
-        for e in avgs:
-            ms = getattr(e, attr, 0.0) / 1e3
-            if ms > 0 and getattr(e, "device_type", None) is not None:
-                kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + ms
+    for e in device_events if gpu else ():
+        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + getattr(e, attr, 0.0) / 1e3
     return {"wall_s": wall, "device_busy_s": busy / 1e6 if gpu else None, "ops_with_time": kernels,
             "parts": parts, "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "top": [{"name": e.key[:70], "ms": getattr(e, attr, 0.0) / 1e3, "calls": e.count} for e in top]}
