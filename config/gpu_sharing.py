@@ -44,9 +44,9 @@ class GpuSharingConfig(BaseModel):
         "kernels may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE). Below 100 leaves SMs free for the replica's "
         "decode steps, so that the update runs beside generation instead of between its steps. Measured: 50 "
         "(H200, H100) and 100 (H200); on an H100 caps of 20 and 30 hid less of the update than 50 (bench/"
-        "gpu_overlap.py). A capped client can compute wrong numbers: on an H100 (driver 580.159.04) the "
-        "learner's bf16 LoRA GEMMs came out nan or wrong at most shares from 15 to 85 (60, 75 and 80 among "
-        "them), right at 5, 10, 25, 27, 48, 50 and 90-99 (bench/results/gpu-2026-12-06-h100). So "
+        "gpu_overlap.py). A capped client can compute wrong numbers: on an H100 and an H200 (driver 580.159.04) "
+        "the learner's bf16 LoRA GEMMs came out nan or wrong at most shares from 15 to 85 (60, 75 and 80 among "
+        "them), right at 5, 10, 25, 50, 90 and 95 on both (bench/results/gpu-2026-12-06-h100, -h200). So "
         "every role below 100 runs model/gemm_check.py as a client under its share before any GPU process of "
         "the run exists: mode=mps refuses a share whose GEMMs are wrong in one line, auto time-slices instead; "
         "run.json gpu_sharing.numerics keeps the check's result."
@@ -59,8 +59,10 @@ class GpuSharingConfig(BaseModel):
         "normal", description="With mode=mps: the learner workers' MPS client priority "
         "(CUDA_MPS_CLIENT_PRIORITY, 0 = normal, 1 = below normal). 'below_normal': the GPU schedules the "
         "replica's pending kernels (its decode steps) ahead of the learner's, which fill the SMs they leave; "
-        "a hint to the scheduler, no pre-emption of running kernels. Not yet measured against a cap "
-        "(learner_sm_percent), so the default leaves the priority as CUDA sets it."
+        "a hint to the scheduler, no pre-emption of running kernels. Measured on an H200 (bench/gpu_overlap.py, "
+        "bench/results/gpu-2026-12-06-h200): at learner_sm_percent=100 it hid none of an update under a 4B "
+        "decode (the update's GEMM blocks already hold every SM), and with the 50% cap no more than the cap "
+        "alone; so the default leaves the priority as CUDA sets it."
     )
 
     def priority_under_timeslice(self) -> bool:

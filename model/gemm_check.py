@@ -9,7 +9,9 @@ step's gradient norm 5.9e4 against 0.15); at 80% a plain GEMM of the down projec
 off by 1.35 of its scale. A run trained on such numbers looks like a run. On the next H100 lease
 this check flagged 60, 75 and 80 (75 through the base's forward and input gradients at the 4x8
 micro-batch's 4672 tokens), and most other shares from 15 to 85; it passed 5, 10, 25, 27, 48, 50 and
-90-99, the same each time it was repeated (bench/results/gpu-2026-12-06-h100/).
+90-99, the same each time it was repeated (bench/results/gpu-2026-12-06-h100/). An H200 with the same
+driver gave the same map: 5, 10, 25, 50, 90 and 95 right, every other share from 15 to 85 wrong
+(bench/results/gpu-2026-12-06-h200/).
 
 The check runs each linear of one adapted layer the way autograd does (forward F.linear, the
 input's gradient, the adapter's weight gradient; LoRA's B also as the fused learner's addmm) at

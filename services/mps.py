@@ -54,9 +54,10 @@ CLIENT_PRIORITY = {"normal": "0", "below_normal": "1"}  # CUDA_MPS_CLIENT_PRIORI
 #   slicing 1.14-1.18x), and with fp8 rollouts MPS 0.65x, time-slicing 0.755x (gpu-vs-trl-h100*.md).
 # A GPU not listed time-slices under auto; mode=mps asks for MPS anywhere.
 MPS_MEASURED_GPUS = ("H200", "H100 80GB HBM3")
-# A capped client can compute wrong numbers: on an H100 (driver 580.159.04) the learner's bf16 LoRA
-# GEMMs came out nan or wrong at most shares from 15 to 85% of the SMs (60, 75 and 80 among them),
-# right at 5, 10, 25, 27, 48, 50 and 90-99% (model/gemm_check.py; bench/results/gpu-2026-12-06-h100).
+# A capped client can compute wrong numbers: on an H100 and an H200 (driver 580.159.04) the learner's
+# bf16 LoRA GEMMs came out nan or wrong at most shares from 15 to 85% of the SMs (60, 75 and 80 among
+# them), right at 5, 10, 25, 50 and 90-95% on both, 27, 48 and 96-99% on the H100 (model/gemm_check.py;
+# bench/results/gpu-2026-12-06-h100, gpu-2026-12-06-h200).
 # Every role capped below 100% runs that check as a throwaway client with its own variables before
 # any GPU process of the run exists.
 NUMERICS_TIMEOUT_S = 300.0
@@ -362,7 +363,7 @@ class GpuSharing:
                 return
             self.stop()
             raise RuntimeError(f"gpu_sharing.mode=mps: {what}; choose another gpu_sharing.{role}_sm_percent "
-                               "(on an H100 50 was right, most shares from 15 to 85 wrong) or gpu_sharing.mode=timeslice")
+                               "(on an H100 and an H200 50 was right, most shares from 15 to 85 wrong) or gpu_sharing.mode=timeslice")
 
     def _time_slice_instead(self, why: str) -> None:
         log.warning("gpu_sharing.mode=auto: %s; the run time-slices the GPU", why)
