@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -231,12 +231,14 @@ SESSION_LATEST = "session_latest"  # Ray's link, beside the session directories,
 
 
 def ray_session_leftovers(started_here: bool, session_dir: str | Path | None, logs_copied: bool,
-                          latest_target: str | None) -> list[Path]:
+                          latest_target: str | None, written_under: Sequence[str] = ()) -> list[Path]:
     """What of Ray's session to remove after the run: the directory of a cluster the run started,
     once its logs were copied into runs/<run>/logs/ray, and ``session_latest`` when it points there
     (``latest_target``: that link's target, None without the link). A joined cluster's session is
-    its head's; logs not copied are the only copy."""
-    if not (started_here and session_dir and logs_copied):
+    its head's; logs not copied are the only copy. ``written_under``: files under the session's
+    ``artifacts/``, where a Ray Train worker's relative path lands (its working directory): those
+    are the run's output gone astray, and removing them would lose it, so the session stays."""
+    if not (started_here and session_dir and logs_copied) or written_under:
         return []
     session = Path(session_dir)
     latest = session.parent / SESSION_LATEST
@@ -253,15 +255,24 @@ def remove_ray_session(session_dir: Path, started_here: bool, logs_copied: bool)
     log = logging.getLogger("counterpoint")
     if started_here and not logs_copied:
         log.info("Ray's logs stay in %s (not copied into the run directory)", session_dir / "logs")
+    written = files_under(session_dir / "artifacts")
+    if started_here and written:
+        log.warning("Ray's session directory %s is kept: %d file(s) were written under its artifacts/ (a "
+                    "relative path in a Ray worker?), e.g. %s", session_dir, len(written), written[0])
     try:
         latest_target: str | None = os.readlink(session_dir.parent / SESSION_LATEST)
     except OSError:
         latest_target = None
     removed = []
-    for path in ray_session_leftovers(started_here, session_dir, logs_copied, latest_target):
+    for path in ray_session_leftovers(started_here, session_dir, logs_copied, latest_target, written):
         if remove_path(path):
             removed.append(path)
     return removed
+
+
+def files_under(root: Path) -> list[str]:
+    """The files below ``root``, sorted ([] without it)."""
+    return sorted(str(f) for f in root.rglob("*") if not f.is_dir()) if root.is_dir() else []
 
 
 def remove_path(path: Path, attempts: int = 5, pause_s: float = 0.2) -> bool:

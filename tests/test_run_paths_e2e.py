@@ -41,7 +41,8 @@ def timing_steps(run: Path) -> list[int]:
 
 def ray_session_leftovers() -> list[str]:
     """Anything of this run written under Ray's session directories (where a relative path
-    handed to a Train worker lands)."""
+    handed to a Train worker lands). A run removes its session directory at the end, but keeps it
+    when files were written under its artifacts/ (services/launch.py), so this still sees them."""
     return glob.glob(f"/tmp/ray/session_*/artifacts/**/runs/{RUN}", recursive=True)
 
 

@@ -77,6 +77,9 @@ LATEST = Path("/tmp/ray/session_latest")
 def test_only_a_started_clusters_session_whose_logs_were_copied_is_removed(started_here, session_dir, copied,
                                                                            latest_target, removed):
     assert ray_session_leftovers(started_here, session_dir, copied, latest_target) == removed
+    # files a worker wrote under the session's artifacts/ keep it whatever else holds
+    assert ray_session_leftovers(started_here, session_dir, copied, latest_target,
+                                 written_under=[f"{SESSION}/artifacts/x/runs/r/rounds.jsonl"]) == []
 
 
 def _session(root: Path, name: str = "session_1") -> Path:
@@ -99,6 +102,21 @@ def test_another_sessions_latest_link_stays(tmp_path):
     (tmp_path / "session_latest").symlink_to(newer)
     assert remove_ray_session(session, started_here=True, logs_copied=True) == [session]
     assert sorted(os.listdir(tmp_path)) == ["session_2", "session_latest"]
+
+
+def test_files_written_under_the_sessions_artifacts_keep_it_and_a_line_says_so(tmp_path, caplog):
+    """A relative path in a Ray Train worker lands under the session's artifacts/ (its working
+    directory): removing the session would delete what the run wrote there."""
+    session = _session(tmp_path)
+    astray = session / "artifacts" / "2026-12-06" / "runs" / "r" / "rounds.jsonl"
+    astray.parent.mkdir(parents=True)
+    astray.write_text("{}\n")
+    with caplog.at_level(logging.INFO, logger="counterpoint"):
+        assert remove_ray_session(session, started_here=True, logs_copied=True) == []
+    assert astray.is_file()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"Ray's session directory {session} is kept: 1 file(s) were written under its artifacts/ (a relative "
+        f"path in a Ray worker?), e.g. {astray}"]
 
 
 def test_logs_not_copied_keep_the_session_and_say_where_they_are(tmp_path, caplog):
