@@ -255,7 +255,10 @@ def remove_ray_session(session_dir: Path, started_here: bool, logs_copied: bool)
     log = logging.getLogger("counterpoint")
     if started_here and not logs_copied:
         log.info("Ray's logs stay in %s (not copied into the run directory)", session_dir / "logs")
-    written = files_under(session_dir / "artifacts")
+    try:
+        written = files_under(session_dir / "artifacts")
+    except OSError as err:  # a directory vanishing mid-walk: what is there is unknown, so it stays
+        written = [f"{session_dir / 'artifacts'} (unreadable: {err})"]
     if started_here and written:
         log.warning("Ray's session directory %s is kept: %d file(s) were written under its artifacts/ (a "
                     "relative path in a Ray worker?), e.g. %s", session_dir, len(written), written[0])

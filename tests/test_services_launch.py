@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from config import load_config
+from services import launch
 from services.launch import (STARTUP_TIMEOUT, init_retrying_startup_timeout, learner_starts_beside_rollout,
                              leftover_shared_memory, ray_session_leftovers, remove_path, remove_ray_session,
                              torch_shm_maker)
@@ -117,6 +118,18 @@ def test_files_written_under_the_sessions_artifacts_keep_it_and_a_line_says_so(t
     assert [r.getMessage() for r in caplog.records] == [
         f"Ray's session directory {session} is kept: 1 file(s) were written under its artifacts/ (a relative "
         f"path in a Ray worker?), e.g. {astray}"]
+
+
+def test_an_artifacts_directory_that_cannot_be_read_keeps_the_session(tmp_path, caplog, monkeypatch):
+    session = _session(tmp_path)
+
+    def vanished(root):
+        raise FileNotFoundError(2, "No such file or directory", str(root / "x"))
+
+    monkeypatch.setattr(launch, "files_under", vanished)
+    with caplog.at_level(logging.WARNING, logger="counterpoint"):
+        assert remove_ray_session(session, started_here=True, logs_copied=True) == []
+    assert session.is_dir() and "is kept: 1 file(s)" in caplog.records[0].getMessage()
 
 
 def test_logs_not_copied_keep_the_session_and_say_where_they_are(tmp_path, caplog):
