@@ -130,7 +130,8 @@ def profile_step(policy, batch, gpu: bool) -> dict:
     # launch on the host carry their kernels' device time too, and a label its range on the
     # device's timeline, so a sum over every event counts a kernel two or three times.
     device_events = [e for e in avgs if getattr(e, attr, 0.0) > 0 and (not gpu or (
-        e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)))]
+        e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+        and not e.key.startswith("cp.")))]
     busy = sum(getattr(e, attr, 0.0) for e in device_events)
     kernels = sum(e.count for e in device_events)
     top = sorted(device_events, key=lambda e: getattr(e, attr, 0.0), reverse=True)[:10]
