@@ -250,7 +250,9 @@ def test_policy_update_is_the_same_with_fused_lora(tmp_path, extra):
     """Step 1 (B = 0: only B moves, and g^T (x A^T) is one GEMM either way) is bit for bit; from
     step 2 the A gradients carry the summation-order difference above, which AdamW's first steps
     (update ~ lr g / |g|) scale up where a gradient element is near zero: 6e-5 of the
-    movement seen here, against O(1) for a wrong scale or a missing term."""
+    movement seen here, against O(1) for a wrong scale or a missing term. With two epochs a step,
+    step 1's second epoch already has B != 0: its forward stays bit for bit (loss, ppl_ratio), its
+    grad_norm (the last epoch's) carries that difference (1 ulp on an AVX-512 FP16 Xeon)."""
     tiny_llama(tmp_path)
     plain, plain_steps = learner_steps(tmp_path, fused_lora=False, **extra)
     fused, fused_steps = learner_steps(tmp_path, fused_lora=True, **extra)
@@ -261,9 +263,12 @@ def test_policy_update_is_the_same_with_fused_lora(tmp_path, extra):
     init = plain_steps[0][1]
     assert all(torch.equal(fused_steps[0][1][name], v) for name, v in init.items())
     (m1_plain, a1_plain), (m1_fused, a1_fused) = plain_steps[1], fused_steps[1]
-    for key in ("loss", "grad_norm", "ppl_ratio", "kl"):
-        assert m1_fused.get(key) == m1_plain.get(key), key
     exact = 2 if "epochs_per_step" not in extra else 1  # two epochs: step 1 moves A too
+    for key in ("loss", "grad_norm", "ppl_ratio", "kl"):
+        if key == "grad_norm" and exact == 1:
+            assert m1_fused[key] == pytest.approx(m1_plain[key], rel=1e-6), key
+        else:
+            assert m1_fused.get(key) == m1_plain.get(key), key
     if exact == 2:
         for name, want in a1_plain.items():
             assert torch.equal(a1_fused[name], want), name

@@ -88,9 +88,12 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(checked):
     """One update_actor pass (no optimizer step) through peft's LoRA layers (the learner's default
     targets, every linear layer): the loss and every LoRA gradient to float32 rounding. Inductor
     fuses the norms', the MLP's and the LoRA term's element-wise chains and so reorders their
-    sums; a missing or wrong term would be O(1). The layers really compiled: graphs, no break."""
+    sums; a missing or wrong term would be O(1). The layers really compiled: graphs, no break.
+    The loss gets the gradients' bound: it is a sum over tokens of terms of both signs (advantages
+    of both signs) that cancel to ~0.015, so rounding in the terms is large against it (1.3e-6 of
+    it on an AVX-512 FP16 Xeon, where inductor's vector code sums in another order)."""
     assert checked["layers"] == 2 and checked["graphs"] >= 1 and not checked["graph_breaks"], checked["graph_breaks"]
-    assert checked["loss"] == pytest.approx(checked["loss_eager"], rel=1e-6)
+    assert checked["loss"] == pytest.approx(checked["loss_eager"], rel=1e-5)
     assert not checked["grad_zero"] and len(checked["grad_rel"]) == 2 * 7 * 2  # A and B of 7 linears, 2 layers
     assert max(checked["grad_rel"].values()) < 1e-5, checked["grad_rel"]
 
