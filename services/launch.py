@@ -70,7 +70,7 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
                     copied = logs.keep_ray_logs(session_logs)
             finally:  # also when the shutdown failed: then the directory stays, and where is said
                 if logs is not None and session_logs is not None:
-                    remove_ray_session(session_logs.parent, started_here=True, logs_copied=copied)
+                    remove_ray_session(session_logs.parent, logs_copied=copied)
 
     global _cluster_started_here
     _cluster_started_here = True
@@ -248,18 +248,18 @@ def ray_session_leftovers(started_here: bool, session_dir: str | Path | None, lo
     return out
 
 
-def remove_ray_session(session_dir: Path, started_here: bool, logs_copied: bool) -> list[Path]:
-    """After the local cluster's shutdown: remove ``ray_session_leftovers``; when a started
-    cluster's logs were not copied, say where they stay instead. Never raises (a run that
+def remove_ray_session(session_dir: Path, logs_copied: bool) -> list[Path]:
+    """After the shutdown of the local cluster the run started: remove ``ray_session_leftovers``;
+    when its logs were not copied, say where they stay instead. Never raises (a run that
     finished must not fail here). Returns the paths removed."""
     log = logging.getLogger("counterpoint")
-    if started_here and not logs_copied:
+    if not logs_copied:
         log.info("Ray's logs stay in %s (not copied into the run directory)", session_dir / "logs")
     try:
         written = files_under(session_dir / "artifacts")
     except OSError as err:  # a directory vanishing mid-walk: what is there is unknown, so it stays
         written = [f"{session_dir / 'artifacts'} (unreadable: {err})"]
-    if started_here and written:
+    if written:
         log.warning("Ray's session directory %s is kept: %d file(s) were written under its artifacts/ (a "
                     "relative path in a Ray worker?), e.g. %s", session_dir, len(written), written[0])
     try:
@@ -267,7 +267,7 @@ def remove_ray_session(session_dir: Path, started_here: bool, logs_copied: bool)
     except OSError:
         latest_target = None
     removed = []
-    for path in ray_session_leftovers(started_here, session_dir, logs_copied, latest_target, written):
+    for path in ray_session_leftovers(True, session_dir, logs_copied, latest_target, written_under=written):
         if remove_path(path):
             removed.append(path)
     return removed
