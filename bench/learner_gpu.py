@@ -149,7 +149,8 @@ def profile_step(policy, batch, gpu: bool) -> dict:
             part["device_ms"] = max(part["device_ms"], getattr(e, "device_time_total", 0.0) / 1e3)
     kinds: dict[str, float] = {}  # where the device's time goes, by kind of kernel
     for e in device_events if gpu else ():
-        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + getattr(e, attr, 0.0) / 1e3
+        kind = kernel_kind(e.key)
+        kinds[kind] = kinds.get(kind, 0.0) + getattr(e, attr, 0.0) / 1e3
     return {"wall_s": wall, "device_busy_s": busy / 1e6 if gpu else None, "ops_with_time": kernels,
             "parts": parts, "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "top": [{"name": e.key[:70], "ms": getattr(e, attr, 0.0) / 1e3, "calls": e.count} for e in top]}
