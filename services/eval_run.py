@@ -66,8 +66,8 @@ def run_eval(opts: EvalOptions):
     """Returns (EvalSummary, path of EVAL.jsonl)."""
     from evals.eval_file import GenerationSettings, ScoringSettings, header_for, summarize, write_eval
     from evals.heldout import evaluate_heldout
-    from services.launch import (check_resources, serve_adapter, start_grader, start_ray, start_rollout,
-                                 stop_token_report)
+    from services.launch import (check_resources, ray_session, serve_adapter, start_grader, start_ray,
+                                 start_rollout, stop_token_report)
     from services.receipt import Receipt
 
     cfg, ecfg = opts.config, opts.config.eval
@@ -79,6 +79,7 @@ def run_eval(opts: EvalOptions):
                   notes={"adapter": str(adapter_dir) if adapter_dir else "base model", "split": ecfg.split})
     with receipt.guard(), ExitStack() as stack:
         start_ray(cfg, stack)
+        receipt.update(ray_session=ray_session())  # a cluster started here: its /tmp session goes at the end
         check_resources(cfg, with_learner=False)
         grader = start_grader(cfg, stack)
         health = grader.health()

@@ -52,13 +52,14 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
     context = init_retrying_startup_timeout(lambda: _init_keeping_sigterm(
         ray, num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False, _metrics_export_port=metrics_port, **kwargs),
         ray.shutdown)
-    session_logs = _link_session_logs(_note_session_dir(context), logs)
+    session_dir = _note_session_dir(context)
+    session_logs = _link_session_logs(session_dir, logs)
 
-    def _shutdown() -> None:
+    def _shutdown(exc_type, exc, tb) -> bool:
         from ray import serve
 
         global _cluster_started_here
-        copied = False
+        kept = False
         try:
             serve.shutdown()  # every app at once, each replica given its graceful shutdown
         finally:
@@ -67,14 +68,20 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
                 _cluster_started_here = False
                 remove_leftover_shared_memory(shm_before)
                 if logs is not None and session_logs is not None:
-                    copied = logs.keep_ray_logs(session_logs)
+                    kept = logs.keep_ray_logs(session_logs)
+                elif logs is None:
+                    # eval, probe-options, replicate: no run directory to copy Ray's logs into.
+                    # They matter only when the command failed; then the session stays (and
+                    # where is said), else nothing in it is wanted.
+                    kept = exc_type is None
             finally:  # also when the shutdown failed: then the directory stays, and where is said
-                if logs is not None and session_logs is not None:
-                    remove_ray_session(session_logs.parent, logs_copied=copied)
+                if session_dir:
+                    remove_ray_session(Path(session_dir), logs_kept=kept)
+        return False  # the command's own exception, if any, goes on
 
     global _cluster_started_here
     _cluster_started_here = True
-    stack.callback(_shutdown)
+    stack.push(_shutdown)
     return f"127.0.0.1:{metrics_port}"
 
 
@@ -230,15 +237,16 @@ def _link_session_logs(session_dir: str | None, logs):
 SESSION_LATEST = "session_latest"  # Ray's link, beside the session directories, to the newest one
 
 
-def ray_session_leftovers(started_here: bool, session_dir: str | Path | None, logs_copied: bool,
+def ray_session_leftovers(started_here: bool, session_dir: str | Path | None, logs_kept: bool,
                           latest_target: str | None, written_under: Sequence[str] = ()) -> list[Path]:
     """What of Ray's session to remove after the run: the directory of a cluster the run started,
-    once its logs were copied into runs/<run>/logs/ray, and ``session_latest`` when it points there
+    once its logs are kept elsewhere (``logs_kept``: copied into runs/<run>/logs/ray, or a command
+    without a run directory finished without an error), and ``session_latest`` when it points there
     (``latest_target``: that link's target, None without the link). A joined cluster's session is
     its head's; logs not copied are the only copy. ``written_under``: files under the session's
     ``artifacts/``, where a Ray Train worker's relative path lands (its working directory): those
     are the run's output gone astray, and removing them would lose it, so the session stays."""
-    if not (started_here and session_dir and logs_copied) or written_under:
+    if not (started_here and session_dir and logs_kept) or written_under:
         return []
     session = Path(session_dir)
     latest = session.parent / SESSION_LATEST
@@ -248,13 +256,13 @@ def ray_session_leftovers(started_here: bool, session_dir: str | Path | None, lo
     return out
 
 
-def remove_ray_session(session_dir: Path, logs_copied: bool) -> list[Path]:
+def remove_ray_session(session_dir: Path, logs_kept: bool) -> list[Path]:
     """After the shutdown of the local cluster the run started: remove ``ray_session_leftovers``;
-    when its logs were not copied, say where they stay instead. Never raises (a run that
+    when its logs are not kept elsewhere, say where they stay instead. Never raises (a run that
     finished must not fail here). Returns the paths removed."""
     log = logging.getLogger("counterpoint")
-    if not logs_copied:
-        log.info("Ray's logs stay in %s (not copied into the run directory)", session_dir / "logs")
+    if not logs_kept:
+        log.info("Ray's logs stay in %s (not copied into a run directory)", session_dir / "logs")
     try:
         written = files_under(session_dir / "artifacts")
     except OSError as err:  # a directory vanishing mid-walk: what is there is unknown, so it stays
@@ -267,7 +275,7 @@ def remove_ray_session(session_dir: Path, logs_copied: bool) -> list[Path]:
     except OSError:
         latest_target = None
     removed = []
-    for path in ray_session_leftovers(True, session_dir, logs_copied, latest_target, written_under=written):
+    for path in ray_session_leftovers(True, session_dir, logs_kept, latest_target, written_under=written):
         if remove_path(path):
             removed.append(path)
     return removed

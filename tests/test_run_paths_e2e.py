@@ -99,3 +99,6 @@ def test_relative_paths_from_the_users_directory_then_resume_then_eval(tmp_path:
     assert evaluated.returncode == 0, (evaluated.stdout + evaluated.stderr)[-4000:]
     header = json.loads((user_dir / "evals" / "paths.jsonl").read_text().splitlines()[0])
     assert header["adapter"] == str(run / "adapters" / "step_3"), header
+    # eval has no run directory for Ray's logs: a finished eval leaves nothing of its session either
+    session = json.loads((user_dir / "evals" / "paths.receipt.json").read_text())["ray_session"]
+    assert session["cluster"] == "started" and not Path(session["session_dir"]).exists(), session

@@ -94,14 +94,14 @@ def _session(root: Path, name: str = "session_1") -> Path:
 def test_the_session_and_its_latest_link_are_removed_once_the_logs_are_copied(tmp_path):
     session = _session(tmp_path)
     (tmp_path / "session_latest").symlink_to(session)
-    assert remove_ray_session(session, logs_copied=True) == [tmp_path / "session_latest", session]
+    assert remove_ray_session(session, logs_kept=True) == [tmp_path / "session_latest", session]
     assert os.listdir(tmp_path) == []
 
 
 def test_another_sessions_latest_link_stays(tmp_path):
     session, newer = _session(tmp_path), _session(tmp_path, "session_2")
     (tmp_path / "session_latest").symlink_to(newer)
-    assert remove_ray_session(session, logs_copied=True) == [session]
+    assert remove_ray_session(session, logs_kept=True) == [session]
     assert sorted(os.listdir(tmp_path)) == ["session_2", "session_latest"]
 
 
@@ -113,7 +113,7 @@ def test_files_written_under_the_sessions_artifacts_keep_it_and_a_line_says_so(t
     astray.parent.mkdir(parents=True)
     astray.write_text("{}\n")
     with caplog.at_level(logging.INFO, logger="counterpoint"):
-        assert remove_ray_session(session, logs_copied=True) == []
+        assert remove_ray_session(session, logs_kept=True) == []
     assert astray.is_file()
     assert [r.getMessage() for r in caplog.records] == [
         f"Ray's session directory {session} is kept: 1 file(s) were written under its artifacts/ (a relative "
@@ -128,17 +128,17 @@ def test_an_artifacts_directory_that_cannot_be_read_keeps_the_session(tmp_path, 
 
     monkeypatch.setattr(launch, "files_under", vanished)
     with caplog.at_level(logging.WARNING, logger="counterpoint"):
-        assert remove_ray_session(session, logs_copied=True) == []
+        assert remove_ray_session(session, logs_kept=True) == []
     assert session.is_dir() and "is kept: 1 file(s)" in caplog.records[0].getMessage()
 
 
 def test_logs_not_copied_keep_the_session_and_say_where_they_are(tmp_path, caplog):
     session = _session(tmp_path)
     with caplog.at_level(logging.INFO, logger="counterpoint"):
-        assert remove_ray_session(session, logs_copied=False) == []
+        assert remove_ray_session(session, logs_kept=False) == []
     assert (session / "logs" / "serve" / "replica.log").is_file()
     assert [r.getMessage() for r in caplog.records] == [
-        f"Ray's logs stay in {session / 'logs'} (not copied into the run directory)"]
+        f"Ray's logs stay in {session / 'logs'} (not copied into a run directory)"]
 
 
 def test_removing_retries_past_files_that_vanish_and_never_raises(tmp_path, monkeypatch, caplog):
