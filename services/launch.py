@@ -29,6 +29,8 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
     Inside `counterpoint train` (services/console.py) workers' output is not streamed to the
     driver unless --verbose: it stays in Ray's session logs, linked as runs/<run>/logs/ray and
     copied there when a cluster started here shuts down, its /tmp session directory then removed.
+    Outside a run (eval, probe-options) the session is removed when the command ends without an
+    error, and kept, its place said, when it fails.
     (A joined cluster's other nodes keep their logs; --verbose streams them.)"""
     import ray
 
@@ -70,7 +72,7 @@ def start_ray(cfg: RunConfig, stack: ExitStack) -> str | None:
                 if logs is not None and session_logs is not None:
                     kept = logs.keep_ray_logs(session_logs)
                 elif logs is None:
-                    # eval, probe-options, replicate: no run directory to copy Ray's logs into.
+                    # eval, probe-options: no run directory to copy Ray's logs into.
                     # They matter only when the command failed; then the session stays (and
                     # where is said), else nothing in it is wanted.
                     kept = exc_type is None
