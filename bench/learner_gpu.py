@@ -58,10 +58,10 @@ VARIANTS = {
     # peft's LoRA layers (the config refuses it over the fused ones; bench/results/gpu-2026-12-04-a69f1ae)
     "compiled": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "compile_layers": True},
     "graphs_fused": {"share_prompt_prefix": False, "cuda_graphs": True, "fused_lora": True, "compile_layers": False},
-    # ``compiled`` with checkpointing forced off and on: the memory plan (learner/memory_plan.py)
-    # checkpoints wherever that takes fewer micro-batches, and on an H100's half (42.5 GB) it did
-    # at 4B 4x8: 4 checkpointed micro-batches against 5 plain (bench/results/gpu-2026-12-06-h100-fp8).
-    # Which is faster there was not measured
+    # ``compiled`` with checkpointing forced off and on: on an H100's half (42.5 GB) the memory plan
+    # (learner/memory_plan.py, whose estimate is eager's) checkpointed at 4B 4x8, where the compiled
+    # learner's plain peak on an H200 (~31.5 GiB) would fit (bench/results/gpu-2026-12-06-h100-fp8):
+    # what checkpointing costs there, and the plain path's peak
     "compiled_plain": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "compile_layers": True,
                        "gradient_checkpointing": False},
     "compiled_ckpt": {"share_prompt_prefix": False, "cuda_graphs": False, "fused_lora": False, "compile_layers": True,
