@@ -60,6 +60,34 @@ def ensure_ray_token() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def local_ray(request, **init_kwargs):
+    """``ray.init`` in the test's own process (a local cluster of its own) until the block ends,
+    then ``ray.shutdown`` (Serve's apps first) and its /tmp/ray session removed as a finished
+    run removes its own (services.launch.remove_ray_session): each such module left one behind.
+    It stays, for its logs, when the block raised or a test failed meanwhile (a module fixture's
+    block sees its tests' failures only in ``request.session.testsfailed``). Yields Ray's context."""
+    import ray
+    from ray import serve
+
+    from services.launch import remove_ray_session
+
+    failed_before = request.session.testsfailed
+    context = ray.init(include_dashboard=False, **init_kwargs)
+    session_dir = context.address_info["session_dir"]
+    finished = False
+    try:
+        yield context
+        finished = True
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            passed = finished and request.session.testsfailed == failed_before
+            remove_ray_session(Path(session_dir), logs_kept=passed)
+
+
 def start_node(base: Path, name: str, args: list[str], prefix: list[str] = ()) -> subprocess.Popen:
     """`ray start --block ARGS` as a process of its own session; its output in BASE/node-NAME.log."""
     ensure_ray_token()

@@ -33,6 +33,7 @@ from graders.autoscale import (
 )
 from graders.client import GraderClient
 from promharness import DASHBOARD, PromServer, assert_all_queries_return_data, panel_exprs
+from rayharness import local_ray
 
 PANEL = "Grader replicas and scale events"
 # Small delays so a test sees both directions in seconds (the defaults are Serve's: 30 s up,
@@ -164,16 +165,9 @@ def test_a_frozen_replica_the_driver_killed_is_named_in_the_grader_entry():
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-    from ray import serve
-
-    ray.init(num_cpus=2, include_dashboard=False)
-    try:
+def ray_cluster(request):
+    with local_ray(request, num_cpus=2):
         yield
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def _running(app: str) -> int:

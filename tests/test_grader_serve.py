@@ -20,6 +20,7 @@ from config.grader import GraderConfig
 from graders.proto import grader_pb2 as pb
 from graders.service import SERVICE_NAME
 from graders.voice_leading import score
+from rayharness import local_ray
 
 APP = "grader-test"
 FRONT_APP = "grader-front"
@@ -35,25 +36,20 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def serve_grader():
-    import ray
-    from ray import serve
-
+def serve_grader(request):
     from graders import serve_app
 
-    ray.init(num_cpus=2, include_dashboard=False)
-    grpc_port = _free_port()
-    try:
-        handle = serve_app.start(
-            GraderConfig(replicas=2, num_cpus=0.1, serve_ingress="proxy"),
-            grpc_port=grpc_port, http_port=_free_port(), app_name=APP,
-        )
-        yield handle, f"127.0.0.1:{grpc_port}"
-    finally:
-        for app in (FRONT_APP,):
-            serve_app.stop_front(app)
-        serve.shutdown()
-        ray.shutdown()
+    with local_ray(request, num_cpus=2):
+        grpc_port = _free_port()
+        try:
+            handle = serve_app.start(
+                GraderConfig(replicas=2, num_cpus=0.1, serve_ingress="proxy"),
+                grpc_port=grpc_port, http_port=_free_port(), app_name=APP,
+            )
+            yield handle, f"127.0.0.1:{grpc_port}"
+        finally:
+            for app in (FRONT_APP,):
+                serve_app.stop_front(app)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import ray
 import torch
 from safetensors.torch import load
 
@@ -15,15 +14,15 @@ from learner.job import LearnerJob
 from learner.types import TrainBatch
 from model.adapter import FIRST_ADAPTER_VERSION, adapter_version
 from config import RunConfig
+from rayharness import local_ray
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
+def ray_cluster(request):
+    with local_ray(request, num_cpus=2):
+        yield
 
 
 def cfg(workers: int) -> RunConfig:

@@ -15,6 +15,7 @@ from config import RunConfig
 from config.rollout import ModelConfig, RolloutConfig
 from rollout.engines import make_engine
 from rollout.types import Prompt, SamplingParams
+from rayharness import local_ray
 
 pytestmark = pytest.mark.slow
 
@@ -76,8 +77,7 @@ def test_an_engine_core_in_a_child_process_with_unmerged_lora_reports_its_rendez
     assert Path(path).name.startswith("vllm_dist_") and existed and not Path(path).exists()
 
 
-def test_a_tp2_replica_holds_both_gpus_of_its_node():
-    import ray
+def test_a_tp2_replica_holds_both_gpus_of_its_node(request):
     from ray import serve
 
     from rollout.deployment import replica_options
@@ -95,8 +95,7 @@ def test_a_tp2_replica_holds_both_gpus_of_its_node():
             return {"gpu_ids": sorted(str(g) for g in ray.get_gpu_ids()),
                     "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False)  # two fake GPUs on one node
-    try:
+    with local_ray(request, num_cpus=2, num_gpus=2):  # two fake GPUs on one node
         wide = RunConfig(rollout={"num_gpus": 4, "tensor_parallel_size": 4}, learner={"use_gpu": False})
         with pytest.raises(RuntimeError, match=r"no live node can hold a rollout replica \({CPU=1, GPU=4}"):
             check_placement(wide)
@@ -107,6 +106,3 @@ def test_a_tp2_replica_holds_both_gpus_of_its_node():
         handle = serve.run(serve.deployment(GpuProbe).options(**options).bind(), name="tp-probe", route_prefix=None)
         seen = handle.remote().result(timeout_s=120)
         assert seen == {"gpu_ids": ["0", "1"], "visible": "0,1"}
-    finally:
-        serve.shutdown()
-        ray.shutdown()

@@ -9,6 +9,7 @@ from bench.synthetic import make_lora_payload
 from config.rollout import ModelConfig, RolloutConfig
 from model.base import resolve_model
 from rollout.types import Prompt, SamplingParams
+from rayharness import local_ray
 
 pytestmark = pytest.mark.slow
 
@@ -22,20 +23,12 @@ PARAMS = SamplingParams.from_rollout(RolloutConfig(), n=2, temperature=1.0, max_
 
 
 @pytest.fixture(scope="module")
-def client():
-    import ray
-
+def client(request):
     from rollout.deployment import deploy_rollout, stop_rollout
 
-    ray.init(num_cpus=2, include_dashboard=False)
-    try:
+    with local_ray(request, num_cpus=2):
         yield deploy_rollout(MODEL, ROLLOUT, seed=0)
         stop_rollout()
-    finally:
-        from ray import serve
-
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from config import load_config
+from services.launch import remove_ray_session
 from services.receipt import (
     LIBRARIES,
     Receipt,
@@ -133,7 +134,8 @@ def test_sigterm_inside_a_blocking_ray_get_is_still_an_interruption(tmp_path: Pa
         import os, signal, sys, threading, time; sys.path.insert(0, {str(REPO)!r})
         import ray
         from services.receipt import Receipt, Terminated, install_sigterm_handler
-        ray.init(num_cpus=1, include_dashboard=False, address="local")
+        context = ray.init(num_cpus=1, include_dashboard=False, address="local")
+        print("session", context.address_info["session_dir"], flush=True)
         install_sigterm_handler()
 
         @ray.remote(num_cpus=0)
@@ -161,6 +163,9 @@ def test_sigterm_inside_a_blocking_ray_get_is_still_an_interruption(tmp_path: Pa
     assert "terminated 143 SystemExit" in proc.stdout, proc.stdout
     data = read(path)
     assert data["status"] == "interrupted" and data["error"] == "signal SIGTERM"
+    # the child's local cluster ended with it: its /tmp/ray session goes, as a finished run's does
+    (session,) = [line.split(" ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("session ")]
+    remove_ray_session(Path(session), logs_kept=True)
 
 
 def test_install_sigterm_handler_returns_previous_and_raises(tmp_path: Path) -> None:
