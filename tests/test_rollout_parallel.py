@@ -27,6 +27,11 @@ PROMPTS = [
 # Seeded sampling (the engine refuses temperature 0: its log-probs are of the sampling distribution):
 # the same seeds draw the same tokens from the same distribution, every run.
 SEEDED = SamplingParams.from_rollout(RolloutConfig(), n=2, temperature=1.0, max_tokens=12, seed=3)
+def ipc_sockets(directory: Path) -> list[str]:
+    """The Unix sockets in ``directory``: where vLLM's ZMQ IPC endpoints were bound."""
+    return sorted(p.name for p in directory.iterdir() if p.is_socket())
+
+
 # fp32: the TP ranks' all-reduce sums the partial products in another order (measured 9.5e-7)
 LOGPROB_TOL = 1e-5
 
@@ -41,6 +46,7 @@ def _sample_both_ways(tp: int) -> dict:
         out["adapter"] = engine.generate(PROMPTS, SEEDED, 1)
         out["world"] = engine.llm.llm_engine.vllm_config.parallel_config.world_size
         out["store_files"] = {f: Path(f).exists() for f in engine.store_files}
+        out["scratch"], out["sockets"] = engine._scratch, ipc_sockets(engine._scratch)
         return out
     finally:
         engine.close()
@@ -61,6 +67,9 @@ def test_tp2_samples_what_tp1_samples():
     for got in (one, two):
         ((path, existed),) = got["store_files"].items()
         assert Path(path).name.startswith("vllm_dist_") and existed and not Path(path).exists()
+    # vLLM's IPC sockets (two rank processes: its message queues, ~8 of them) were bound in the
+    # engine's scratch directory, and went with it; vLLM's default, the temp dir, kept them
+    assert two["sockets"] and not two["scratch"].exists(), two["sockets"]
 
 
 def test_an_engine_core_in_a_child_process_with_unmerged_lora_reports_its_rendezvous_file():
@@ -71,10 +80,13 @@ def test_an_engine_core_in_a_child_process_with_unmerged_lora_reports_its_rendez
     try:
         assert (engine.settings.multiprocessing, engine.settings.lora) == (True, "unmerged")
         ((path, existed),) = {f: Path(f).exists() for f in engine.store_files}.items()
+        scratch, sockets = engine._scratch, ipc_sockets(engine._scratch)
     finally:
         engine.close()
         del engine
     assert Path(path).name.startswith("vllm_dist_") and existed and not Path(path).exists()
+    # the engine core's IPC sockets (its handshake, input and output queues) went with the scratch
+    assert sockets and not scratch.exists(), sockets
 
 
 def test_a_tp2_replica_holds_both_gpus_of_its_node(request):

@@ -248,21 +248,21 @@ def test_the_worker_extension_is_mixed_into_vllms_worker_and_answers_by_name():
 
 
 @pytest.mark.subprocess  # a child process whose pid is then free
-def test_adapter_directories_of_dead_engines_are_swept_and_live_ones_kept(tmp_path):
-    """An engine's unmerged adapters live under <tmp>/cp-vllm-adapters-<pid>-*; a replica killed
+def test_scratch_directories_of_dead_engines_are_swept_and_live_ones_kept(tmp_path):
+    """An engine's scratch (unmerged adapters, IPC sockets) lives in <tmp>/cp-vllm-<pid>-*; a replica killed
     with SIGKILL never removes its own, so the next engine removes those of dead processes, and
     only those (a live engine's, or a name it cannot read, stay), with the vLLM rendezvous files
     the dead engine listed there."""
     import subprocess
     import sys
 
-    from rollout.engines.vllm_engine import ADAPTER_ROOT_PREFIX, STORE_LIST, sweep_adapter_roots
+    from rollout.engines.vllm_engine import SCRATCH_PREFIX, STORE_LIST, sweep_engine_scratch
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # its pid is now free: a dead engine's
-    dead = tmp_path / f"{ADAPTER_ROOT_PREFIX}{child.pid}-abc"
-    live = tmp_path / f"{ADAPTER_ROOT_PREFIX}{os.getpid()}-def"
-    odd = tmp_path / f"{ADAPTER_ROOT_PREFIX}notapid"
+    dead = tmp_path / f"{SCRATCH_PREFIX}{child.pid}-abc"
+    live = tmp_path / f"{SCRATCH_PREFIX}{os.getpid()}-def"
+    odd = tmp_path / f"{SCRATCH_PREFIX}notapid"
     other = tmp_path / "something-else"
     for d in (dead, live, odd, other):
         (d / "v3-x").mkdir(parents=True)
@@ -273,9 +273,30 @@ def test_adapter_directories_of_dead_engines_are_swept_and_live_ones_kept(tmp_pa
         f.write_text("x")
     (dead / STORE_LIST).write_text(f"{dead_store}\n{not_a_store}")
     (live / STORE_LIST).write_text(str(live_store))
-    assert sweep_adapter_roots(tmp_path) == [dead]
+    assert sweep_engine_scratch(tmp_path) == [dead]
     assert not dead.exists() and live.exists() and odd.exists() and other.exists()
     assert not dead_store.exists() and live_store.exists() and not_a_store.exists()
+
+
+SCRATCH = "/tmp/cp-vllm-4242-abcd1234"
+LONG = "/" + "d" * 69  # 70 bytes: with vLLM's "/" + uuid4, 107, a socket path's limit
+TOO_LONG = LONG + "d"
+
+
+@pytest.mark.parametrize("scratch,current,set_here,expected", [
+    (SCRATCH, None, None, SCRATCH),  # unset: the engine's scratch directory
+    (SCRATCH, "/tmp/cp-vllm-4242-old", "/tmp/cp-vllm-4242-old", SCRATCH),  # this process's earlier engine's
+    (SCRATCH, "/run/user-ipc", None, "/run/user-ipc"),  # the user's: it stays
+    (SCRATCH, "/run/user-ipc", "/tmp/cp-vllm-4242-old", "/run/user-ipc"),  # the user's, set after ours
+    (LONG, None, None, LONG),  # the longest that fits
+    (TOO_LONG, None, None, None),  # too long for a socket's name: vLLM's default
+    (TOO_LONG, "/tmp/cp-vllm-4242-old", "/tmp/cp-vllm-4242-old", None),  # ours from before goes too
+])
+def test_vllms_ipc_sockets_go_to_the_engines_scratch_unless_the_user_chose(scratch, current, set_here, expected):
+    from rollout.engines.vllm_engine import IPC_NAME_BYTES, UNIX_SOCKET_PATH_MAX, rpc_base_path
+
+    assert len(LONG) + IPC_NAME_BYTES == UNIX_SOCKET_PATH_MAX
+    assert rpc_base_path(scratch, current, set_here) == expected
 
 
 def test_device_memory_reads_the_allocator_and_counts_each_storage_once():

