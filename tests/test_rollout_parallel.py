@@ -27,13 +27,13 @@ PROMPTS = [
 # Seeded sampling (the engine refuses temperature 0: its log-probs are of the sampling distribution):
 # the same seeds draw the same tokens from the same distribution, every run.
 SEEDED = SamplingParams.from_rollout(RolloutConfig(), n=2, temperature=1.0, max_tokens=12, seed=3)
+# fp32: the TP ranks' all-reduce sums the partial products in another order (measured 9.5e-7)
+LOGPROB_TOL = 1e-5
+
+
 def ipc_sockets(directory: Path) -> list[str]:
     """The Unix sockets in ``directory``: where vLLM's ZMQ IPC endpoints were bound."""
     return sorted(p.name for p in directory.iterdir() if p.is_socket())
-
-
-# fp32: the TP ranks' all-reduce sums the partial products in another order (measured 9.5e-7)
-LOGPROB_TOL = 1e-5
 
 
 def _sample_both_ways(tp: int) -> dict:
