@@ -689,6 +689,9 @@ def train_figures(run: Path, skip: int, mode: str) -> dict[str, Any]:
         "update_weights_beside_gen_s": median([m["update_weights_beside_gen_s"] for m in metrics[skip:-1] or metrics
                                                if m.get("update_weights_beside_gen_s") is not None]),
         "learner_cuda_graphs": [m.get("learner_cuda_graphs") for m in metrics],
+        # the memory plan's choice per step (None in runs from before it was recorded)
+        "learner_gradient_checkpointing": [m.get("learner_gradient_checkpointing") for m in metrics],
+        "learner_micro_batches": [m.get("learner_micro_batches") for m in metrics],
         "gen_tokens": [int(m.get("generated_tokens", 0)) for m in metrics],
         "samples": samples, "samples_behind": off, "max_behind": worst,
         "versions_ok": samples > 0 and worst <= bound and (mode != "sync" or off == 0),

@@ -78,6 +78,15 @@ def token_budget_bounds(lengths: Sequence[int], budget: int, groups: Sequence[in
     return out
 
 
+def largest_micro_batch(lengths: Sequence[int], budget: int, groups: Sequence[int] = (),
+                        packed: bool = False) -> int:
+    """The cost (``micro_batch_cost``) of the largest micro-batch ``token_budget_bounds`` cuts
+    these rows into: what a forward over them holds at most, which a group-whole cut keeps below
+    the budget wherever the next whole group would not fit (0 for no rows)."""
+    return max((micro_batch_cost(lengths[lo:hi], packed) for lo, hi in
+                token_budget_bounds(lengths, budget, groups, packed)), default=0)
+
+
 def count_bounds(n: int, size: int) -> list[tuple[int, int]]:
     """[lo, hi) ranges of ``size`` consecutive rows (the last may be shorter)."""
     if size < 1:

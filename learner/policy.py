@@ -30,7 +30,7 @@ from learner.fused_lora import FusedLora
 from learner.graphed import Capture, GraphedScorer, cuda_capture
 from learner.lora import AdapterExport, attach_lora, disable_lora_input_casts, load_base_model, save_adapter
 from learner.memory_plan import ModelShape, Sharding, memory_plan
-from learner.microbatch import mfu, model_flops
+from learner.microbatch import largest_micro_batch, mfu, model_flops
 from learner.optim import build_optimizer, build_scheduler, rebase_lr
 from learner.passes import (GradSync, ddp_grad_sync, make_micro_batches, old_log_prob, packing_refusal,
                             pad_micro_batches, ref_log_prob, refuse_nonfinite, update_actor)
@@ -321,13 +321,15 @@ class PolicyLearner:
             if self.pack:  # a packed micro-batch costs its rows' real tokens (learner/microbatch.py)
                 lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
                 shape["row_tokens"] = -(-sum(lengths) // len(lengths))
-        else:
-            need = max(tokens, longest) if tokens is not None else min(cfg.micro_batch_size, rows) * longest
+        elif tokens is not None:  # the largest micro-batch the cut builds on any worker, not the cap
+            need = self._largest_micro_batch(batch, tokens)
             shape = {}
+        else:
+            need, shape = min(cfg.micro_batch_size, rows) * longest, {}
         plan = memory_plan(self.memory_shape, cfg.lora.r, self.lora_trainable, self.memory_budget, need,
                            self.logprob_chunk,
                            None if cfg.gradient_checkpointing == "auto" else cfg.gradient_checkpointing, **shape,
-                           sharding=self.memory_sharding)
+                           sharding=self.memory_sharding, compiled=self.compiled_layers > 0)
         if not plan.fits and (self.last_plan is None or self.last_plan.fits):
             log.warning("learner: by its memory plan one micro-batch of %d tokens does not fit %.1f GiB even "
                         "with gradient checkpointing (%s); the update may run out of memory", need,
@@ -336,6 +338,20 @@ class PolicyLearner:
         if cfg.micro_batch_tokens == "auto":
             return plan.gradient_checkpointing, plan.micro_batch_tokens, cfg.micro_batch_size
         return plan.gradient_checkpointing, tokens, None
+
+    def _largest_micro_batch(self, batch: TrainBatch, tokens: int) -> int:
+        """Tokens of the largest micro-batch that a token budget of ``tokens`` cuts any worker's
+        shard of ``batch`` into (learner/microbatch.py): groups stay whole, so a cap of 8192 over
+        groups of 8 x 584 tokens builds micro-batches of 4,672, and the plan sizes memory for
+        those; the same on every worker."""
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        groups = batch.group_ids or []
+        largest = 0
+        for rank in range(self.world_size):
+            lo, hi = shard_bounds(len(batch), self.world_size, rank)
+            largest = max(largest, largest_micro_batch(lengths[lo:hi], tokens, groups[lo:hi] if groups else (),
+                                                       packed=self.pack))
+        return largest
 
     @property
     def _deepspeed_engine(self):
@@ -493,6 +509,9 @@ class PolicyLearner:
             entropy_bonus_active=float(bonus),
             learner_cuda_graphs=float(scorer is not None and scorer.disabled is None),
             learner_graph_capture_s=self.scorer.capture_s if self.scorer is not None else 0.0,
+            # what the memory plan chose for this step (it may change with the batch's lengths)
+            learner_gradient_checkpointing=float(checkpointing),
+            learner_micro_batches=float(len(mbs)),
             response_tokens=float(batch.num_response_tokens()),
             total_tokens=float(batch.num_total_tokens()),
             sequences=float(len(batch)),

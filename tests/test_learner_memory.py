@@ -28,10 +28,10 @@ from config.learner import LearnerConfig
 from learner.lora import adapter_state_dict
 from learner.losses import LossNorm, ObjectiveParams
 from learner.memory_plan import (
-    LORA_BYTES_PER_PARAM, ModelShape, Sharding, fixed_bytes, layer_activation_bytes, layer_params, lora_params,
+    COMPILED_LAYER_SHARE, LORA_BYTES_PER_PARAM, ModelShape, Sharding, fixed_bytes, layer_activation_bytes, layer_params, lora_params,
     memory_plan, per_token_bytes, weight_bytes,
 )
-from learner.microbatch import capped_count_bounds, count_bounds
+from learner.microbatch import capped_count_bounds, count_bounds, largest_micro_batch, token_budget_bounds
 from learner.passes import (
     GradSync, forward_logprobs, make_micro_batches, old_log_prob, ref_log_prob, token_logprobs, update_actor,
 )
@@ -384,6 +384,95 @@ def test_the_estimate_is_above_what_an_h200_measured():
     # one decoder layer per token: ~153 KB measured (no checkpointing, chunked: 5.64 MiB less logits)
     assert 153_000 <= layer_activation_bytes(QWEN3_4B, 32) <= 1.1 * 153_000
     assert QWEN3_4B_LORA32 * LORA_BYTES_PER_PARAM < 1.1e9
+
+
+def test_compiled_layers_estimate_is_above_what_an_h200_measured_and_unchecks_the_h100_half():
+    """Compiled layers (learner.compile_layers) keep less for the backward. Measured on an H200
+    (2026-12-06, bench/results/gpu-2026-12-06-h200, the same batches, chunk 256): one micro-batch
+    of 8 x 584 = 4,672 tokens peaked at 28.43 GiB compiled and 34.75 GiB eager; with eager's
+    measured 5.64 MiB a token (above), the compiled learner keeps 6.32 GiB / 4,672 less."""
+    eager_mib = 5.64
+    compiled_mib = eager_mib - (34.75 - 28.43) * 1024 / 4672
+    est = per_token_bytes(QWEN3_4B, 32, False, 256, compiled=True) / MIB
+    assert compiled_mib <= est <= 1.25 * compiled_mib, (compiled_mib, est)
+    assert est < per_token_bytes(QWEN3_4B, 32, False, 256) / MIB  # below eager's estimate
+    # only the plain mode: checkpointing keeps the layers' inputs, which compiling does not shrink
+    assert per_token_bytes(QWEN3_4B, 32, True, 256, compiled=True) == per_token_bytes(QWEN3_4B, 32, True, 256)
+    # the layers' part scaled, the logits' not
+    eager_layers = 37 * layer_activation_bytes(QWEN3_4B, 32)
+    assert (per_token_bytes(QWEN3_4B, 32, False, 256) - per_token_bytes(QWEN3_4B, 32, False, 256, compiled=True)
+            == eager_layers - int(eager_layers * COMPILED_LAYER_SHARE))
+    # The H100 bench (bench/results/gpu-2026-12-06-h100-fp8): half an 80 GB H100 (42.5 GB), one
+    # group of 4,672 tokens per micro-batch. The eager estimate checkpoints it; compiled layers
+    # (measured peak 28.4 GiB, under the half's 39.6 GiB) run it plain.
+    half_h100 = 42_500_000_000
+    assert memory_plan(QWEN3_4B, 32, QWEN3_4B_LORA32, half_h100, 4672, 256).gradient_checkpointing
+    plan = memory_plan(QWEN3_4B, 32, QWEN3_4B_LORA32, half_h100, 4672, 256, compiled=True)
+    assert not plan.gradient_checkpointing and plan.fits
+    assert plan.fixed_bytes + 4672 * plan.per_token_bytes <= half_h100
+    # ... but not a micro-batch of the configured cap (8192 tokens): the plan must see the real one
+    assert memory_plan(QWEN3_4B, 32, QWEN3_4B_LORA32, half_h100, 8192, 256, compiled=True).gradient_checkpointing
+
+
+@pytest.mark.parametrize("lengths, budget, groups, packed, largest", [
+    ([584] * 16, 8192, [0] * 8 + [1] * 8, False, 4672),  # 8 x 584 fits, 16 x 584 does not: one group each
+    ([584] * 16, 9343, [0] * 8 + [1] * 8, False, 4672),  # one token short of both
+    ([584] * 16, 9344, [0] * 8 + [1] * 8, False, 9344),  # both groups fit one micro-batch
+    ([584] * 16, 4000, [0] * 8 + [1] * 8, False, 3504),  # a group cut by rows: 6 x 584
+    ([500, 600, 700], 1000, [], False, 700),  # a row longer than the budget goes alone
+    ([500, 600, 100, 700], 2000, [0, 0, 1, 1], False, 1400),  # padded: 2 x 700
+    ([500, 600, 100, 700], 2000, [0, 0, 1, 1], True, 1900),  # packed: the sum, one micro-batch
+    ([], 100, [], False, 0),
+])
+def test_largest_micro_batch_is_the_largest_cut(lengths, budget, groups, packed, largest):
+    assert largest_micro_batch(lengths, budget, groups, packed) == largest
+    bounds = token_budget_bounds(lengths, budget, groups, packed) if lengths else []
+    assert largest == max((len(lengths[lo:hi]) * max(lengths[lo:hi]) if not packed else sum(lengths[lo:hi])
+                           for lo, hi in bounds), default=0)
+
+
+def test_the_policy_plans_for_the_micro_batches_it_builds_and_its_compiled_layers(tmp_path):
+    """With a configured token cap the plan sizes memory for the largest micro-batch the cut
+    really builds (groups kept whole: it can be well under the cap), and with compiled layers by
+    their smaller per-token estimate: each alone can spare a step its checkpointing."""
+    tiny_llama(tmp_path)
+    batch = two_groups(3)
+    lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    group = 4 * max(lengths[:4])  # padded cost of the first group (4 rows)
+    cap = 4 * max(lengths) + group  # above one group, below both
+    real = largest_micro_batch(lengths, cap, batch.group_ids)
+    assert real < cap and len(token_budget_bounds(lengths, cap, batch.group_ids)) == 2
+    learner = policy(tmp_path, micro_batch_tokens=cap)
+    trainable = sum(p.numel() for p in learner.peft_model.parameters() if p.requires_grad)
+
+    def fits_plain(budget, tokens, compiled=False):
+        simulated_cuda_plan(learner, budget)
+        return not memory_plan(learner.memory_shape, 4, trainable, budget, tokens, 0, compiled=compiled
+                               ).gradient_checkpointing
+
+    budget = 1024
+    while not fits_plain(budget, real):
+        budget += 1024
+    assert not fits_plain(budget, cap)  # sized on the cap, the step would checkpoint
+    assert learner.plan(batch, len(batch)) == (False, cap, None)
+    metrics, _ = run_steps(learner, 1)
+    assert not learner.peft_model.is_gradient_checkpointing and learner.stats()["memory_plan"]["fits"]
+    assert (metrics[0]["learner_gradient_checkpointing"], metrics[0]["learner_micro_batches"]) == (0.0, 2.0)
+    # one worker of two: the larger of the two shards' micro-batches, the same on both
+    learner.world_size = 2
+    assert learner._largest_micro_batch(batch, cap) == max(
+        largest_micro_batch(lengths[:4], cap, batch.group_ids[:4]), largest_micro_batch(lengths[4:], cap, batch.group_ids[4:]))
+    learner.world_size = 1
+    # compiled layers: a budget where eager's estimate checkpoints the real micro-batch and theirs does not
+    tight = 1024
+    while not fits_plain(tight, real, compiled=True):
+        tight += 1024
+    assert not fits_plain(tight, real)
+    simulated_cuda_plan(learner, tight)
+    assert learner.plan(batch, len(batch))[0] is True
+    assert run_steps(learner, 1)[0][0]["learner_gradient_checkpointing"] == 1.0
+    learner.compiled_layers = 2  # what compile_layers returns for the tiny model's two layers
+    assert learner.plan(batch, len(batch)) == (False, cap, None)
 
 
 # ------------------------------------------------------------------ micro-batches capped by count
