@@ -78,7 +78,7 @@ VARIANTS = {
 }
 
 
-def learner_config(model: str, prompts: int, overrides: dict, cpu: bool):
+def learner_config(model: str, prompts: int, overrides: dict, cpu: bool, memory_budget_gib: float | None = None):
     import yaml
 
     from config import RunConfig
@@ -87,6 +87,8 @@ def learner_config(model: str, prompts: int, overrides: dict, cpu: bool):
     tree["model"]["name_or_path"] = model
     tree["trainer"]["prompts_per_step"] = prompts
     tree["learner"].update(overrides)
+    if memory_budget_gib is not None:  # the memory plan's budget as on another GPU
+        tree["learner"]["memory_budget_gib"] = memory_budget_gib
     if cpu:
         tree["learner"]["use_gpu"] = False
         tree["model"]["dtype"] = "float32"
@@ -184,7 +186,7 @@ def run_variant(name: str, args, data) -> tuple[dict, dict]:
     from model.adapter import adapter_version
 
     gpu = torch.cuda.is_available() and not args.cpu
-    cfg = learner_config(str(args.model), args.prompts, VARIANTS[name], args.cpu)
+    cfg = learner_config(str(args.model), args.prompts, VARIANTS[name], args.cpu, args.memory_budget_gib)
     if gpu:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -239,6 +241,9 @@ def main() -> int:
     ap.add_argument("--response-len", type=int, default=384)
     ap.add_argument("--response-min", type=int, default=None,
                     help="shortest response (drawn uniformly up to --response-len); default: all --response-len")
+    ap.add_argument("--memory-budget-gib", type=float, default=None,
+                    help="learner.memory_budget_gib for every variant: the memory plan's budget of another GPU, "
+                         "e.g. 39.58 (42.5 GB: half an H100 80GB HBM3, what a half-GPU learner gets there)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="dry run on CPU (a tiny model, short rows)")
     ap.add_argument("--out", type=Path)
@@ -271,7 +276,8 @@ def main() -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1))
     # fused: the LoRA forwards that ran fused / through peft's path (a graph replay counts none)
-    print(f"{'variant':<14} {'update s':>9} {'export s':>9} {'steps s':<40} {'peak GiB':>8} {'fused/peft':>12}")
+    print(f"{'variant':<14} {'update s':>9} {'export s':>9} {'steps s':<40} {'peak GiB':>8} {'fused/peft':>12} "
+          f"{'checkpointed':>12}")
     for r in rows:
         steps = ", ".join(f"{x:.3f}" for x in r.get("steps_s", []))
         upd = f"{r['update_s']:.3f}" if r.get("update_s") is not None else r.get("error", "-")[:60]
@@ -279,7 +285,8 @@ def main() -> int:
         exp = f"{r['export_s']:.3f}" if r.get("export_s") is not None else "-"
         fl = (r.get("stats") or {}).get("fused_lora")
         fused = f"{fl['fused_forwards']}/{fl['peft_forwards']}" if fl else "-"
-        print(f"{r['variant']:<14} {upd:>9} {exp:>9} {steps:<40} {peak:>8} {fused:>12}")
+        ckpt = (r.get("stats") or {}).get("gradient_checkpointing", "-")  # as the last step ran (the plan's choice)
+        print(f"{r['variant']:<14} {upd:>9} {exp:>9} {steps:<40} {peak:>8} {fused:>12} {str(ckpt):>12}")
         if "profile" in r:
             p = r["profile"]
             busy = f"{p['device_busy_s']:.3f}" if p["device_busy_s"] is not None else "-"
