@@ -109,8 +109,10 @@ class LearnerConfig(BaseModel):
         "auto", description="Recompute each layer's activations in the backward instead of keeping "
         "them: less memory, ~1/3 more compute. It runs without share_prompt_prefix (the prompt's KV "
         "cache cannot cross a checkpoint). 'auto' = off on CPU workers; on CUDA workers on for a step "
-        "only when its micro-batches (one longest row, with micro_batch_tokens=auto) would not fit "
-        "the memory budget without it (learner/memory_plan.py)."
+        "only when its micro-batches (one longest row, with micro_batch_tokens=auto; with a number, "
+        "the largest micro-batch that budget cuts the step into) would not fit the memory budget "
+        "without it, by the estimate of compiled layers where compile_layers runs "
+        "(learner/memory_plan.py). Each step's choice is its learner_gradient_checkpointing metric."
     )
     memory_budget_gib: float | None = Field(
         None, gt=0, description="Device memory (GiB) one CUDA worker's update may use, for the 'auto' "
