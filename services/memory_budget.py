@@ -303,6 +303,16 @@ def split_memory(budget_gib: float, model: str, shape: ModelShape, replica: Repl
         learner_micro_batch_tokens=plan.micro_batch_tokens)
 
 
+def fixed_micro_batch_tokens(micro_batch_tokens: int | None, row: int, rows: int, micro_batch_size: int) -> int:
+    """The largest micro-batch a configured cut builds from ``rows`` rows of ``row`` tokens, the
+    longest a replica returns (learner/policy.py PolicyLearner.plan sizes memory for the one the
+    step really builds, never larger than this): by token budget, as many whole rows as it holds
+    (at least one; groups kept whole only make it smaller), else ``micro_batch_size`` rows."""
+    if micro_batch_tokens is None:
+        return min(micro_batch_size, rows) * row
+    return min(rows, max(1, micro_batch_tokens // row)) * row
+
+
 def step_sequences(cfg: RunConfig) -> int:
     """Sequences one generate call of a step has in flight: a flat step's prompts x group_size, a
     tree round's siblings of one expansion (its expansions run one after another)."""
@@ -323,7 +333,7 @@ def split_for_run(cfg: RunConfig, model_config: Mapping[str, Any], w0_on_device:
     row = r.max_model_len
     mbt = lc.micro_batch_tokens
     # what PolicyLearner.plan asks one micro-batch to hold, for rows of the longest length
-    need = row if mbt == "auto" else max(mbt, row) if mbt is not None else min(lc.micro_batch_size, sequences) * row
+    need = row if mbt == "auto" else fixed_micro_batch_tokens(mbt, row, sequences, lc.micro_batch_size)
     replica = ReplicaNeeds(sequences=sequences, sequence_tokens=math.ceil(row / block) * block,
                            merged=settings.lora == "merged", cuda_graphs=not settings.enforce_eager,
                            w0_on_device=w0_on_device, lora_slots=r.max_loras, lora_slot_rank=r.max_lora_rank,
@@ -436,7 +446,7 @@ def _learner_rows(cfg: RunConfig, shape: ModelShape, gpu_gib: float) -> list[Mem
                            max_rows=lc.micro_batch_size, sharding=sharding)
         tokens = min(plan.micro_batch_tokens, min(lc.micro_batch_size, rows) * longest)
     else:
-        tokens = max(mbt, longest) if mbt is not None else min(lc.micro_batch_size, rows) * longest
+        tokens = fixed_micro_batch_tokens(mbt, longest, rows, lc.micro_batch_size)
         plan = memory_plan(shape, rank, trainable, budget, tokens, chunk, ckpt, sharding=sharding)
     ckpt = plan.gradient_checkpointing
     per_token = per_token_bytes(shape, rank, ckpt, chunk)

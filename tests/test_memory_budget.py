@@ -14,8 +14,8 @@ import pytest
 from config import ConfigError, load_config, resolved
 from learner.memory_plan import fixed_bytes, lora_params, memory_plan
 from rollout.engines.vllm_engine import gpu_memory_fraction
-from services.memory_budget import (GIB, BudgetTooSmall, LearnerNeeds, ReplicaNeeds, learner_minimum_bytes,
-                                    model_shape, parameter_count, split_for_run, split_memory)
+from services.memory_budget import (GIB, BudgetTooSmall, LearnerNeeds, ReplicaNeeds, fixed_micro_batch_tokens,
+                                    learner_minimum_bytes, model_shape, parameter_count, split_for_run, split_memory)
 from services.preflight import PreflightError, apply_memory_budget
 
 REPO = Path(__file__).resolve().parents[1]
@@ -263,3 +263,20 @@ def test_the_split_needs_neither_torch_nor_ray():
             "print(sorted(x for x in ('torch', 'ray', 'vllm', 'transformers') if x in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("tokens, row, rows, size, want", [
+    (8192, 1024, 8, 8, 8192),  # configs/gpu-bench.yaml's cap over 8 rows of max_model_len
+    (8192, 1000, 8, 8, 8000),  # the cap holds 8 whole rows, not 8192 tokens
+    (8192, 1024, 4, 8, 4096),  # fewer rows than the cap holds
+    (500, 1024, 8, 8, 1024),  # a row longer than the cap runs alone
+    (None, 1024, 8, 4, 4096),  # by count
+    (None, 1024, 2, 4, 2048),
+])
+def test_fixed_micro_batch_tokens_is_the_largest_cut_of_longest_rows(tokens, row, rows, size, want):
+    from learner.microbatch import largest_micro_batch
+
+    assert fixed_micro_batch_tokens(tokens, row, rows, size) == want
+    if tokens is not None:  # what the learner's cut builds from such rows, in groups of 1, 2 or 4: never more
+        assert all(largest_micro_batch([row] * rows, tokens, [i // g for i in range(rows)]) <= want for g in (1, 2, 4))
+        assert largest_micro_batch([row] * rows, tokens) == want
