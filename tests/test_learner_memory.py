@@ -460,8 +460,8 @@ def test_the_policy_plans_for_the_micro_batches_it_builds_and_its_compiled_layer
     assert (metrics[0]["learner_gradient_checkpointing"], metrics[0]["learner_micro_batches"]) == (0.0, 2.0)
     # one worker of two: the larger of the two shards' micro-batches, the same on both
     learner.world_size = 2
-    assert learner._largest_micro_batch(batch, cap) == max(
-        largest_micro_batch(lengths[:4], cap, batch.group_ids[:4]), largest_micro_batch(lengths[4:], cap, batch.group_ids[4:]))
+    assert learner._largest_micro_batch(batch, cap) == max(largest_micro_batch(lengths[:4], cap, batch.group_ids[:4]),
+                                                           largest_micro_batch(lengths[4:], cap, batch.group_ids[4:]))
     learner.world_size = 1
     # compiled layers: a budget where eager's estimate checkpoints the real micro-batch and theirs does not
     tight = 1024
