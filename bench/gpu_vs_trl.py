@@ -932,6 +932,16 @@ def _section(title: str, headers: list[str], rows: list[list[Any]]) -> list[str]
             *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
 
 
+def _plan_steps(r: dict[str, Any]) -> str:
+    """The learner's memory plan over a run's steps: how many checkpointed, and the micro-batch
+    counts ('–' for runs from before it was recorded)."""
+    ckpt = [x for x in r.get("learner_gradient_checkpointing") or [] if x is not None]
+    mbs = sorted({int(x) for x in r.get("learner_micro_batches") or [] if x is not None})
+    if not ckpt:
+        return "–"
+    return f"{int(sum(ckpt))}/{len(ckpt)} steps ({', '.join(map(str, mbs))})"
+
+
 def _range(xs) -> str:
     xs = [x for x in xs or [] if x is not None]
     return f"{min(xs):.4f}–{max(xs):.4f}" if xs else "–"
@@ -984,8 +994,8 @@ def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[s
     lines += ["", "## counterpoint train (Ray Serve vLLM replica + Ray Train learner + gRPC grader, one GPU)", "",
               "| model | completions | variant | exit | timed steps s | gen (wait) | generate call | score | update_actor | "
               "update_weights | of it beside gen | ppl_ratio range | rollout k3 KL | TIS clipped | staleness | samples on their step's "
-              "version (sync) / at most one behind | learner graphs | start-up s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "version (sync) / at most one behind | learner graphs | learner checkpointed (micro-batches) | start-up s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (train_res or {}).get("shapes", []):
         ph = r.get("phases_s", {})
         why = r.get("skipped") or ""
@@ -999,7 +1009,7 @@ def markdown(doc: dict[str, Any], trl_res: dict[str, Any] | None, cp_res: dict[s
               f" | {stale or '–'} | "
               f"{r.get('samples', 0) - r.get('samples_behind', 0)}/{r.get('samples', 0)} on, max behind "
               f"{r.get('max_behind', '–')} ({'OK' if r.get('versions_ok') else 'FAIL'}) | "
-              f"{_range(r.get('learner_cuda_graphs'))} | {fmt(r.get('startup_s'), '.0f')} |")
+              f"{_range(r.get('learner_cuda_graphs'))} | {_plan_steps(r)} | {fmt(r.get('startup_s'), '.0f')} |")
     overhead = ray_overhead(loop_res, train_res)
     lines += _section("Ray against the one-process loop (vLLM engine both, sync mode, same session)",
                       ["model", "completions", "loop s/step", "train s/step", "Ray adds", "share",

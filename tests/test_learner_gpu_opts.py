@@ -383,13 +383,18 @@ def test_train_figures_read_a_run_directory(tmp_path):
     steps = [(1, 5.0, 1.2), (2, 3.0, 0.9), (3, 3.2, 1.1), (4, 3.1, 1.0), (5, 2.0, 0.0)]
     write("timing.jsonl", [{"step": s, "total_s": t, "phases_s": {"update_weights": w + 0.2}} for s, t, w in steps])
     write("metrics.jsonl", [{"step": s, "generate_s": 2.5, "update_weights_beside_gen_s": w, "ppl_ratio": 1.0,
-                             "adapter_staleness": float(s > 1)} for s, _, w in steps])
+                             "adapter_staleness": float(s > 1), "learner_gradient_checkpointing": float(s == 3),
+                             "learner_micro_batches": 4.0 + (s == 3)} for s, _, w in steps])
     (tmp_path / "round_0001").mkdir()
     write("round_0001/rows.jsonl", [{"step": 1, "adapter_version": 1}, {"step": 2, "adapter_version": 1}])
     got = bench.train_figures(tmp_path, skip=1, mode="one_step_off")
     assert got["s_per_step"] == 3.1 and got["phases_s"]["update_weights"] == pytest.approx(1.2)
     assert got["update_weights_beside_gen_s"] == 1.0  # the median of steps 2-4
     assert (got["samples"], got["samples_behind"], got["max_behind"], got["versions_ok"]) == (2, 1, 1, True)
+    # the learner's memory plan per step, and the report's reading of it
+    assert got["learner_gradient_checkpointing"] == [0.0, 0.0, 1.0, 0.0, 0.0]
+    assert bench._plan_steps(got) == "1/5 steps (4, 5)"
+    assert bench._plan_steps({"learner_gradient_checkpointing": [None, None]}) == "–"
     assert bench.train_figures(tmp_path, skip=1, mode="sync")["versions_ok"] is False  # sync allows none behind
     write("metrics.jsonl", [{"step": s, "generate_s": 2.5} for s, _, _ in steps])  # a run from before the figure
     assert bench.train_figures(tmp_path, skip=1, mode="one_step_off")["update_weights_beside_gen_s"] is None
