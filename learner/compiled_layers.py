@@ -42,17 +42,34 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
-def compile_choice(cfg: Any, *, on_cuda: bool, world_size: int, mapped_base: bool) -> bool:
-    """Whether the learner compiles its layers: ``cfg.compile_layers`` where set, else (auto) where
-    it was measured to pay: one CUDA worker under strategy ddp, with none of the paths whose shapes
-    or hooks it was not tried with on a GPU (CUDA graphs, packed rows, a shared prompt prefix, a
-    base mapped from a replica, whose correction runs in forward hooks). Packed rows, several DDP
-    workers, fsdp2 (tests/test_learner_compile.py) and a mapped base (tests/test_shared_base.py)
-    are tested on CPU and not yet timed: true compiles there. ``cfg``: a LearnerConfig."""
+def compile_decision(cfg: Any, *, on_cuda: bool, world_size: int, mapped_base: bool) -> tuple[bool, str]:
+    """(whether the learner compiles its layers, why): ``cfg.compile_layers`` where set, else
+    (auto) where it was measured to pay: one CUDA worker under strategy ddp, with none of the
+    paths whose shapes or hooks it was not tried with on a GPU (CUDA graphs, packed rows, a shared
+    prompt prefix, a base mapped from a replica, whose correction runs in forward hooks). Packed
+    rows, several DDP workers, fsdp2 (tests/test_learner_compile.py) and a mapped base
+    (tests/test_shared_base.py) are tested on CPU and not yet timed: true compiles there. The
+    reason goes to run.json (``learner_layers``): a learner left eager is a slower experiment
+    than the one the bench measured, and says so. ``cfg``: a LearnerConfig."""
     if cfg.compile_layers != "auto":
-        return bool(cfg.compile_layers)
-    return (on_cuda and world_size == 1 and cfg.strategy == "ddp" and not cfg.cuda_graphs
-            and not cfg.pack_sequences and cfg.share_prompt_prefix is not True and not mapped_base)
+        return bool(cfg.compile_layers), f"learner.compile_layers={str(cfg.compile_layers).lower()}"
+    auto = "learner.compile_layers=auto"
+    blockers = (
+        (not on_cuda, "the worker is on the CPU"),
+        (world_size > 1, f"{world_size} learner workers (timed for one)"),
+        (cfg.strategy != "ddp", f"strategy={cfg.strategy}"),
+        (cfg.cuda_graphs, "learner.cuda_graphs=true"),
+        (cfg.pack_sequences, "learner.pack_sequences=true"),
+        (cfg.share_prompt_prefix is True, "learner.share_prompt_prefix=true"),
+        (mapped_base, "the base is mapped from the replica (share_base_weights), whose merged-adapter "
+                      "correction runs in forward hooks; never timed compiled on a GPU: "
+                      "learner.compile_layers=true compiles it, share_base_weights=false gives the "
+                      "learner its own copy, which auto compiles"),
+    )
+    for blocked, why in blockers:
+        if blocked:
+            return False, f"{auto} leaves the layers eager: {why}"
+    return True, f"{auto}: one CUDA worker under ddp, where compiling was measured to pay"
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

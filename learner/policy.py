@@ -25,7 +25,7 @@ from torch.profiler import record_function
 from config.learner import CUDA_LOGPROB_CHUNK_TOKENS
 from learner import checkpoint
 from learner.losses import LossNorm, ObjectiveParams, entropy_bonus_active
-from learner.compiled_layers import compile_choice, compile_layers
+from learner.compiled_layers import compile_decision, compile_layers
 from learner.fused_lora import FusedLora
 from learner.graphed import Capture, GraphedScorer, cuda_capture
 from learner.lora import AdapterExport, attach_lora, disable_lora_input_casts, load_base_model, save_adapter
@@ -206,7 +206,8 @@ class PolicyLearner:
         # FSDP2 frees each layer's gathered weights after its forward: the prompt's forward, whose
         # KV cache the rows' forward reuses with gradients, would need them again in the backward.
         # learner.compile_layers: 'auto' where it was measured (learner/compiled_layers.py)
-        self.compiled = compile_choice(cfg, on_cuda=on_cuda, world_size=world_size, mapped_base=self.served is not None)
+        self.compiled, compile_reason = compile_decision(cfg, on_cuda=on_cuda, world_size=world_size,
+                                                         mapped_base=self.served is not None)
         self.share_prefix = ((not on_cuda and not self.sharded and not self.compiled) if cfg.share_prompt_prefix is None
                              else cfg.share_prompt_prefix) and cfg.gradient_checkpointing is not True and not self.pack
         graphs = (cfg.cuda_graphs and (on_cuda or graph_capture is not None) and world_size == 1
@@ -245,6 +246,11 @@ class PolicyLearner:
         self.compile_s = self._compile_now() if self.compiled_layers else 0.0  # nothing to warm where none compiled
         if self.compiled_layers:
             log.info("learner: %d decoder layers compiled in %.1f s", self.compiled_layers, self.compile_s)
+        elif self.compiled:
+            compile_reason += ", but torch.compile is disabled in this process: the layers run eagerly"
+        # run.json's learner_layers: how the update's layers run, and why (learner/compiled_layers.py)
+        self.layers = {"mode": "compiled" if self.compiled_layers else "eager", "fused_lora": self.fused is not None,
+                       "reason": compile_reason}
 
     @staticmethod
     def _refreshing(sync: GradSync, fused: FusedLora) -> GradSync:
@@ -581,7 +587,8 @@ class PolicyLearner:
                 "gradient_checkpointing": self.checkpointing, "logprob_chunk_tokens": self.logprob_chunk,
                 "memory_plan": self.last_plan.as_dict() if self.last_plan is not None else None,
                 "fused_lora": self.fused.stats() if self.fused is not None else None,
-                "compiled_layers": self.compiled_layers, "compile_s": round(self.compile_s, 1)}
+                "compiled_layers": self.compiled_layers, "compile_s": round(self.compile_s, 1),
+                "layers": self.layers}
 
     def save_init_adapter(self, out_dir: Path, adapter: dict[str, torch.Tensor] | None = None) -> str:
         return save_adapter(self.peft_model, out_dir, state=adapter)

@@ -102,6 +102,7 @@ class InitInfo:
     init_is_identity: bool = True
     base_weights: dict[str, Any] | None = None  # PolicyLearner.base_weights: "shared" or "own", and why
     adapter_transport: dict[str, str] | None = None  # how adapters reach the replica: "device" or "host", and why
+    learner_layers: dict[str, Any] | None = None  # PolicyLearner.layers: compiled or eager, fused LoRA, and why
 
 
 @dataclass

@@ -66,7 +66,8 @@ def init_answer(learner: PolicyLearner, run_dir: Path, export: Export) -> InitIn
     return InitInfo(adapter_sha256=sha, init_payload=export(learner.payload(adapter_version(learner.step_count), adapter)),
                     step=learner.step_count, lr_rebase_note=learner.lr_rebase_note,
                     data_position=learner.data_position, init_is_identity=learner.init_is_identity,
-                    base_weights=learner.base_weights, adapter_transport=learner.adapter_export.transport)
+                    base_weights=learner.base_weights, adapter_transport=learner.adapter_export.transport,
+                    learner_layers=learner.layers)
 
 
 def step_answer(learner: PolicyLearner, batch: TrainBatch, export: Export) -> StepResult | None:

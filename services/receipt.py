@@ -74,6 +74,7 @@ UPDATABLE_FIELDS = (
     "grader_scaling",  # the grader app's replica range and scale events (graders/autoscale.py)
     "base_weights",  # the learner's base: mapped from the replica ("shared") or its own copy, and why
     "adapter_transport",  # how adapters reach the replica: in device memory or host memory, and why
+    "learner_layers",  # the learner's layers compiled or eager, fused LoRA or peft's, and why (learner/compiled_layers.py)
     "gpu_sharing",  # time-sliced or under CUDA MPS (services/mps.py), recorded by services/train.py
     "rollout_quantization",  # the engine's weight format against the learner's (config/run.py rollout_quantization)
     "ray_session",  # Ray's session directory and whether the run started the cluster (services/launch.py ray_session)

@@ -470,7 +470,8 @@ def start_rollout_and_learner(at: Attempt, parts: Services, stack: ExitStack, st
         base_weights = {"mode": "own", "reason": parts.refusals[-1]}
     parts.base_weights = base_weights
     receipt.update(base_weights=base_weights,
-                   adapter_transport=init.adapter_transport or {"mode": "host", "reason": "the learner's own payload"})
+                   adapter_transport=init.adapter_transport or {"mode": "host", "reason": "the learner's own payload"},
+                   learner_layers=init.learner_layers)
     receipt.update(init_adapter_sha256=init.adapter_sha256, lr_rebase=init.lr_rebase_note,
                    init_adapter=str(at.init_adapter) if at.init_adapter else "seeded (adapters/init)")
     adapter = init.init_payload

@@ -17,7 +17,7 @@ from peft import LoraConfig, get_peft_model
 from torch._dynamo.utils import counters
 
 from config import RunConfig
-from learner.compiled_layers import compile_choice, compile_layers, decoder_layers
+from learner.compiled_layers import compile_decision, compile_layers, decoder_layers
 from tests.test_fused_lora import learner_steps, relative
 from tests.test_learner_gpu_opts import gradients, two_groups
 from tests.test_learner_fsdp import rel, run_ranks
@@ -165,23 +165,26 @@ def test_compiled_layers_over_two_ranks_take_the_eager_step(ranks, strategy):
     assert rel(got["init"], want["init"]) == 0  # the same initial adapter: the compile's warm-up changed nothing
 
 
-@pytest.mark.parametrize("learner, on_cuda, world_size, mapped_base, want", [
-    ({}, True, 1, False, True),  # one CUDA worker, ddp: measured to pay
-    ({}, False, 1, False, False),  # CPU workers: the default run unchanged
-    ({}, True, 2, False, False),  # several ranks: not measured
-    ({}, True, 1, True, False),  # a base mapped from the replica: its correction runs in hooks
-    ({"strategy": "fsdp2"}, True, 1, False, False),
-    ({"strategy": "deepspeed", "use_gpu": True}, True, 1, False, False),
-    ({"cuda_graphs": True}, True, 1, False, False),
-    ({"pack_sequences": True}, True, 1, False, False),
-    ({"share_prompt_prefix": True}, True, 1, False, False),
-    ({"share_prompt_prefix": False}, True, 1, False, True),
-    ({"compile_layers": True}, False, 2, True, True),  # asked for: compiled wherever the config allows it
-    ({"compile_layers": False}, True, 1, False, False),
+@pytest.mark.parametrize("learner, on_cuda, world_size, mapped_base, want, why", [
+    ({}, True, 1, False, True, "one CUDA worker under ddp"),  # measured to pay
+    ({}, False, 1, False, False, "on the CPU"),  # CPU workers: the default run unchanged
+    ({}, True, 2, False, False, "2 learner workers"),  # several ranks: not measured
+    ({}, True, 1, True, False, "mapped from the replica"),  # its correction runs in hooks
+    ({"strategy": "fsdp2"}, True, 1, False, False, "strategy=fsdp2"),
+    ({"strategy": "deepspeed", "use_gpu": True}, True, 1, False, False, "strategy=deepspeed"),
+    ({"cuda_graphs": True}, True, 1, False, False, "cuda_graphs=true"),
+    ({"pack_sequences": True}, True, 1, False, False, "pack_sequences=true"),
+    ({"share_prompt_prefix": True}, True, 1, False, False, "share_prompt_prefix=true"),
+    ({"share_prompt_prefix": False}, True, 1, False, True, "one CUDA worker under ddp"),
+    ({"compile_layers": True}, False, 2, True, True, "compile_layers=true"),  # asked for: wherever the config allows
+    ({"compile_layers": False}, True, 1, False, False, "compile_layers=false"),
 ])
-def test_compile_choice(learner, on_cuda, world_size, mapped_base, want):
+def test_compile_decision(learner, on_cuda, world_size, mapped_base, want, why):
     cfg = RunConfig.model_validate({"learner": learner}).learner
-    assert compile_choice(cfg, on_cuda=on_cuda, world_size=world_size, mapped_base=mapped_base) is want
+    compiled, reason = compile_decision(cfg, on_cuda=on_cuda, world_size=world_size, mapped_base=mapped_base)
+    assert compiled is want and why in reason, reason
+    if "auto" in reason:  # auto names itself and, where it leaves the layers eager, says so
+        assert reason.startswith("learner.compile_layers=auto") and ("eager" in reason) is (not want)
 
 
 def test_no_layer_is_compiled_where_torch_compile_is_disabled(caplog):

@@ -91,6 +91,8 @@ def test_a_train_run_whose_learner_maps_the_replicas_weights(tmp_path: Path):
     shared = receipt["base_weights"]
     assert shared["mode"] == "shared" and shared["owner"].startswith("hf replica (pid "), shared
     assert "in host memory" in shared["owner"]
+    layers = receipt["learner_layers"]  # how the learner's layers ran, and why: eager on a CPU worker
+    assert (layers["mode"], layers["fused_lora"]) == ("eager", False) and "on the CPU" in layers["reason"], layers
     assert receipt["prometheus_series"]["counterpoint_base_weights_shared"] == 1
     parts = {entry["part"]: entry for entry in receipt["recoveries"]}
     assert "rollout" in parts and parts["rollout"]["step"] == 2, receipt["recoveries"]
