@@ -49,8 +49,8 @@ def compile_decision(cfg: Any, *, on_cuda: bool, world_size: int, mapped_base: b
     prompt prefix, a base mapped from a replica, whose correction runs in forward hooks). Packed
     rows, several DDP workers, fsdp2 (tests/test_learner_compile.py) and a mapped base
     (tests/test_shared_base.py) are tested on CPU and not yet timed: true compiles there. The
-    reason goes to run.json (``learner_layers``): a learner left eager is a slower experiment
-    than the one the bench measured, and says so. ``cfg``: a LearnerConfig."""
+    reason goes to run.json (``learner_layers``): a learner left eager runs slower than the
+    compiled one the bench timed, and the run says why. ``cfg``: a LearnerConfig."""
     if cfg.compile_layers != "auto":
         return bool(cfg.compile_layers), f"learner.compile_layers={str(cfg.compile_layers).lower()}"
     auto = "learner.compile_layers=auto"
