@@ -59,8 +59,9 @@ The constants were measured on an H200 at Qwen3-4B shapes (bf16, LoRA r=32 on al
 layers; tests/test_learner_memory.py states the numbers): the estimate per token is 1.1x the
 measured one without checkpointing and 1.6x with it; with compiled layers, 1.15x (one
 micro-batch of 4,672 tokens peaked at 28.4 GiB compiled against 34.7 GiB eager, the same
-session). Checked end to end there (PolicyLearner, 1x8 rows of 584 tokens): a 24 GiB budget gave 3 rows per micro-batch without checkpointing and a
-peak of 19.0 GiB allocated; 14 GiB gave checkpointing, 5 rows and a peak of 10.6 GiB.
+session). Checked end to end there (PolicyLearner, 1x8 rows of 584 tokens): a 24 GiB budget
+gave 3 rows per micro-batch without checkpointing and a peak of 19.0 GiB allocated; 14 GiB gave
+checkpointing, 5 rows and a peak of 10.6 GiB.
 Pure Python: no torch, no Ray.
 """
 

@@ -351,13 +351,9 @@ class PolicyLearner:
         groups of 8 x 584 tokens builds micro-batches of 4,672, and the plan sizes memory for
         those; the same on every worker."""
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        groups = batch.group_ids or []
-        largest = 0
-        for rank in range(self.world_size):
-            lo, hi = shard_bounds(len(batch), self.world_size, rank)
-            largest = max(largest, largest_micro_batch(lengths[lo:hi], tokens, groups[lo:hi] if groups else (),
-                                                       packed=self.pack))
-        return largest
+        shards = (shard_bounds(len(batch), self.world_size, rank) for rank in range(self.world_size))
+        return max(largest_micro_batch(lengths[lo:hi], tokens, batch.group_ids[lo:hi], packed=self.pack)
+                   for lo, hi in shards)
 
     @property
     def _deepspeed_engine(self):

@@ -65,6 +65,7 @@ from config import RunConfig
 from config.learner import CUDA_LOGPROB_CHUNK_TOKENS
 from learner.memory_plan import (GATHERED_LAYERS, LINEAR_NAMES, LOGPROB_SLICE_COPIES, RESERVE, ModelShape, Sharding,
                                  fixed_bytes, lora_params, memory_plan, per_token_bytes, weight_bytes)
+from learner.microbatch import largest_micro_batch
 from model.base import text_model_config
 
 GIB = 2**30
@@ -310,7 +311,7 @@ def fixed_micro_batch_tokens(micro_batch_tokens: int | None, row: int, rows: int
     (at least one; groups kept whole only make it smaller), else ``micro_batch_size`` rows."""
     if micro_batch_tokens is None:
         return min(micro_batch_size, rows) * row
-    return min(rows, max(1, micro_batch_tokens // row)) * row
+    return largest_micro_batch([row] * rows, micro_batch_tokens)
 
 
 def step_sequences(cfg: RunConfig) -> int:
