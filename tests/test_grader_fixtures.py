@@ -24,7 +24,7 @@ from graders.metrics import Counters
 from graders.tasks import task_profile
 from graders.voice_leading import VOCABULARY, named_chord_count, parse_chord_symbol
 
-SHARED_FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "progressions-v1.json"
+SHARED_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "progressions-v1.json"  # ../shared's copy
 
 
 def _suffix(symbol: str) -> str:

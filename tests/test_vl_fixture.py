@@ -1,7 +1,9 @@
-"""Compatibility with the shared p4-progressions/1 fixture (../shared/fixtures)."""
+"""Compatibility with the shared p4-progressions/1 fixture (../shared/fixtures, copied to
+tests/fixtures so that a clone anywhere runs it)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -16,7 +18,13 @@ from graders.voice_leading import (
     score,
 )
 
-FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "progressions-v1.json"
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "progressions-v1.json"
+# The reference's bytes (../shared/fixtures/progressions-v1.json): an edit to the copy shows here
+FIXTURE_SHA256 = "329225e6cfd9641b2edbbd8d088fff72c18fbfad341e73d504e3fd1b87c6bd36"
+
+
+def test_fixture_is_the_reference_copy():
+    assert hashlib.sha256(FIXTURE.read_bytes()).hexdigest() == FIXTURE_SHA256
 
 
 @pytest.fixture(scope="module")
