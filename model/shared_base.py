@@ -450,7 +450,12 @@ class ServedCorrection:
     """The learner's side: a forward hook on the base layer of each adapted module that
     subtracts the served adapter's delta, s * on * B_v (A_v x), reading A_v, B_v and the switch
     from the owner's buffer (mapped once per announcement). Until the owner has announced one,
-    its weights are W0 and nothing is subtracted."""
+    its weights are W0 and nothing is subtracted.
+
+    One hook function for every layer, each layer's term an attribute of its base layer
+    (``served_term``): under learner.compile_layers dynamo guards on a hook's closure, so a hook
+    per layer closing over the layer's name compiled one graph per decoder layer until its
+    recompile limit (8) left the rest eager; one function reading its module shares one graph."""
 
     def __init__(self, peft_model: torch.nn.Module, fence: Fence, device: torch.device):
         from peft.tuners.lora import LoraLayer
@@ -461,19 +466,10 @@ class ServedCorrection:
         for name, module in peft_model.named_modules():
             if isinstance(module, LoraLayer):
                 self.layers[_checkpoint_name(name)] = module
-        self.terms: dict[str, tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]] = {}
-        self.handles = [module.base_layer.register_forward_hook(self._hook(name))
-                        for name, module in self.layers.items()]
-
-    def _hook(self, name: str):
-        def hook(module, args, out):
-            term = self.terms.get(name)
-            if term is None:
-                return out
-            a, b, scale, on = term
-            x = args[0]
-            return out - torch.nn.functional.linear(torch.nn.functional.linear(x, a.to(x.dtype)), b.to(x.dtype)) * (scale * on).to(out.dtype)
-        return hook
+        for module in self.layers.values():
+            module.base_layer.served_term = None
+        self.handles = [module.base_layer.register_forward_hook(_subtract_served_delta)
+                        for module in self.layers.values()]
 
     def refresh(self) -> bool:
         """Map the owner's served adapter when it has announced a new one; True when it did
@@ -490,13 +486,26 @@ class ServedCorrection:
         if missing:
             raise ShareRefused(f"the replica merged layers the learner does not adapt, e.g. {missing[0]}")
         on = flat[0:1]
-        self.terms = {name: (a, b, scale, on) for name, (a, b, scale) in layout.views(flat).items()}
+        for name, (a, b, scale) in layout.views(flat).items():
+            self.layers[name].base_layer.served_term = (a, b, scale, on)
         self.generation = generation
         return True
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+        for module in self.layers.values():
+            del module.base_layer.served_term
+
+
+def _subtract_served_delta(module, args, out):
+    """ServedCorrection's forward hook: ``out`` less the served delta s * on * B_v (A_v x)."""
+    term = module.served_term
+    if term is None:
+        return out
+    a, b, scale, on = term
+    x = args[0]
+    return out - torch.nn.functional.linear(torch.nn.functional.linear(x, a.to(x.dtype)), b.to(x.dtype)) * (scale * on).to(out.dtype)
 
 
 def _checkpoint_name(peft_name: str) -> str:
