@@ -159,7 +159,8 @@ class PolicyLearner:
             base, fence = self._base(model_cfg, shared_base, share_required)
             self.peft_model = attach_lora(base, cfg.lora, spec.seed, source).to(self.device)
         # What the replica's merged adapter adds to the shared weights, taken off again
-        self.served = ServedCorrection(self.peft_model, fence, self.device) if fence is not None else None
+        self.served = (ServedCorrection(self.peft_model, fence, self.device, merges=shared_base.merges)
+                       if fence is not None else None)
         self.checkpointing = False
         self._set_checkpointing(cfg.gradient_checkpointing is True)  # memory for compute; no shared prefix then
         self.num_params = sum(p.numel() for p in self.peft_model.parameters())  # for MFU (6 N per token)

@@ -247,6 +247,7 @@ class BaseExport:
     tensors: dict[str, tuple]  # the owner's parameter name -> tensor_handle
     packed: dict[str, tuple[str, ...]] = field(default_factory=dict)  # fused name -> part names, in order
     fence: tuple | None = None  # Fence.handles()
+    merges: bool = False  # the owner merges adapters into these weights (ServedCorrection prepares for it)
     elsewhere: dict[str, str] = field(default_factory=dict)  # parameters with no memory to map -> their device
 
     def describe(self) -> str:
@@ -255,9 +256,9 @@ class BaseExport:
 
 
 def export_base(owner: str, named: Iterable[tuple[str, torch.Tensor]], packed: Mapping[str, Iterable[str]],
-                fence: Fence | None) -> BaseExport:
-    """The owner's side: handles to its parameters (name -> tensor), its fused-module map and
-    its fence. ``named`` should list every name of a parameter held under several
+                fence: Fence | None, merges: bool = False) -> BaseExport:
+    """The owner's side: handles to its parameters (name -> tensor), its fused-module map, its
+    fence and whether it merges adapters into the weights. ``named`` should list every name of a parameter held under several
     (``named_parameters(remove_duplicate=False)``): a tied output head is then exported under its
     own name too, and the learner computes with what the owner does. A parameter on the meta
     device holds no memory: it is listed in ``elsewhere``, and refused only if a learner needs it."""
@@ -276,7 +277,7 @@ def export_base(owner: str, named: Iterable[tuple[str, torch.Tensor]], packed: M
             dtype, uuid = str(tensor.dtype).removeprefix("torch."), device_uuid(tensor.device)
     return BaseExport(owner=owner, owner_pid=os.getpid(), device_uuid=uuid, dtype=dtype or "float32",
                       tensors=tensors, packed={k: tuple(v) for k, v in packed.items()},
-                      fence=fence.handles() if fence is not None else None, elsewhere=elsewhere)
+                      fence=fence.handles() if fence is not None else None, merges=merges, elsewhere=elsewhere)
 
 
 # ------------------------------------------------------------------------------ the learner's model
@@ -455,9 +456,14 @@ class ServedCorrection:
     One hook function for every layer, each layer's term an attribute of its base layer
     (``served_term``): under learner.compile_layers dynamo guards on a hook's closure, so a hook
     per layer closing over the layer's name compiled one graph per decoder layer until its
-    recompile limit (8) left the rest eager; one function reading its module shares one graph."""
+    recompile limit (8) left the rest eager; one function reading its module shares one graph.
 
-    def __init__(self, peft_model: torch.nn.Module, fence: Fence, device: torch.device):
+    ``merges``: the owner merges adapters (BaseExport.merges). Each layer then starts with a term
+    of zeros shaped like its own LoRA's, switched off, instead of none: compiled layers are traced
+    with the correction from the first pass, and the first announcement swaps in tensors of the
+    same shapes, where a term that appeared only then recompiled every layer's graph mid-run."""
+
+    def __init__(self, peft_model: torch.nn.Module, fence: Fence, device: torch.device, merges: bool = False):
         from peft.tuners.lora import LoraLayer
 
         self.fence, self.device = fence, torch.device(device)
@@ -468,6 +474,9 @@ class ServedCorrection:
                 self.layers[_checkpoint_name(name)] = module
         for module in self.layers.values():
             module.base_layer.served_term = None
+        if merges:
+            layout = self._own_layout()
+            self._set_terms(torch.zeros(layout.numel, dtype=torch.float32, device=self.device), layout)
         self.handles = [module.base_layer.register_forward_hook(_subtract_served_delta)
                         for module in self.layers.values()]
 
@@ -485,11 +494,24 @@ class ServedCorrection:
         missing = sorted(set(layout.layers) - set(self.layers))
         if missing:
             raise ShareRefused(f"the replica merged layers the learner does not adapt, e.g. {missing[0]}")
+        self._set_terms(flat, layout)
+        self.generation = generation
+        return True
+
+    def _set_terms(self, flat: torch.Tensor, layout: "ServedLayout") -> None:
         on = flat[0:1]
         for name, (a, b, scale) in layout.views(flat).items():
             self.layers[name].base_layer.served_term = (a, b, scale, on)
-        self.generation = generation
-        return True
+
+    def _own_layout(self) -> "ServedLayout":
+        """The layout of an adapter shaped like the learner's own LoRA (meta tensors: no memory)."""
+        from types import SimpleNamespace
+
+        return ServedLayout.of({
+            name: SimpleNamespace(a=torch.empty(m.lora_A["default"].weight.shape, device="meta"),
+                                  b=torch.empty(m.lora_B["default"].weight.shape, device="meta"),
+                                  scale=m.scaling["default"])
+            for name, m in self.layers.items()})
 
     def remove(self) -> None:
         for h in self.handles:

@@ -44,7 +44,7 @@ def serve(conn, model_dir: str, dtypes: list[str]) -> None:
             worker, model, config = workers[dtype]
             with set_current_vllm_config(config):
                 if cmd == "export":
-                    out = pickle.loads(worker.counterpoint_export_base())
+                    out = pickle.loads(worker.counterpoint_export_base(merges=True))
                 elif cmd == "hold":
                     out = worker.counterpoint_hold(*args)
                 elif cmd == "hold_device":  # a pickled DeviceAdapterPayload, as the engine sends it

@@ -197,9 +197,10 @@ def test_no_layer_is_compiled_where_torch_compile_is_disabled(caplog):
 
 def served_correction_checks() -> dict:
     """A 4-layer Llama under LoRA whose base layers carry model/shared_base.py's ServedCorrection
-    over a real served adapter (a Fence and a ServedAdapter in shared memory, switched on), eager
-    and with its layers compiled; and the same model compiled without the correction. In a
-    process of its own (``compile_checks``'s reasons). Plain numbers."""
+    for an owner that merges (a real Fence and ServedAdapter in shared memory), eager and with its
+    layers compiled: a pass before the owner announces an adapter, then passes after it announced
+    one and switched it on; and the same model compiled without the correction. In a process of
+    its own (``compile_checks``'s reasons). Plain numbers."""
     from types import SimpleNamespace
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -211,39 +212,41 @@ def served_correction_checks() -> dict:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    eager = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    plain = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     with torch.no_grad():
-        for name, p in eager.named_parameters():
+        for name, p in plain.named_parameters():
             if "lora_B" in name:
                 p.normal_(0.0, 0.05)
-    plain = copy.deepcopy(eager)
-    # what the replica merged into the weights the learner maps: another adapter, drawn
+    eager, compiled = copy.deepcopy(plain), copy.deepcopy(plain)
+    fence = Fence.create()
+    corrections = [ServedCorrection(m, fence, torch.device("cpu"), merges=True) for m in (eager, compiled)]
+    batch = two_groups(torch.Generator().manual_seed(7))
+    out: dict = {}
+    _, out["loss_off"], _ = gradients(plain, batch, "dapo", size=4, share_prefix=False)
+    torch._dynamo.reset()  # each model's graphs counted from none: the models share code objects
+    counters.clear()
+    out["layers"] = compile_layers(compiled.get_base_model())
+    _, out["loss_before"], _ = gradients(compiled, batch, "dapo", size=4, share_prefix=False)
+    out["graphs_before"] = counters["stats"]["unique_graphs"]
+    # the owner merges an adapter (another one, drawn) and announces it; the learner maps it
     served = {_checkpoint_name(name): SimpleNamespace(a=torch.randn(4, m.in_features) * 0.05,
                                                       b=torch.randn(m.out_features, 4) * 0.05, scale=2.0)
-              for name, m in eager.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
-    fence = Fence.create()
+              for name, m in plain.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
+    out["served_layers"] = len(served)
     owner = ServedAdapter(fence, torch.device("cpu"))
     owner.store(served, lambda a, b, scale: None)
     owner.switch(True)
-    corrected = ServedCorrection(eager, fence, torch.device("cpu"))
-    assert corrected.refresh()
-    compiled = copy.deepcopy(eager)  # its base layers keep the hook and their served_term
-    batch = two_groups(torch.Generator().manual_seed(7))
-    out: dict = {"served_layers": len(served)}
-    _, out["loss_off"], _ = gradients(plain, batch, "dapo", size=4, share_prefix=False)
+    out["refreshed"] = [c.refresh() for c in corrections]
     _, out["loss_eager"], grads_eager = gradients(eager, batch, "dapo", size=4, share_prefix=False)
-    torch._dynamo.reset()  # each model's graphs counted from none: the two share code objects
-    counters.clear()
-    out["layers"] = compile_layers(plain.get_base_model())
-    gradients(plain, batch, "dapo", size=4, share_prefix=False)
-    out["graphs_plain"] = counters["stats"]["unique_graphs"]
-    torch._dynamo.reset()
-    counters.clear()
-    compile_layers(compiled.get_base_model())
     _, out["loss"], grads = gradients(compiled, batch, "dapo", size=4, share_prefix=False)
     out["graphs"] = counters["stats"]["unique_graphs"]
     out["graph_breaks"] = dict(counters["graph_break"])
     out["grad_rel"] = max(relative(grads[n], g) for n, g in grads_eager.items())
+    torch._dynamo.reset()
+    counters.clear()
+    compile_layers(plain.get_base_model())
+    gradients(plain, batch, "dapo", size=4, share_prefix=False)
+    out["graphs_plain"] = counters["stats"]["unique_graphs"]
     return out
 
 
@@ -251,13 +254,17 @@ def served_correction_checks() -> dict:
 def test_the_served_correction_adds_no_graph_to_the_compiled_layers():
     """A learner that maps a replica's merged weights subtracts the replica's adapter in a forward
     hook on each base layer (model/shared_base.py ServedCorrection). Compiled, those hooks give
-    the eager loss and gradients to float32 rounding, and the layers share as many graphs as they
-    do without the hooks: a hook per layer that closed over the layer's name made dynamo compile
-    a graph per decoder layer (4 here; at 36, its recompile limit of 8 left 28 layers eager)."""
+    the eager loss and gradients to float32 rounding, before the replica announces an adapter
+    (nothing subtracted: the plain model's loss) and after; the layers share as many graphs as
+    they do without the hooks, and the announcement compiles none. Seen failing both ways: a hook
+    per layer that closed over the layer's name made dynamo compile a graph per decoder layer (4
+    here; at 36, its recompile limit of 8 left 28 layers eager), and a term that first appeared
+    with the announcement recompiled the layers mid-run."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         got = pool.apply(served_correction_checks)
-    assert got["layers"] == 4 and got["served_layers"] == 4 * 7
-    assert got["graphs"] == got["graphs_plain"] < 4 and not got["graph_breaks"], got
+    assert got["layers"] == 4 and got["served_layers"] == 4 * 7 and got["refreshed"] == [True, True]
+    assert got["graphs_before"] == got["graphs"] == got["graphs_plain"] < 4 and not got["graph_breaks"], got
+    assert got["loss_before"] == pytest.approx(got["loss_off"], rel=1e-5)
     assert got["loss"] == pytest.approx(got["loss_eager"], rel=1e-5)
     assert got["loss_eager"] != pytest.approx(got["loss_off"], rel=1e-3)  # the correction is on
     assert got["grad_rel"] < 1e-5, got

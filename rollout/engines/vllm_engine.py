@@ -469,7 +469,7 @@ class VllmEngine(Engine):
             raise ShareRefused("the vLLM replica is sharded (tensor or pipeline parallel)")
         import pickle
 
-        (export,) = self.llm.collective_rpc("counterpoint_export_base")
+        (export,) = self.llm.collective_rpc("counterpoint_export_base", args=(self.settings.lora == "merged",))
         return pickle.loads(export)
 
     def _use_merged(self, version: int) -> None:

@@ -419,10 +419,12 @@ class MergedLoraExtension:
         release_merge_cache(next(self.model_runner.get_model().parameters()).device)
         return version
 
-    def counterpoint_export_base(self) -> bytes:
+    def counterpoint_export_base(self, merges: bool) -> bytes:
         """Handles to this worker's weights for a learner on the same GPU (model/shared_base.py
         BaseExport). From now on the weights are written under the fence, and the adapter
-        merged into them (if any) is kept in the buffer the learner maps."""
+        merged into them (if any) is kept in the buffer the learner maps. ``merges``: whether
+        this engine merges adapters into the weights (rollout.vllm_lora=merged), which the
+        learner's correction prepares for (BaseExport.merges)."""
         from model.shared_base import Fence, ServedAdapter, export_base
 
         model = self.model_runner.get_model()
@@ -442,4 +444,5 @@ class MergedLoraExtension:
         # pickled here: vLLM's engine-core replies are msgpack, which takes bytes but not our objects
         # every name of a tied parameter (an output head that is the embedding), so that the learner's
         # head maps what vLLM computes the logits with
-        return pickle.dumps(export_base("vllm", model.named_parameters(remove_duplicate=False), packed, shared[0]))
+        return pickle.dumps(export_base("vllm", model.named_parameters(remove_duplicate=False), packed, shared[0],
+                                        merges=merges))
