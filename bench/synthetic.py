@@ -119,9 +119,11 @@ def config_lora_payload(model_dir, version: int, r: int = 32, alpha: float = 64.
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")  # the rest are attention's (self_attn)
 
 
-def init_vllm_distributed(model_dir) -> None:
+def init_vllm_distributed(model_dir) -> str:
     """vLLM's one-rank process group, as a worker sets it up before it builds its model (once per
-    process: tests/shared_base_owner.py, tests/fp8_merge_child.py, bench/merge_reload.py)."""
+    process: tests/shared_base_owner.py, tests/fp8_merge_child.py, bench/merge_reload.py).
+    Returns gloo's rendezvous file, removed at exit; a process that leaves by ``os._exit`` (the
+    owner does: vLLM's group holds a normal exit ~30 s) removes it itself."""
     import atexit
     import tempfile
     from pathlib import Path
@@ -140,6 +142,7 @@ def init_vllm_distributed(model_dir) -> None:
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"file://{store}")
         initialize_model_parallel(1, 1)
+    return store
 
 
 def build_vllm_model(model_dir, dtype: str, quantization: str | None = None):

@@ -23,7 +23,7 @@ def serve(conn, model_dir: str, dtypes: list[str]) -> None:
     from bench.synthetic import build_vllm_model, init_vllm_distributed
     from rollout.engines.vllm_merge import MergedLoraExtension
 
-    init_vllm_distributed(model_dir)
+    store = init_vllm_distributed(model_dir)
     workers = {}
     for dtype in dtypes:
         model, config = build_vllm_model(model_dir, dtype)
@@ -40,6 +40,7 @@ def serve(conn, model_dir: str, dtypes: list[str]) -> None:
             if cmd == "stop":  # at once: vLLM's process group otherwise holds the exit ~30 s
                 conn.send(("ok", None))
                 conn.close()
+                os.unlink(store)  # os._exit runs no atexit hook
                 os._exit(0)
             worker, model, config = workers[dtype]
             with set_current_vllm_config(config):
