@@ -48,7 +48,8 @@ def compile_decision(cfg: Any, *, on_cuda: bool, world_size: int, mapped_base: b
     paths whose shapes or hooks it was not tried with on a GPU (CUDA graphs, packed rows, a shared
     prompt prefix, a base mapped from a replica, whose correction runs in forward hooks). Packed
     rows, several DDP workers, fsdp2 (tests/test_learner_compile.py) and a mapped base
-    (tests/test_shared_base.py) are tested on CPU and not yet timed: true compiles there. The
+    (tests/test_shared_base.py; its hooks add no graph, tests/test_learner_compile.py) are tested
+    on CPU and not yet timed: true compiles there. The
     reason goes to run.json (``learner_layers``): a learner left eager runs slower than the
     compiled one the bench timed, and the run says why. ``cfg``: a LearnerConfig."""
     if cfg.compile_layers != "auto":
