@@ -221,7 +221,8 @@ def served_correction_checks() -> dict:
     fence = Fence.create()
     corrections = [ServedCorrection(m, fence, torch.device("cpu"), merges=True) for m in (eager, compiled)]
     batch = two_groups(torch.Generator().manual_seed(7))
-    out: dict = {}
+    out: dict = {"zero_terms": len({id(t) for layer in corrections[1].layers.values()
+                                    for t in layer.base_layer.served_term[:2]})}
     _, out["loss_off"], _ = gradients(plain, batch, "dapo", size=4, share_prefix=False)
     torch._dynamo.reset()  # each model's graphs counted from none: the models share code objects
     counters.clear()
@@ -263,6 +264,7 @@ def test_the_served_correction_adds_no_graph_to_the_compiled_layers():
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         got = pool.apply(served_correction_checks)
     assert got["layers"] == 4 and got["served_layers"] == 4 * 7 and got["refreshed"] == [True, True]
+    assert got["zero_terms"] == 2 * 7  # before the announcement: an A and a B per kind of linear, not per layer
     assert got["graphs_before"] == got["graphs"] == got["graphs_plain"] < 4 and not got["graph_breaks"], got
     assert got["loss_before"] == pytest.approx(got["loss_off"], rel=1e-5)
     assert got["loss"] == pytest.approx(got["loss_eager"], rel=1e-5)
