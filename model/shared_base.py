@@ -259,10 +259,11 @@ class BaseExport:
 def export_base(owner: str, named: Iterable[tuple[str, torch.Tensor]], packed: Mapping[str, Iterable[str]],
                 fence: Fence | None, merges: bool = False) -> BaseExport:
     """The owner's side: handles to its parameters (name -> tensor), its fused-module map, its
-    fence and whether it merges adapters into the weights. ``named`` should list every name of a parameter held under several
-    (``named_parameters(remove_duplicate=False)``): a tied output head is then exported under its
-    own name too, and the learner computes with what the owner does. A parameter on the meta
-    device holds no memory: it is listed in ``elsewhere``, and refused only if a learner needs it."""
+    fence and whether it merges adapters into the weights. ``named`` should list every name of a
+    parameter held under several (``named_parameters(remove_duplicate=False)``): a tied output
+    head is then exported under its own name too, and the learner computes with what the owner
+    does. A parameter on the meta device holds no memory: it is listed in ``elsewhere``, and
+    refused only if a learner needs it."""
     tensors, elsewhere, dtype, uuid = {}, {}, None, None
     for name, tensor in named:
         # vLLM's LoRA wrappers (unmerged LoRA) hold the layer they wrap as `base_layer`: its weight
