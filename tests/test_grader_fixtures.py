@@ -23,8 +23,8 @@ from graders.voice_leading.pool import (
 from graders.metrics import Counters
 from graders.tasks import task_profile
 from graders.voice_leading import VOCABULARY, named_chord_count, parse_chord_symbol
+from tests.test_vl_fixture import FIXTURE as SHARED_FIXTURE  # ../shared's copy, its bytes pinned there
 
-SHARED_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "progressions-v1.json"  # ../shared's copy
 
 
 def _suffix(symbol: str) -> str:
